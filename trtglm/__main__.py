@@ -1,0 +1,3 @@
+from trtglm.cli import main
+
+main()

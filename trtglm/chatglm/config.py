@@ -1,0 +1,150 @@
+"""ChatGLM2/ChatGLM3 model configuration read from a Hugging Face `config.json`."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from trtglm.errors import ModelFileError, UsageError
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURES = ("ChatGLMModel", "ChatGLMForConditionalGeneration", "ChatGLMForCausalLM")
+VERSIONS = ("chatglm3", "chatglm2")
+
+# HF config key -> (field, required).  Optional keys fall back to ChatGLM3-6B's values.
+_REQUIRED_KEYS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "kv_channels",
+    "multi_query_group_num",
+    "ffn_hidden_size",
+    "padded_vocab_size",
+    "seq_length",
+)
+
+
+@dataclass(frozen=True)
+class ChatGLMConfig:
+    version: str  # "chatglm3" | "chatglm2"
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int  # padded: rows of the embedding and the output layer
+    seq_length: int
+    layernorm_epsilon: float = 1e-5
+    rope_ratio: float = 1.0
+    add_qkv_bias: bool = True
+    torch_dtype: str = "float16"
+    architecture: str = "ChatGLMModel"
+
+    @property
+    def rotary_dim(self) -> int:
+        """Rotary embedding covers the first half of each head."""
+        return self.head_dim // 2
+
+    @property
+    def rotary_base(self) -> float:
+        """ChatGLM3 scales the base by rope_ratio; ChatGLM2 keeps 10000 (linear scaling instead)."""
+        return 10000.0 * self.rope_ratio if self.version == "chatglm3" else 10000.0
+
+    @property
+    def position_scale(self) -> float:
+        """ChatGLM2 divides positions by rope_ratio (linear scaling); ChatGLM3 does not."""
+        return self.rope_ratio if self.version == "chatglm2" else 1.0
+
+    @property
+    def qkv_rows(self) -> int:
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    @property
+    def variant(self) -> str:
+        """Best name for the published model this config matches (for messages and profiles)."""
+        if self.version == "chatglm2":
+            return "chatglm2-6b"
+        if self.seq_length >= 131072:
+            return "chatglm3-6b-128k"
+        if self.rope_ratio > 1:
+            return "chatglm3-6b-32k"
+        if self.seq_length >= 32768:
+            return "chatglm3-6b-base"
+        return "chatglm3-6b"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict, version: str = "auto", name: str = "") -> "ChatGLMConfig":
+        """Build from the keys of an HF ChatGLM `config.json`; `name` helps guess the version."""
+        arch = (hf.get("architectures") or [None])[0]
+        if hf.get("model_type") != "chatglm" or arch not in ARCHITECTURES:
+            raise ModelFileError(
+                f"not a ChatGLM2/ChatGLM3 checkpoint: model_type={hf.get('model_type')!r}, "
+                f"architectures={hf.get('architectures')!r} (expected model_type 'chatglm' and one of "
+                f"{', '.join(ARCHITECTURES)})"
+            )
+        missing = [k for k in _REQUIRED_KEYS if k not in hf]
+        if missing:
+            raise ModelFileError(f"config.json lacks required key(s): {', '.join(missing)}")
+        if version == "auto":
+            version = guess_version(hf, name)
+        elif version not in VERSIONS:
+            raise UsageError(f"--chatglm-version must be auto, chatglm3 or chatglm2, not {version!r}")
+        if not hf.get("rmsnorm", True) or hf.get("apply_residual_connection_post_layernorm", False):
+            raise ModelFileError("unsupported ChatGLM variant: expects rmsnorm=true and pre-layernorm residuals")
+        if hf.get("add_bias_linear", False):
+            raise ModelFileError("unsupported ChatGLM variant: add_bias_linear=true")
+        return cls(
+            version=version,
+            num_layers=int(hf["num_layers"]),
+            hidden_size=int(hf["hidden_size"]),
+            num_heads=int(hf["num_attention_heads"]),
+            num_kv_heads=int(hf["multi_query_group_num"]) if hf.get("multi_query_attention", True) else int(hf["num_attention_heads"]),
+            head_dim=int(hf["kv_channels"]),
+            ffn_hidden_size=int(hf["ffn_hidden_size"]),
+            vocab_size=int(hf["padded_vocab_size"]),
+            seq_length=int(hf["seq_length"]),
+            layernorm_epsilon=float(hf.get("layernorm_epsilon", 1e-5)),
+            rope_ratio=float(hf.get("rope_ratio") or 1.0),
+            add_qkv_bias=bool(hf.get("add_qkv_bias", True)),
+            torch_dtype=str(hf.get("torch_dtype", "float16")),
+            architecture=arch,
+        )
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, version: str = "auto") -> "ChatGLMConfig":
+        model_dir = Path(model_dir)
+        hf = read_json(model_dir / "config.json")
+        return cls.from_hf_dict(hf, version, name=f"{model_dir.name} {hf.get('_name_or_path', '')}")
+
+
+def guess_version(hf: dict, name: str) -> str:
+    """ChatGLM2 and ChatGLM3 share config keys; the published names tell them apart."""
+    name = name.lower()
+    if "glm-4" in name or "glm4" in name or hf.get("padded_vocab_size", 0) > 65024:
+        raise ModelFileError("GLM-4 checkpoints are not supported (ChatGLM2/ChatGLM3 only)")
+    if "chatglm2" in name:
+        return "chatglm2"
+    if "chatglm3" not in name:
+        log.warning("could not tell ChatGLM2 from ChatGLM3 by name (%s); assuming chatglm3 "
+                    "(use --chatglm-version to say otherwise)", name.strip() or "no name")
+    return "chatglm3"
+
+
+def read_json(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ModelFileError(f"{path}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelFileError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelFileError(f"{path}: expected a JSON object")
+    return data
