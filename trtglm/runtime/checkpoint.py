@@ -1,0 +1,221 @@
+"""Load and validate a TensorRT-LLM ChatGLM checkpoint folder (`config.json` + `rank{r}.safetensors`).
+
+Validation is strict, like TensorRT-LLM's loader: every config key the runtime needs must be
+present and consistent, every rank file must exist, and every tensor of every rank must be
+there with the shape its tensor-parallel split gives (missing, extra or mis-shaped tensors
+are `ModelFileError`s naming the tensor). Tensors are returned per rank exactly as written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trtglm.errors import ModelFileError
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURES = ("ChatGLMModel", "ChatGLMForCausalLM", "ChatGLMForConditionalGeneration")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+QUANT_ALGOS = (None, "W8A16", "W4A16")
+
+_REQUIRED_KEYS = ("architecture", "dtype", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "hidden_size", "intermediate_size", "norm_epsilon", "vocab_size", "max_position_embeddings",
+                  "mapping")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """The fields of a checkpoint's `config.json` that define the computation and the split."""
+
+    architecture: str
+    dtype: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    head_size: int
+    max_position_embeddings: int
+    norm_epsilon: float
+    quant_algo: str | None
+    tp_size: int
+    chatglm_version: str = "chatglm3"
+    add_qkv_bias: bool = True
+    rotary_pct: float = 0.5
+    rotary_base: float = 10000.0
+    position_scale: float = 1.0  # linear rotary scaling: positions are divided by it
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_heads // self.tp_size
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        """KV heads are split when there are enough, otherwise each rank holds one (repeated) head."""
+        return max(1, self.num_kv_heads // self.tp_size)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_size * self.rotary_pct)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @classmethod
+    def from_dict(cls, cfg: dict, where: str = "config.json") -> "CheckpointConfig":
+        missing = [k for k in _REQUIRED_KEYS if k not in cfg]
+        if missing:
+            raise ModelFileError(f"{where}: missing key(s) {', '.join(missing)}")
+        try:
+            out = cls(
+                architecture=str(cfg["architecture"]),
+                dtype=str(cfg["dtype"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=int(cfg["num_attention_heads"]),
+                num_kv_heads=int(cfg["num_key_value_heads"]),
+                hidden_size=int(cfg["hidden_size"]),
+                intermediate_size=int(cfg["intermediate_size"]),
+                vocab_size=int(cfg["vocab_size"]),
+                head_size=int(cfg.get("head_size") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])),
+                max_position_embeddings=int(cfg["max_position_embeddings"]),
+                norm_epsilon=float(cfg["norm_epsilon"]),
+                quant_algo=(cfg.get("quantization") or {}).get("quant_algo"),
+                tp_size=int(cfg["mapping"].get("tp_size", 1)),
+                chatglm_version=str(cfg.get("chatglm_version", "chatglm3")),
+                add_qkv_bias=bool(cfg.get("add_qkv_bias", True)),
+                rotary_pct=float(cfg.get("rotary_pct", 0.5)),
+                **_rotary(cfg),
+            )
+        except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+            raise ModelFileError(f"{where}: malformed value ({e})") from None
+        _check_config(out, cfg["mapping"], where)
+        return out
+
+
+def _rotary(cfg: dict) -> dict:
+    """rotary_base / linear scaling; v0.9 checkpoints wrote `rope_ratio` instead."""
+    scaling = cfg.get("rotary_scaling")
+    if "rotary_base" not in cfg and "rope_ratio" in cfg:
+        ratio = float(cfg["rope_ratio"] or 1.0)
+        if cfg.get("chatglm_version", "chatglm3") == "chatglm2":
+            return {"rotary_base": 10000.0, "position_scale": ratio}
+        return {"rotary_base": 10000.0 * ratio, "position_scale": 1.0}
+    if scaling is not None and (not isinstance(scaling, dict) or scaling.get("type") != "linear"):
+        raise ValueError(f"unsupported rotary_scaling {scaling!r} (only linear)")
+    return {"rotary_base": float(cfg.get("rotary_base", 10000.0)),
+            "position_scale": float(scaling["factor"]) if scaling else 1.0}
+
+
+def _check_config(cfg: CheckpointConfig, mapping: dict, where: str) -> None:
+    tp, problems = cfg.tp_size, []
+    if cfg.architecture not in ARCHITECTURES:
+        problems.append(f"architecture {cfg.architecture!r} is not ChatGLM")
+    if cfg.dtype not in DTYPES:
+        problems.append(f"dtype {cfg.dtype!r} is not one of {', '.join(DTYPES)}")
+    if cfg.quant_algo not in QUANT_ALGOS:
+        problems.append(f"quant_algo {cfg.quant_algo!r} is not supported (null, W8A16, W4A16)")
+    if int(mapping.get("pp_size", 1)) != 1:
+        problems.append(f"pp_size {mapping.get('pp_size')} is not supported (ChatGLM uses pp_size 1)")
+    if int(mapping.get("world_size", tp)) != tp * int(mapping.get("pp_size", 1)):
+        problems.append(f"mapping world_size {mapping.get('world_size')} != tp_size × pp_size")
+    if tp < 1 or cfg.num_heads % tp or cfg.intermediate_size % tp or cfg.vocab_size % tp:
+        problems.append(f"tp_size {tp} does not divide the heads, intermediate size and vocabulary")
+    elif cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+        problems.append(f"tp_size {tp} and {cfg.num_kv_heads} KV heads: one must divide the other")
+    if cfg.rotary_dim % 2 or not 0 < cfg.rotary_dim <= cfg.head_size:
+        problems.append(f"rotary_pct {cfg.rotary_pct} gives an invalid rotary dimension")
+    if problems:
+        raise ModelFileError(f"{where}: {problems[0]}")
+
+
+def expected_shapes(cfg: CheckpointConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor one rank must hold (the same on every rank)."""
+    h, d = cfg.hidden_size, cfg.head_size
+    q, kv, ffn = cfg.heads_per_rank * d, cfg.kv_heads_per_rank * d, cfg.intermediate_size // cfg.tp_size
+    shapes = {"transformer.vocab_embedding.weight": (cfg.vocab_size, h),
+              "transformer.ln_f.weight": (h,),
+              "lm_head.weight": (cfg.vocab_size // cfg.tp_size, h)}
+    for layer in range(cfg.num_layers):
+        p = f"transformer.layers.{layer}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "attention.qkv.weight"] = (q + 2 * kv, h)
+        if cfg.add_qkv_bias:
+            shapes[p + "attention.qkv.bias"] = (q + 2 * kv,)
+        shapes[p + "attention.dense.weight"] = (h, q)
+        shapes[p + "post_layernorm.weight"] = (h,)
+        shapes[p + "mlp.fc.weight"] = (2 * ffn, h)
+        shapes[p + "mlp.proj.weight"] = (h, ffn)
+    return shapes
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    config: CheckpointConfig
+    ranks: list[dict[str, torch.Tensor]]  # rank -> name -> tensor, as stored
+
+
+def read_config(path: str | Path) -> CheckpointConfig:
+    file = Path(path) / "config.json"
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelFileError(f"{file}: file not found (not a TensorRT-LLM checkpoint folder)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelFileError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelFileError(f"{file}: expected a JSON object")
+    return CheckpointConfig.from_dict(data, str(file))
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Read and validate a checkpoint folder; tensors stay in their stored dtype on the CPU."""
+    path = Path(path)
+    cfg = read_config(path)
+    shapes = expected_shapes(cfg)
+    ranks = [_load_rank(path / f"rank{r}.safetensors", shapes) for r in range(cfg.world_size)]
+    extra = sorted(p.name for p in path.glob("rank*.safetensors")
+                   if p.name not in {f"rank{r}.safetensors" for r in range(cfg.world_size)})
+    if extra:
+        raise ModelFileError(f"{path}: {extra[0]} does not belong to a tp_size {cfg.tp_size} checkpoint")
+    log.debug("loaded %s: %d rank(s), %d tensors each", path, len(ranks), len(shapes))
+    return Checkpoint(path, cfg, ranks)
+
+
+def _load_rank(file: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if not file.is_file():
+        raise ModelFileError(f"{file}: rank file not found")
+    try:
+        tensors = load_file(str(file))
+    except Exception as e:  # safetensors raises its own SafetensorError for corrupt files
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ModelFileError(f"{file}: cannot read ({first_line})") from None
+    missing = [n for n in shapes if n not in tensors]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelFileError(f"{file}: missing tensor {missing[0]}{more}")
+    extra = sorted(n for n in tensors if n not in shapes)
+    if extra:
+        hint = " (pre-quantized weights are not supported: write float weights and set quant_algo)" \
+            if any(n.endswith("per_channel_scale") for n in extra) else ""
+        raise ModelFileError(f"{file}: unexpected tensor {extra[0]}{hint}")
+    for name, shape in shapes.items():
+        tensor = tensors[name]
+        if tuple(tensor.shape) != shape:
+            raise ModelFileError(f"{file}: tensor {name} has shape {tuple(tensor.shape)}, expected {shape}")
+        if not tensor.is_floating_point():
+            raise ModelFileError(f"{file}: tensor {name} has dtype {tensor.dtype}, expected a float type")
+    return tensors

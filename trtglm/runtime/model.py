@@ -1,0 +1,210 @@
+"""ChatGLM3 forward pass over the tensor-parallel shards of a TensorRT-LLM checkpoint.
+
+Each `RankModel` holds one rank's tensors exactly as written and computes that rank's
+partial results: its query/KV heads and the matching input columns of `dense`, its
+`[up; gate]` rows of `fc` and the matching columns of `proj`, its rows of `lm_head`.
+`ShardedModel` runs the ranks in lockstep and combines the partials through a process group:
+a sum after `dense` and after `proj`, a concatenation of the lm_head chunks. `LocalGroup`
+does that for ranks held by this process; a multi-process runtime would hold one rank per
+process and swap in a group that calls `torch.distributed.all_reduce` / `all_gather`.
+
+The computation (shared facts: chatglm3.md): embedding → layers × [RMSNorm → attention →
+residual → RMSNorm → SwiGLU MLP → residual] → RMSNorm → lm_head. RMSNorm and rotary are
+computed in float32; matmuls in the compute dtype; logits are returned in float32.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from trtglm.errors import UsageError
+from trtglm.runtime.checkpoint import DTYPES, Checkpoint, CheckpointConfig, load_checkpoint
+from trtglm.runtime.quant import QuantizedWeight, is_quantized, quantize
+
+if TYPE_CHECKING:
+    from trtglm.runtime.generate import KVCache
+
+log = logging.getLogger(__name__)
+
+Weight = torch.Tensor | QuantizedWeight
+
+
+class LocalGroup:
+    """Collectives over ranks that live in this process: a plain sum / concatenation."""
+
+    def all_reduce(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        total = parts[0].float()
+        for part in parts[1:]:
+            total = total + part.float()
+        return total.to(parts[0].dtype)
+
+    def all_gather(self, parts: Sequence[torch.Tensor], dim: int = -1) -> torch.Tensor:
+        return torch.cat(list(parts), dim=dim)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * x32).to(x.dtype)
+
+
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(weight, QuantizedWeight):
+        weight = weight.dequantize(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+def rotary_tables(cfg: CheckpointConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin `[B, 1, T, rotary_dim/2]` for GPT-J style rotary at the given positions."""
+    half = cfg.rotary_dim // 2
+    exponents = torch.arange(half, device=positions.device, dtype=torch.float32) * 2 / cfg.rotary_dim
+    inv_freq = 1.0 / cfg.rotary_base ** exponents
+    angles = (positions.float() / cfg.position_scale)[..., None] * inv_freq
+    return angles.cos()[:, None], angles.sin()[:, None]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs (x0, x1), (x2, x3)… of the first rotary_dim features of `x` `[B, H, T, D]`."""
+    rot_dim = 2 * cos.shape[-1]
+    pairs = x[..., :rot_dim].float().unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    return torch.cat((rotated.to(x.dtype), x[..., rot_dim:]), dim=-1)
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: Weight
+    qkv_bias: torch.Tensor | None
+    dense: Weight
+    post_norm: torch.Tensor
+    fc: Weight
+    proj: Weight
+
+
+class RankModel:
+    """One tensor-parallel rank: its own weights and the partial results they give."""
+
+    def __init__(self, cfg: CheckpointConfig, rank: int, tensors: dict[str, torch.Tensor],
+                 dtype: torch.dtype, device: str | torch.device):
+        self.cfg, self.rank = cfg, rank
+
+        def get(name: str) -> Weight:
+            t = tensors[name]
+            if cfg.quant_algo and is_quantized(name):
+                return quantize(t, cfg.quant_algo).to(device)
+            return t.to(device=device, dtype=dtype)
+
+        self.embedding = get("transformer.vocab_embedding.weight")
+        self.final_norm = get("transformer.ln_f.weight")
+        self.lm_head = get("lm_head.weight")
+        self.layers = []
+        for layer in range(cfg.num_layers):
+            p = f"transformer.layers.{layer}."
+            self.layers.append(LayerWeights(
+                input_norm=get(p + "input_layernorm.weight"),
+                qkv=get(p + "attention.qkv.weight"),
+                qkv_bias=get(p + "attention.qkv.bias") if cfg.add_qkv_bias else None,
+                dense=get(p + "attention.dense.weight"),
+                post_norm=get(p + "post_layernorm.weight"),
+                fc=get(p + "mlp.fc.weight"),
+                proj=get(p + "mlp.proj.weight"),
+            ))
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.embedding)
+
+    def attention(self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                  cache: "KVCache", mask: torch.Tensor) -> torch.Tensor:
+        """This rank's share of attention(RMSNorm(x)) · denseᵀ; it also fills the KV cache."""
+        cfg, w = self.cfg, self.layers[layer]
+        batch, length, _ = x.shape
+        q_size, kv_size = cfg.heads_per_rank * cfg.head_size, cfg.kv_heads_per_rank * cfg.head_size
+        qkv = linear(rms_norm(x, w.input_norm, cfg.norm_epsilon), w.qkv, w.qkv_bias)
+        q, k, v = (t.unflatten(-1, (-1, cfg.head_size)).transpose(1, 2)
+                   for t in qkv.split((q_size, kv_size, kv_size), dim=-1))
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        keys, values = cache.append(self.rank, layer, k, v)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return linear(out.transpose(1, 2).reshape(batch, length, q_size), w.dense)
+
+    def mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of SwiGLU(RMSNorm(x)) · projᵀ; fc rows are [up; gate]."""
+        w = self.layers[layer]
+        up, gate = linear(rms_norm(x, w.post_norm, self.cfg.norm_epsilon), w.fc).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, w.proj)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary chunk of the logits."""
+        return linear(rms_norm(x, self.final_norm, self.cfg.norm_epsilon), self.lm_head)
+
+
+class ShardedModel:
+    """All ranks of a checkpoint run in lockstep; partial results combined through `group`."""
+
+    def __init__(self, cfg: CheckpointConfig, ranks: list[RankModel], group: LocalGroup | None = None):
+        self.config, self.ranks, self.group = cfg, ranks, group or LocalGroup()
+        self.dtype = ranks[0].embedding.dtype
+        self.device = ranks[0].embedding.device
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, cache: "KVCache", positions: torch.Tensor | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """float32 logits `[B, T, vocab]` for `tokens` `[B, T]` appended after the cache's contents.
+
+        `positions` `[B, T]` default to the cache slots. Cache slots not marked valid (left
+        padding) are not attended to. `last_only`: logits of the last position only
+        (`[B, 1, vocab]`), as generation needs.
+        """
+        tokens = tokens.to(self.device)
+        batch, length = tokens.shape
+        start = cache.length
+        slots = torch.arange(start, start + length, device=self.device)
+        if positions is None:
+            positions = slots.expand(batch, length)
+        cache.mark_valid(length)
+        mask = self._mask(cache, slots)
+        rope = rotary_tables(self.config, positions.to(self.device))
+        xs = [rank.embed(tokens) for rank in self.ranks]
+        for layer in range(self.config.num_layers):
+            attn = self.group.all_reduce([r.attention(layer, x, rope, cache, mask) for r, x in zip(self.ranks, xs)])
+            xs = [x + attn for x in xs]
+            mlp = self.group.all_reduce([r.mlp(layer, x) for r, x in zip(self.ranks, xs)])
+            xs = [x + mlp for x in xs]
+        cache.advance(length)
+        if last_only:
+            xs = [x[:, -1:] for x in xs]
+        return self.group.all_gather([r.logits(x) for r, x in zip(self.ranks, xs)]).float()
+
+    @staticmethod
+    def _mask(cache: "KVCache", slots: torch.Tensor) -> torch.Tensor:
+        """`[B, 1, T, S]` bool: causal, and only slots holding real tokens (not left padding)."""
+        keys = torch.arange(int(slots[-1]) + 1, device=slots.device)
+        causal = keys[None, :] <= slots[:, None]
+        return (causal[None] & cache.valid[:, None, : len(keys)])[:, None]
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu",
+               checkpoint: Checkpoint | None = None) -> ShardedModel:
+    """A runnable model from a checkpoint folder, in the checkpoint's dtype unless `dtype` says otherwise."""
+    ckpt = checkpoint or load_checkpoint(path)
+    cfg = ckpt.config
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+        dtype = DTYPES[dtype]
+    dtype = dtype or cfg.torch_dtype
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("device cuda requested but CUDA is not available")
+    log.info("loading %s: %d layer(s), tp %d, %s%s on %s", ckpt.path, cfg.num_layers, cfg.tp_size,
+             str(dtype).removeprefix("torch."), f", weight-only {cfg.quant_algo}" if cfg.quant_algo else "", device)
+    ranks = [RankModel(cfg, r, tensors, dtype, device) for r, tensors in enumerate(ckpt.ranks)]
+    return ShardedModel(cfg, ranks)
