@@ -1,0 +1,384 @@
+"""YAML profiles: one file is a complete recipe (model, convert, build, serve), checked up front.
+
+A profile (configs/*.yaml) has four sections; every key is listed in the dataclasses below,
+and anything else is an error. `load_profile` applies dotted-key overrides (`--set
+build.max_batch_size=16`), then checks types, required keys and the rules TensorRT-LLM and
+the model impose (input < sequence length, tp×pp = world size, the 32k models' token limit,
+weight-only needs fp16/bf16 activations, ...). Every problem is one line that names the
+file and the key; nothing is converted or built before the profile is known to be good.
+
+Paths: a relative `model.dir` in a profile is relative to the parent of the profile's
+folder, which for configs/*.yaml is the repository root (so `tests/fixtures/tiny-chatglm3`
+works from any working directory). A `model.dir` given as an override is used as given.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trtglm.chatglm.config import ChatGLMConfig
+from trtglm.errors import ModelFileError, UsageError
+
+log = logging.getLogger(__name__)
+
+TP_SIZES = (1, 2, 4, 8)
+DTYPES = ("float16", "bfloat16", "float32")
+WEIGHT_ONLY = {None: None, "int8": "W8A16", "int4": "W4A16"}  # profile value -> TensorRT-LLM quant_algo
+PLUGIN_CHOICES = ("auto", "float16", "bfloat16", "float32", "disable")
+# TensorRT-LLM's ChatGLM build refuses max_num_tokens ≥ 2**31 / (2 × ffn_hidden_size) for the
+# rope-scaled 32k models (an int32 index overflow in the MLP); trtllm.md quotes it as 78398.
+LONG_CONTEXT_TOKEN_LIMIT = 78398
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A published ChatGLM model: what validation, planning and older build scripts need to know."""
+
+    chatglm_version: str
+    seq_length: int | None  # None: read it from the HF config
+    six_b_shapes: bool  # the 6B layer/head/vocab sizes (chatglm3.md); False: HF config only
+    token_limit: bool = False  # LONG_CONTEXT_TOKEN_LIMIT applies
+    trtllm07_name: str | None = None  # `-m` of TensorRT-LLM v0.7.1 examples/chatglm/build.py
+
+
+VARIANTS: dict[str, Variant] = {
+    "chatglm3-6b": Variant("chatglm3", 8192, True, trtllm07_name="chatglm3_6b"),
+    "chatglm3-6b-base": Variant("chatglm3", 32768, True, trtllm07_name="chatglm3_6b_base"),
+    "chatglm3-6b-32k": Variant("chatglm3", 32768, True, token_limit=True, trtllm07_name="chatglm3_6b_32k"),
+    "chatglm3-6b-128k": Variant("chatglm3", 131072, True),
+    "chatglm2-6b": Variant("chatglm2", 32768, True, trtllm07_name="chatglm2_6b"),
+    "chatglm2-6b-32k": Variant("chatglm2", 32768, True, token_limit=True, trtllm07_name="chatglm2_6b_32k"),
+    # ChatGLM3 architecture at any size (the test fixture): shapes and length from its config.json
+    "chatglm3-tiny": Variant("chatglm3", None, False),
+}
+
+
+def _choices(*values: Any) -> dict:
+    return {"choices": values}
+
+
+def _at_least(minimum: int | float) -> dict:
+    return {"min": minimum}
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    variant: str = field(metadata=_choices(*VARIANTS))
+    dir: str | None = None  # HF model folder (absolute once loaded); --model-dir overrides it
+
+
+@dataclass(frozen=True)
+class ConvertSection:
+    dtype: str = field(metadata=_choices(*DTYPES))
+    tp_size: int = field(metadata=_choices(*TP_SIZES))
+    pp_size: int = field(default=1, metadata=_choices(1))
+    weight_only: str | None = field(default=None, metadata=_choices(*WEIGHT_ONLY))
+
+
+@dataclass(frozen=True)
+class BuildSection:
+    engine: str = field(metadata=_choices("tensorrt", "torch"))
+    max_batch_size: int = field(metadata=_at_least(1))
+    max_input_len: int = field(metadata=_at_least(1))
+    max_seq_len: int = field(metadata=_at_least(2))
+    max_num_tokens: int | None = field(default=None, metadata=_at_least(1))  # None: see _default_num_tokens
+    max_beam_width: int = field(default=1, metadata=_at_least(1))
+    kv_cache_type: str = field(default="paged", metadata=_choices("paged", "continuous"))
+    gemm_plugin: str = field(default="auto", metadata=_choices(*PLUGIN_CHOICES))
+    gpt_attention_plugin: str = field(default="auto", metadata=_choices(*PLUGIN_CHOICES))
+    context_fmha: bool = True
+    remove_input_padding: bool = True
+    use_paged_context_fmha: bool = False
+    tokens_per_block: int = field(default=64, metadata=_at_least(1))
+
+
+@dataclass(frozen=True)
+class ServeSection:
+    world_size: int = field(metadata=_at_least(1))
+    batching_strategy: str = field(default="inflight_fused_batching",
+                                   metadata=_choices("inflight_fused_batching", "v1"))
+    decoupled: bool = True  # streaming responses (needed for `stream: true`)
+    preprocessing_instances: int = field(default=1, metadata=_at_least(1))
+    postprocessing_instances: int = field(default=1, metadata=_at_least(1))
+    bls_instances: int = field(default=1, metadata=_at_least(1))
+    kv_cache_free_gpu_mem_fraction: float = field(default=0.9, metadata={"min": 0.01, "max": 1.0})
+    batch_scheduler_policy: str = field(default="guaranteed_no_evict",
+                                        metadata=_choices("guaranteed_no_evict", "max_utilization"))
+    max_queue_delay_microseconds: int = field(default=0, metadata=_at_least(0))
+    max_queue_size: int = field(default=0, metadata=_at_least(0))
+    http_port: int = field(default=8000, metadata={"min": 1, "max": 65535})
+    grpc_port: int = field(default=8001, metadata={"min": 1, "max": 65535})
+    metrics_port: int = field(default=8002, metadata={"min": 1, "max": 65535})
+
+
+SECTIONS = {"model": ModelSection, "convert": ConvertSection, "build": BuildSection, "serve": ServeSection}
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str  # the file's stem; the default engine folder is engines/<name>
+    path: str
+    model: ModelSection
+    convert: ConvertSection
+    build: BuildSection
+    serve: ServeSection
+
+    @property
+    def variant(self) -> Variant:
+        return VARIANTS[self.model.variant]
+
+    @property
+    def chatglm_version(self) -> str:
+        return self.variant.chatglm_version
+
+    @property
+    def world_size(self) -> int:
+        return self.convert.tp_size * self.convert.pp_size
+
+    @property
+    def quant_algo(self) -> str | None:
+        return WEIGHT_ONLY[self.convert.weight_only]
+
+    def to_dict(self) -> dict:
+        """The resolved recipe (defaults filled in, overrides applied), as written to trtglm.json."""
+        return {name: asdict(getattr(self, name)) for name in SECTIONS}
+
+
+def load_profile(path: str | Path, overrides: dict[str, Any] | None = None) -> Profile:
+    """Read, override and validate a profile; raises UsageError/ModelFileError naming file and key."""
+    where = str(path)
+    raw = _read_yaml(Path(path))
+    for key, value in (overrides or {}).items():
+        _apply_override(raw, key, value, where)
+    unknown = sorted(set(map(str, raw)) - set(SECTIONS))
+    if unknown:
+        raise UsageError(f"{where}: unknown key {unknown[0]} (sections: {', '.join(SECTIONS)})")
+    sections = {name: _section(cls, raw.get(name), name, where) for name, cls in SECTIONS.items()}
+    model = replace(sections["model"], dir=_resolve_model_dir(sections["model"].dir, Path(path),
+                                                              from_override="model.dir" in (overrides or {})))
+    build = sections["build"]
+    if build.max_num_tokens is None:
+        build = replace(build, max_num_tokens=_default_num_tokens(build))
+    profile = Profile(name=Path(path).stem, path=where, model=model, convert=sections["convert"],
+                      build=build, serve=sections["serve"])
+    _check_rules(profile, where)
+    return profile
+
+
+def parse_overrides(pairs: list[str] | tuple[str, ...] | str | None) -> dict[str, Any]:
+    """`["build.max_batch_size=16", ...]` (from `--set`) -> {"build.max_batch_size": 16, ...}.
+
+    Values are read as YAML (`16` -> int, `null` -> None, `true` -> bool, `a/b` -> str).
+    """
+    if pairs is None:
+        return {}
+    if isinstance(pairs, str):
+        pairs = [pairs]
+    overrides: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = str(pair).partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--set {pair}: expected KEY=VALUE, e.g. build.max_batch_size=16")
+        try:
+            overrides[key.strip()] = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError:
+            raise UsageError(f"--set {pair}: the value is not valid YAML") from None
+    return overrides
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"{path}: profile not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path}: cannot read profile ({e})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise UsageError(f"{path}: not valid YAML{at} ({problem})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: expected a mapping with sections {', '.join(SECTIONS)}")
+    return data
+
+
+def _apply_override(raw: dict, key: str, value: Any, where: str) -> None:
+    section, _, name = key.partition(".")
+    if section not in SECTIONS or not name or "." in name:
+        raise UsageError(f"{where}: --set {key}: expected SECTION.KEY with SECTION one of {', '.join(SECTIONS)}")
+    known = [f.name for f in fields(SECTIONS[section])]
+    if name not in known:
+        raise UsageError(f"{where}: --set {key}: unknown key (known in {section}: {', '.join(known)})")
+    target = raw.setdefault(section, {})
+    if not isinstance(target, dict):
+        raise UsageError(f"{where}: {section} must be a mapping")
+    target[name] = value
+
+
+def _section(cls: type, raw: Any, section: str, where: str):
+    if raw is None:
+        raise UsageError(f"{where}: missing section {section}")
+    if not isinstance(raw, dict):
+        raise UsageError(f"{where}: {section} must be a mapping, not {_describe(raw)}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(map(str, raw)) - set(known))
+    if unknown:
+        raise UsageError(f"{where}: unknown key {section}.{unknown[0]} (known in {section}: {', '.join(known)})")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name, spec in known.items():
+        key = f"{section}.{name}"
+        if name not in raw:
+            if _is_required(spec):
+                raise UsageError(f"{where}: missing required key {key}")
+            continue
+        values[name] = _checked_value(raw[name], hints[name], spec.metadata, key, where)
+    return cls(**values)
+
+
+def _is_required(spec) -> bool:
+    return spec.default is MISSING and spec.default_factory is MISSING
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _checked_value(value: Any, hint: Any, rules: typing.Mapping, key: str, where: str) -> Any:
+    args = typing.get_args(hint) if isinstance(hint, types.UnionType) else ()
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), hint)
+    if value is None and optional:
+        return None
+    if not _has_type(value, base):
+        raise UsageError(f"{where}: {key} must be {_TYPE_NAMES[base]}"
+                         f"{' or null' if optional else ''}, not {_describe(value)}")
+    value = float(value) if base is float else value
+    if "choices" in rules and value not in rules["choices"]:
+        choices = ", ".join("null" if c is None else str(c) for c in rules["choices"])
+        raise UsageError(f"{where}: {key} must be one of {choices}, not {value!r}")
+    if "min" in rules and value < rules["min"]:
+        raise UsageError(f"{where}: {key} must be ≥ {rules['min']}, not {value}")
+    if "max" in rules and value > rules["max"]:
+        raise UsageError(f"{where}: {key} must be ≤ {rules['max']}, not {value}")
+    return value
+
+
+def _has_type(value: Any, base: type) -> bool:
+    if base is bool or isinstance(value, bool):  # YAML true is not 1, and 1 is not true
+        return base is bool and isinstance(value, bool)
+    if base is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, base)
+
+
+def _describe(value: Any) -> str:
+    return "null" if value is None else f"{value!r} ({type(value).__name__})"
+
+
+def _resolve_model_dir(model_dir: str | None, profile_path: Path, from_override: bool) -> str | None:
+    if model_dir is None:
+        return None
+    path = Path(model_dir).expanduser()
+    if not path.is_absolute() and not from_override:
+        path = profile_path.resolve().parent.parent / path
+    return str(path.resolve())
+
+
+def _default_num_tokens(build: BuildSection) -> int:
+    """TensorRT-LLM's default (8192), raised to fit one full prompt, capped at what the batch can hold."""
+    return min(max(8192, build.max_input_len), build.max_batch_size * build.max_seq_len)
+
+
+# --- rules across keys ---------------------------------------------------------------------------
+
+
+def _check_rules(p: Profile, where: str) -> None:
+    b, c, s = p.build, p.convert, p.serve
+    if b.max_input_len >= b.max_seq_len:
+        raise UsageError(f"{where}: build.max_input_len ({b.max_input_len}) must be < build.max_seq_len ({b.max_seq_len})")
+    if p.world_size != s.world_size:
+        raise UsageError(f"{where}: serve.world_size ({s.world_size}) must equal convert.tp_size × convert.pp_size "
+                         f"({c.tp_size} × {c.pp_size} = {p.world_size})")
+    if c.weight_only and c.dtype == "float32":
+        raise UsageError(f"{where}: convert.weight_only ({c.weight_only}) needs convert.dtype float16 or bfloat16 "
+                         "(TensorRT-LLM's weight-only kernels take half-precision activations), not float32")
+    capacity = b.max_batch_size * b.max_seq_len
+    if b.max_num_tokens > capacity:
+        raise UsageError(f"{where}: build.max_num_tokens ({b.max_num_tokens}) must be ≤ build.max_batch_size × "
+                         f"build.max_seq_len ({capacity})")
+    if b.max_num_tokens < b.max_input_len and not b.use_paged_context_fmha:
+        raise UsageError(f"{where}: build.max_num_tokens ({b.max_num_tokens}) must be ≥ build.max_input_len "
+                         f"({b.max_input_len}) unless build.use_paged_context_fmha is true (chunked prompts)")
+    tokens = b.max_batch_size * b.max_beam_width * b.max_seq_len
+    if p.variant.token_limit and tokens > LONG_CONTEXT_TOKEN_LIMIT:
+        raise UsageError(f"{where}: build.max_batch_size × build.max_beam_width × build.max_seq_len "
+                         f"({b.max_batch_size} × {b.max_beam_width} × {b.max_seq_len} = {tokens}) must be ≤ "
+                         f"{LONG_CONTEXT_TOKEN_LIMIT} for {p.model.variant}")
+    _check_engine_features(p, where)
+    _check_ports(s, where)
+    seq_length, source = model_seq_length(p)
+    if seq_length is not None and b.max_seq_len > seq_length:
+        raise UsageError(f"{where}: build.max_seq_len ({b.max_seq_len}) exceeds the model's seq_length "
+                         f"({seq_length}, from {source})")
+
+
+def _check_engine_features(p: Profile, where: str) -> None:
+    b, s = p.build, p.serve
+    if b.tokens_per_block & (b.tokens_per_block - 1):
+        raise UsageError(f"{where}: build.tokens_per_block must be a power of two, not {b.tokens_per_block}")
+    if b.use_paged_context_fmha and not (b.context_fmha and b.kv_cache_type == "paged"):
+        raise UsageError(f"{where}: build.use_paged_context_fmha needs build.context_fmha true and "
+                         "build.kv_cache_type paged")
+    if s.batching_strategy == "inflight_fused_batching" and b.engine == "tensorrt":
+        needs = {"build.kv_cache_type": b.kv_cache_type == "paged",
+                 "build.remove_input_padding": b.remove_input_padding,
+                 "build.gpt_attention_plugin": b.gpt_attention_plugin != "disable"}
+        for key, ok in needs.items():
+            if not ok:
+                raise UsageError(f"{where}: serve.batching_strategy inflight_fused_batching needs a paged KV cache, "
+                                 f"remove_input_padding and the GPT attention plugin; {key} is "
+                                 f"{_yaml_word(getattr(b, key.split('.')[1]))}")
+
+
+def _yaml_word(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _check_ports(s: ServeSection, where: str) -> None:
+    ports = {"serve.http_port": s.http_port, "serve.grpc_port": s.grpc_port, "serve.metrics_port": s.metrics_port}
+    seen: dict[int, str] = {}
+    for key, port in ports.items():
+        if port in seen:
+            raise UsageError(f"{where}: {key} ({port}) is the same as {seen[port]}")
+        seen[port] = key
+
+
+def model_seq_length(p: Profile) -> tuple[int | None, str]:
+    """The model's context length: from its HF config.json when readable, else the variant's."""
+    config = read_model_config(p)
+    if config is not None:
+        return config.seq_length, f"{Path(p.model.dir) / 'config.json'}"
+    return p.variant.seq_length, f"the {p.model.variant} variant"
+
+
+def read_model_config(p: Profile) -> ChatGLMConfig | None:
+    """The HF ChatGLMConfig of `p.model.dir`, or None when no config.json is there."""
+    if p.model.dir is None or not (Path(p.model.dir) / "config.json").is_file():
+        return None
+    try:
+        return ChatGLMConfig.from_model_dir(p.model.dir, version=p.chatglm_version)
+    except ModelFileError as e:
+        raise ModelFileError(f"{p.path}: model.dir: {e}") from None
