@@ -1,0 +1,139 @@
+"""Reply text from generated ids: whole (ensemble postprocessing) and streamed (the BLS model),
+checked against the fixture's exact answers in ChatGLM3's reply format ("\\n" metadata line,
+answer, then a stop token), Chinese byte-fallback characters and SentencePiece spaces included."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from trtglm.chatglm.tokenizer import ChatGLMTokenizer, split_reply
+from trtglm.errors import UsageError
+from trtglm.repo.python_models.bls import Reply, engine_inputs
+from trtglm.repo.python_models.postprocessing import postprocess
+from trtglm.repo.python_models.preprocessing import Limits, preprocess
+from trtglm.repo.python_models.reply import ReplyStream
+
+JUNK = "What is my name?"  # what a model that misses the stop token would go on to say
+
+
+@pytest.fixture(scope="module")
+def tok(fixture_dir) -> ChatGLMTokenizer:
+    return ChatGLMTokenizer(fixture_dir)
+
+
+@pytest.fixture(scope="module")
+def answers(fixture_dir) -> list[str]:
+    return [json.loads(line)["answer"] for line in (fixture_dir / "conversations.jsonl").read_text().splitlines()]
+
+
+def generated(tok: ChatGLMTokenizer, answer: str, stop: str = "<|user|>") -> list[int]:
+    """What ChatGLM3 generates for `answer` (chatglm3.md): encode("\\n" metadata line) + encode(answer), then the
+    stop token, then whatever a server that ignored it would add."""
+    return tok.sp.encode("\n") + tok.sp.encode(answer) + [tok.token_id(stop)] + tok.sp.encode(JUNK)
+
+
+def batch(*sequences: list[int], pad: int = 7) -> tuple[np.ndarray, np.ndarray]:
+    """TOKENS_BATCH [batch, 1 beam, width] padded with junk beyond each SEQUENCE_LENGTH."""
+    width = max(map(len, sequences)) + 3
+    tokens = np.full((len(sequences), 1, width), pad, dtype=np.int32)
+    for row, ids in enumerate(sequences):
+        tokens[row, 0, :len(ids)] = ids
+    return tokens, np.array([[len(ids)] for ids in sequences], dtype=np.int32)
+
+
+def test_fixture_answers_exercise_what_token_by_token_decoding_breaks(tok, answers):
+    """The data can fail a wrong decoder: decoding ids one at a time loses spaces and splits characters."""
+    naive = {a: "".join(tok.decode([i]) for i in tok.sp.encode(a)) for a in answers}
+    assert any(" " in a and naive[a].replace("\ufffd", "") != a and "\ufffd" not in naive[a] for a in answers)
+    assert any("\ufffd" in naive[a] for a in answers)
+
+
+def test_whole_sequences_decode_to_the_answers(tok, answers):
+    for stop in ("<|user|>", "<|observation|>", "</s>"):
+        sequences = [generated(tok, a, stop) for a in answers]
+        assert postprocess(tok, *batch(*sequences)) == [[a] for a in answers]
+
+
+def test_sequence_without_a_stop_token_is_decoded_to_its_length(tok):
+    ids = tok.sp.encode("\n") + tok.sp.encode("三个水是淼字。")
+    assert postprocess(tok, *batch(ids)) == [["三个水是淼字。"]]
+    assert postprocess(tok, *batch(ids[:-1])) == [["三个水是淼字"]]
+
+
+def test_beams_and_batch_rows(tok):
+    a, b, c = (generated(tok, t) for t in ("Grass is green.", "天空是蓝色的。", "1. Red\n2. Blue"))
+    tokens = np.zeros((2, 2, max(map(len, (a, b, c)))), dtype=np.int32)
+    tokens[0, 0, :len(a)], tokens[0, 1, :len(b)], tokens[1, 0, :len(c)] = a, b, c
+    lengths = np.array([[len(a), len(b)], [len(c), 0]], dtype=np.int32)
+    assert postprocess(tok, tokens, lengths) == [["Grass is green.", "天空是蓝色的。"], ["1. Red\n2. Blue", ""]]
+
+
+def test_tool_call_keeps_its_metadata_line(tok):
+    ids = tok.sp.encode("get_weather\n") + tok.sp.encode("```python\ntool_call(city='Beijing')\n```")
+    (reply,), = postprocess(tok, *batch(ids + [tok.special_ids["<|observation|>"]]))
+    assert reply == tok.decode(ids)
+    metadata, content = split_reply(reply)
+    assert metadata == "get_weather" and content.strip() == "```python\ntool_call(city='Beijing')\n```"
+
+
+def test_bad_shapes_are_usage_errors(tok):
+    with pytest.raises(UsageError, match="TOKENS_BATCH"):
+        postprocess(tok, np.zeros((1, 4), np.int32), np.zeros((1, 1), np.int32))
+
+
+# --- streamed (BLS) ------------------------------------------------------------------------------
+
+
+def test_streamed_pieces_join_to_the_whole_reply(tok, answers):
+    for answer in answers:
+        stream = ReplyStream(tok)
+        pieces = [stream.add([i]) for i in generated(tok, answer)] + [stream.finish()]
+        assert "".join(pieces) == answer
+        assert not any("\ufffd" in piece for piece in pieces)
+        assert stream.finished
+
+
+def test_streamed_pieces_in_uneven_chunks(tok, answers):
+    for answer in answers:
+        ids, stream, pieces, at = generated(tok, answer), ReplyStream(tok), [], 0
+        for size in [2, 1, 3] * len(ids):
+            pieces.append(stream.add(ids[at:at + size]))
+            at += size
+        assert "".join(pieces) + stream.finish() == answer
+
+
+def test_bls_reply_pieces_and_accumulated_text(tok, answers):
+    for answer in answers:
+        ids = generated(tok, answer)
+        deltas, accumulated = Reply(tok, accumulate=False), Reply(tok, accumulate=True)
+        pieces, texts = [], []
+        for i in ids:
+            tokens, lengths = batch([i])
+            pieces.append(deltas.add(tokens, lengths)[0][0])
+            texts.append(accumulated.add(tokens, lengths)[0][0])
+        assert "".join(pieces) + deltas.finish()[0][0] == answer
+        shown = [t for t in texts if t]
+        assert shown[-1] == answer and all(answer.startswith(t) for t in shown)
+
+
+def test_bls_reply_collects_a_whole_reply_from_parts(tok):
+    answer = "森林 means forest, a place with many trees."
+    ids, reply = generated(tok, answer), Reply(tok, accumulate=False)
+    for part in (ids[:3], ids[3:]):
+        reply.collect(*batch(part))
+    assert reply.whole() == [[answer]]
+
+
+def test_bls_engine_inputs_use_tensorrt_llm_names(tok):
+    client = {"text_input": np.array([[b"hi"]], dtype=np.object_), "max_tokens": np.array([[5]], np.int32),
+              "top_k": np.array([1], np.int32), "temperature": np.array([[0.5]], np.float32),
+              "stream": np.array([[True]]), "beam_width": None}
+    prepared = preprocess(tok, Limits(256, 512, 1024), {"QUERY": client["text_input"],
+                                                        "REQUEST_OUTPUT_LEN": client["max_tokens"]})
+    arrays = engine_inputs(prepared, client)
+    assert set(arrays) == {"input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list",
+                           "bad_words_list", "runtime_top_k", "temperature", "streaming"}  # no empty embedding_bias
+    assert arrays["runtime_top_k"].shape == (1, 1) and arrays["input_ids"].tolist() == prepared["INPUT_ID"].tolist()

@@ -1,0 +1,184 @@
+"""ChatGLM3 preprocessing, called as Triton calls it (batch-first arrays by tensor name), checked
+against the chat format of shared/reference/chatglm3.md and TensorRT-LLM's word-list layout."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from trtglm.chatglm.tokenizer import ChatGLMTokenizer
+from trtglm.errors import UsageError
+from trtglm.repo.python_models.preprocessing import Limits, preprocess, refuse_streaming
+
+LIMITS = Limits(max_input_len=384, max_seq_len=512, vocab_size=1024)
+
+
+@pytest.fixture(scope="module")
+def tok(fixture_dir) -> ChatGLMTokenizer:
+    return ChatGLMTokenizer(fixture_dir)
+
+
+@pytest.fixture(scope="module")
+def conversations(fixture_dir) -> list[dict]:
+    return [json.loads(line) for line in (fixture_dir / "conversations.jsonl").read_text().splitlines()]
+
+
+def strings(*texts: str) -> np.ndarray:
+    return np.array([[t.encode()] for t in texts], dtype=np.object_)
+
+
+def request(*texts: str, max_tokens: int = 16, **extra) -> dict:
+    """The arrays Triton gives for a request of len(texts) rows (optional inputs by tensor name)."""
+    return {"QUERY": strings(*texts), "REQUEST_OUTPUT_LEN": np.full((len(texts), 1), max_tokens, np.int32), **extra}
+
+
+def chat_prompt(tok: ChatGLMTokenizer, messages: list[dict]) -> list[int]:
+    """chatglm3.md: [gMASK] sop, per message <|role|> + encode(metadata + "\\n") + encode(content), <|assistant|>."""
+    ids = [tok.special_ids["[gMASK]"], tok.special_ids["sop"]]
+    for m in messages:
+        content = m["content"] + ("\n" + json.dumps(m["tools"], indent=4, ensure_ascii=False) if m.get("tools") else "")
+        role = tok.special_ids[f"<|{m['role']}|>"]
+        ids += [role] + tok.sp.encode(m.get("metadata", "") + "\n") + tok.sp.encode(content)
+    return ids + [tok.special_ids["<|assistant|>"]]
+
+
+def words(word_list: np.ndarray) -> list[list[int]]:
+    """TensorRT-LLM's [2, n] layout back to words: row 0 ids, row 1 end offsets (-1 padded)."""
+    ends = [int(e) for e in word_list[1] if e >= 0]
+    starts = ([0] + ends)[:len(ends)]
+    return [word_list[0][start:end].tolist() for start, end in zip(starts, ends, strict=True)]
+
+
+def test_plain_text_is_one_user_message_in_the_chat_template(tok):
+    out = preprocess(tok, LIMITS, request("What color is the sky?"))
+    expected = chat_prompt(tok, [{"role": "user", "content": "What color is the sky?"}])
+    assert out["INPUT_ID"].tolist() == [expected]
+    assert out["REQUEST_INPUT_LEN"].tolist() == [[len(expected)]]
+    assert expected[:3] == [tok.special_ids["[gMASK]"], tok.special_ids["sop"], tok.special_ids["<|user|>"]]
+    assert out["INPUT_ID"].dtype == np.int32
+
+
+def test_json_chats_match_build_chat_input(tok, conversations):
+    for conversation in conversations:
+        messages = conversation["messages"]
+        for text in (json.dumps({"messages": messages}, ensure_ascii=False), json.dumps(messages)):
+            out = preprocess(tok, LIMITS, request(text))
+            assert out["INPUT_ID"][0].tolist() == chat_prompt(tok, messages) == tok.build_chat_input(messages)
+
+
+def test_role_tokens_typed_by_a_user_stay_text(tok):
+    out = preprocess(tok, LIMITS, request("What is <|user|>?"))
+    assert out["INPUT_ID"][0].tolist().count(tok.special_ids["<|user|>"]) == 1  # only the real turn marker
+
+
+def test_json_that_is_not_a_chat_is_plain_text(tok):
+    for text in ('[1, 2, 3] sorted?', '{"a": 1}', "[not json"):
+        out = preprocess(tok, LIMITS, request(text))
+        assert out["INPUT_ID"][0].tolist() == chat_prompt(tok, [{"role": "user", "content": text}])
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "text_input is empty"),
+    ("   \n", "text_input is empty"),
+    ('{"messages": [{"role": "user", "content": "hi"}', "looks like a JSON chat but is not valid JSON"),
+    ('[{"role": "user", "content": "hi"},]', "looks like a JSON chat but is not valid JSON"),
+    ('{"messages": []}', '"messages" must be a non-empty list'),
+    ('{"messages": "hi"}', '"messages" must be a non-empty list'),
+    ('[{"role": "bot", "content": "hi"}]', "role must be one of system, user, assistant, observation, not 'bot'"),
+    ('[{"role": "user"}]', "message 0: has no content"),
+    ('{"messages": [{"role": "user", "content": "hi"}, "oops"]}', "message 1: expected a dict"),
+])
+def test_bad_input_is_a_usage_error(tok, text, message):
+    with pytest.raises(UsageError, match=message.replace("[", r"\[")):
+        preprocess(tok, LIMITS, request(text))
+
+
+def test_json_is_never_evaluated(tok):
+    text = "[{'role': 'user', 'content': __import__('os').getcwd()}]"  # Python, not JSON
+    with pytest.raises(UsageError, match="not valid JSON"):
+        preprocess(tok, LIMITS, request(text))
+
+
+@pytest.mark.parametrize("max_tokens", [0, -3])
+def test_max_tokens_must_be_positive(tok, max_tokens):
+    with pytest.raises(UsageError, match=f"max_tokens must be at least 1, not {max_tokens}"):
+        preprocess(tok, LIMITS, request("hi", max_tokens=max_tokens))
+
+
+def test_prompt_longer_than_max_input_len_is_refused(tok):
+    text = "What color is the sky? " * 60
+    n = len(chat_prompt(tok, [{"role": "user", "content": text}]))
+    assert n > LIMITS.max_input_len
+    with pytest.raises(UsageError, match=f"the prompt is {n} tokens, more than the engine's max_input_len \\(384\\)"):
+        preprocess(tok, LIMITS, request(text))
+    short = Limits(max_input_len=n, max_seq_len=n + 4, vocab_size=1024)
+    assert preprocess(tok, short, request(text, max_tokens=4))["REQUEST_INPUT_LEN"][0, 0] == n
+    with pytest.raises(UsageError, match=r"plus max_tokens \(5\) exceeds the engine's max_seq_len"):
+        preprocess(tok, short, request(text, max_tokens=5))
+
+
+def test_end_and_pad_ids_default_to_chatglm3s_and_follow_the_client(tok):
+    out = preprocess(tok, LIMITS, request("hi", "hello"))
+    assert out["OUT_END_ID"].tolist() == [[2], [2]] and out["OUT_PAD_ID"].tolist() == [[0], [0]]
+    assert tok.sp.id_to_piece(2) == "</s>" and tok.sp.id_to_piece(0) == "<unk>"
+    out = preprocess(tok, LIMITS, request("hi", END_ID=np.array([[7]], np.int32), PAD_ID=np.array([[3]], np.int32)))
+    assert out["OUT_END_ID"].tolist() == [[7]] and out["OUT_PAD_ID"].tolist() == [[3]]
+    with pytest.raises(UsageError, match="end_id 99999 is not a token id"):
+        preprocess(tok, LIMITS, request("hi", END_ID=np.array([[99999]], np.int32)))
+
+
+def test_stop_words_always_hold_user_and_observation(tok):
+    out = preprocess(tok, LIMITS, request("hi"))
+    assert out["STOP_WORDS_IDS"].shape == (1, 2, 2) and out["STOP_WORDS_IDS"].dtype == np.int32
+    assert words(out["STOP_WORDS_IDS"][0]) == [[tok.special_ids["<|user|>"]], [tok.special_ids["<|observation|>"]]]
+    assert words(out["BAD_WORDS_IDS"][0]) == [] and out["BAD_WORDS_IDS"][0].tolist() == [[0], [-1]]
+
+
+def test_client_stop_and_bad_words_become_ids(tok):
+    stop = np.array([[b"Paris", b"<|system|>", b""]], dtype=np.object_)
+    bad = np.array([[b"blue"]], dtype=np.object_)
+    out = preprocess(tok, LIMITS, request("hi", STOP_WORDS_DICT=stop, BAD_WORDS_DICT=bad))
+    after_space = tok.sp.encode("Paris")  # "▁Paris": at the start of a line or after a space
+    after_text = tok.sp.encode("\nParis")[len(tok.sp.encode("\n")):]  # right after other text
+    assert after_space != after_text
+    assert words(out["STOP_WORDS_IDS"][0]) == [[tok.special_ids["<|user|>"]], [tok.special_ids["<|observation|>"]],
+                                               after_space, after_text, [tok.special_ids["<|system|>"]]]
+    assert words(out["BAD_WORDS_IDS"][0])[0] == tok.sp.encode("blue")
+
+
+def test_batch_rows_are_padded_with_the_pad_id(tok):
+    out = preprocess(tok, LIMITS, request("hi", "What is the capital of France?",
+                                          STOP_WORDS_DICT=np.array([[b"x"], [b""]], dtype=np.object_)))
+    short, long = (chat_prompt(tok, [{"role": "user", "content": t}]) for t in ("hi", "What is the capital of France?"))
+    assert out["REQUEST_INPUT_LEN"].tolist() == [[len(short)], [len(long)]]
+    assert out["INPUT_ID"].tolist() == [short + [0] * (len(long) - len(short)), long]
+    first, second = out["STOP_WORDS_IDS"]
+    assert words(second) == words(first)[:2] and len(words(first)) > 2  # padded rows keep their own words
+
+
+def test_embedding_bias(tok):
+    out = preprocess(tok, LIMITS, request("hi"))
+    assert out["EMBEDDING_BIAS"].shape == (1, 0)
+    bias_words = np.array([[b"blue"]], dtype=np.object_)
+    out = preprocess(tok, LIMITS, request("hi", EMBEDDING_BIAS_WORDS=bias_words,
+                                          EMBEDDING_BIAS_WEIGHTS=np.array([[2.5]], np.float32)))
+    bias = out["EMBEDDING_BIAS"][0]
+    assert bias.shape == (LIMITS.vocab_size,) and bias.dtype == np.float32
+    assert set(np.flatnonzero(bias)) >= set(tok.sp.encode("blue")) and set(bias[bias != 0]) == {2.5}
+    with pytest.raises(UsageError, match="1 entries but embedding_bias_weights has 0"):
+        preprocess(tok, LIMITS, request("hi", EMBEDDING_BIAS_WORDS=bias_words))
+
+
+def test_invalid_utf8_is_a_usage_error(tok):
+    with pytest.raises(UsageError, match="text_input is not valid UTF-8"):
+        preprocess(tok, LIMITS, {"QUERY": np.array([[b"\xff\xfe"]], dtype=np.object_),
+                                 "REQUEST_OUTPUT_LEN": np.array([[4]], np.int32)})
+
+
+def test_streaming_request_is_sent_to_the_bls_model():
+    refuse_streaming(None)
+    refuse_streaming(np.array([[False]]))
+    with pytest.raises(UsageError, match="stream with the tensorrt_llm_bls model"):
+        refuse_streaming(np.array([[True]]))

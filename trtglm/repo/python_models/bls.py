@@ -1,0 +1,221 @@
+"""ChatGLM3 pipeline as one python model (BLS): tokenize, call tensorrt_llm, detokenize.
+
+It takes the ensemble's inputs and gives its outputs (text_output, cum_log_probs,
+output_log_probs). Preprocessing is `preprocessing.preprocess`, run in-process; the engine is
+called through Triton (`pb_utils.InferenceRequest` to the model named by the
+tensorrt_llm_model_name parameter); the reply is decoded here. Since this model sees the
+whole stream of a request, streamed pieces come from one `ReplyStream` per request and beam,
+with no state shared between requests. With accumulate_tokens true, each streamed
+text_output is the whole text so far instead of the new piece.
+
+In a decoupled repository each request runs in a worker thread, so requests overlap and the
+engine can batch them in flight; otherwise requests are answered in order, one response each.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from trtglm.chatglm.tokenizer import ChatGLMTokenizer
+from trtglm.errors import TrtglmError, UsageError
+from trtglm.repo.python_models import triton_io
+from trtglm.repo.python_models.preprocessing import CLIENT_NAMES, Limits, preprocess
+from trtglm.repo.python_models.reply import ReplyStream, reply_text
+from trtglm.repo.python_models.triton_io import pb_utils
+
+log = logging.getLogger(__name__)
+
+TO_PREPROCESSING = {client: name for name, client in CLIENT_NAMES.items()}  # client input -> preprocessing input
+PREPROCESSED = {  # preprocessing output -> tensorrt_llm input
+    "INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths", "REQUEST_OUTPUT_LEN": "request_output_len",
+    "OUT_END_ID": "end_id", "OUT_PAD_ID": "pad_id", "STOP_WORDS_IDS": "stop_words_list",
+    "BAD_WORDS_IDS": "bad_words_list", "EMBEDDING_BIAS": "embedding_bias",
+}
+PASSED = {  # client input -> tensorrt_llm input, as sent
+    "top_k": "runtime_top_k", "top_p": "runtime_top_p", "temperature": "temperature",
+    "length_penalty": "len_penalty", "repetition_penalty": "repetition_penalty", "min_length": "min_length",
+    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "random_seed": "random_seed",
+    "return_log_probs": "return_log_probs", "beam_width": "beam_width", "stream": "streaming",
+}
+ENGINE_OUTPUTS = ("output_ids", "sequence_length", "cum_log_probs", "output_log_probs")
+LOG_PROBS = ("cum_log_probs", "output_log_probs")
+
+
+class EngineError(TrtglmError):
+    """tensorrt_llm answered with an error."""
+
+
+def engine_inputs(prepared: dict[str, np.ndarray], client: dict[str, np.ndarray | None]) -> dict[str, np.ndarray]:
+    """tensorrt_llm's input arrays: the preprocessed ones, then the client's sampling options."""
+    arrays = {PREPROCESSED[name]: array for name, array in prepared.items() if name in PREPROCESSED}
+    if arrays["embedding_bias"].shape[1] == 0:
+        del arrays["embedding_bias"]
+    batch = len(arrays["input_ids"])
+    for name, engine_name in PASSED.items():
+        if client.get(name) is not None:
+            arrays[engine_name] = np.asarray(client[name]).reshape(batch, -1)
+    return arrays
+
+
+def streaming(client: dict[str, np.ndarray | None]) -> bool:
+    stream = client.get("stream")
+    return stream is not None and bool(np.asarray(stream).reshape(-1)[0])
+
+
+class Reply:
+    """The text of one request's reply (all batch rows and beams) as engine responses arrive."""
+
+    def __init__(self, tokenizer: ChatGLMTokenizer, accumulate: bool):
+        self.tokenizer, self.accumulate = tokenizer, accumulate
+        self.streams: dict[tuple[int, int], ReplyStream] = {}
+        self.texts: dict[tuple[int, int], str] = {}
+        self.ids: dict[tuple[int, int], list[int]] = {}
+
+    def add(self, output_ids: np.ndarray, lengths: np.ndarray) -> list[list[str]]:
+        """Streamed: the new piece (or the text so far) per row and beam."""
+        out = []
+        for row, beam, ids in _sequences(output_ids, lengths):
+            stream = self.streams.setdefault((row, beam), ReplyStream(self.tokenizer))
+            out.append((row, beam, self._shown((row, beam), stream.add(ids))))
+        return _grid(out)
+
+    def finish(self) -> list[list[str]]:
+        """Streamed: the held-back text at the end, per row and beam."""
+        return _grid([(row, beam, self._shown((row, beam), stream.finish()))
+                      for (row, beam), stream in sorted(self.streams.items())])
+
+    def collect(self, output_ids: np.ndarray, lengths: np.ndarray) -> None:
+        """Not streamed: remember ids (a response may carry all ids or the next part of them)."""
+        for row, beam, ids in _sequences(output_ids, lengths):
+            self.ids.setdefault((row, beam), []).extend(int(i) for i in ids)
+
+    def whole(self) -> list[list[str]]:
+        return _grid([(row, beam, reply_text(self.tokenizer, ids)) for (row, beam), ids in sorted(self.ids.items())])
+
+    def _shown(self, key: tuple[int, int], piece: str) -> str:
+        self.texts[key] = self.texts.get(key, "") + piece
+        return self.texts[key] if self.accumulate and piece else piece
+
+
+def _sequences(output_ids: np.ndarray, lengths: np.ndarray):
+    for row in range(output_ids.shape[0]):
+        for beam in range(output_ids.shape[1]):
+            yield row, beam, output_ids[row, beam, :min(int(lengths[row, beam]), output_ids.shape[2])]
+
+
+def _grid(cells: list[tuple[int, int, str]]) -> list[list[str]]:
+    rows: dict[int, list[str]] = {}
+    for row, _, text in sorted(cells, key=lambda c: (c[0], c[1])):
+        rows.setdefault(row, []).append(text)
+    return [rows[row] for row in sorted(rows)]
+
+
+class TritonPythonModel:
+    """Triton's entry point (decoupled or not, as the repository's decoupled_mode says)."""
+
+    def initialize(self, args: dict) -> None:
+        config = triton_io.model_config(args)
+        params, name = triton_io.parameters(config), config.get("name", "tensorrt_llm_bls")
+        self.tokenizer = ChatGLMTokenizer(triton_io.parameter(params, "tokenizer_dir", name))
+        self.limits = Limits(max_input_len=triton_io.int_parameter(params, "max_input_len", name),
+                             max_seq_len=triton_io.int_parameter(params, "max_seq_len", name),
+                             vocab_size=triton_io.int_parameter(params, "vocab_size", name))
+        self.engine = triton_io.parameter(params, "tensorrt_llm_model_name", name)
+        self.accumulate = triton_io.bool_parameter(params, "accumulate_tokens", name)
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        self.dtypes = triton_io.output_dtypes(config)
+        self.pool = ThreadPoolExecutor(max_workers=max(1, int(config.get("max_batch_size", 1))),
+                                       thread_name_prefix="bls")
+
+    def execute(self, requests: list):
+        if not self.decoupled:
+            return list(self.pool.map(self._answer, requests))
+        for request in requests:
+            self.pool.submit(self._stream, request)
+        return None
+
+    def finalize(self) -> None:
+        self.pool.shutdown(wait=True)
+
+    # --- one request ----------------------------------------------------------------------------
+
+    def _prepare(self, request) -> tuple[dict, dict]:
+        client = triton_io.input_arrays(request, (*TO_PREPROCESSING, *PASSED))
+        prepared = preprocess(self.tokenizer, self.limits,
+                              {TO_PREPROCESSING[name]: client[name] for name in TO_PREPROCESSING})
+        return client, engine_inputs(prepared, client)
+
+    def _answer(self, request):
+        """Non-decoupled: the whole reply in one response."""
+        try:
+            client, inputs = self._prepare(request)
+            if streaming(client):
+                raise UsageError("stream needs a decoupled repository (decoupled_mode true)")
+            reply, log_probs = Reply(self.tokenizer, self.accumulate), {}
+            for outputs in self._generate(inputs, request):
+                reply.collect(outputs["output_ids"], outputs["sequence_length"])
+                log_probs.update({k: outputs[k] for k in LOG_PROBS if k in outputs})
+            return self._response(reply.whole(), log_probs)
+        except Exception as e:
+            return triton_io.error_response(e)
+
+    def _stream(self, request) -> None:
+        """Decoupled: pieces as they come (or the whole reply when not streamed), then the final flag."""
+        sender = request.get_response_sender()
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        try:
+            client, inputs = self._prepare(request)
+            stream = streaming(client)
+            reply, log_probs = Reply(self.tokenizer, self.accumulate), {}
+            for outputs in self._generate(inputs, request):
+                log_probs = {k: outputs[k] for k in LOG_PROBS if k in outputs}
+                if not stream:
+                    reply.collect(outputs["output_ids"], outputs["sequence_length"])
+                    continue
+                texts = reply.add(outputs["output_ids"], outputs["sequence_length"])
+                if texts and (any(any(row) for row in texts) or _wants_log_probs(client)):
+                    sender.send(self._response(texts, log_probs))
+            if stream:
+                tail = reply.finish()
+                sender.send(self._response(tail, {}) if any(any(row) for row in tail) else None, flags=final)
+            else:
+                sender.send(self._response(reply.whole(), log_probs), flags=final)
+        except Exception as e:
+            sender.send(triton_io.error_response(e), flags=final)
+
+    def _generate(self, inputs: dict[str, np.ndarray], request):
+        """tensorrt_llm's responses as {output name: array}; EngineError when it answers with an error."""
+        engine_request = pb_utils.InferenceRequest(
+            model_name=self.engine, requested_output_names=list(ENGINE_OUTPUTS),
+            inputs=[pb_utils.Tensor(name, np.ascontiguousarray(array)) for name, array in inputs.items()])
+        responses = engine_request.exec(decoupled=True) if self.decoupled else [engine_request.exec()]
+        for response in responses:
+            if response.has_error():
+                raise EngineError(f"{self.engine}: {response.error().message()}")
+            outputs = {}
+            for name in ENGINE_OUTPUTS:
+                tensor = pb_utils.get_output_tensor_by_name(response, name)
+                if tensor is not None:
+                    outputs[name] = tensor.as_numpy()
+            if "output_ids" in outputs and "sequence_length" in outputs:
+                yield outputs
+            if _cancelled(request):
+                getattr(responses, "cancel", lambda: None)()
+                raise UsageError("request cancelled")
+
+    def _response(self, texts: list[list[str]], log_probs: dict[str, np.ndarray]):
+        arrays = {"text_output": triton_io.strings(texts), **log_probs}
+        return pb_utils.InferenceResponse(output_tensors=triton_io.output_tensors(arrays, self.dtypes))
+
+
+def _wants_log_probs(client: dict) -> bool:
+    flag = client.get("return_log_probs")
+    return flag is not None and bool(np.asarray(flag).reshape(-1)[0])
+
+
+def _cancelled(request) -> bool:
+    is_cancelled = getattr(request, "is_cancelled", None)
+    return bool(is_cancelled and is_cancelled())

@@ -1,0 +1,200 @@
+"""ChatGLM3 preprocessing: a request's text and options -> the engine's input tensors.
+
+`preprocess` takes the request's arrays by tensor name (batch first, as Triton gives them) and
+returns the output arrays by name:
+
+| input (ensemble name) | output |
+|---|---|
+| QUERY (text_input): one message or a JSON chat | INPUT_ID, REQUEST_INPUT_LEN: the chat prompt's ids |
+| REQUEST_OUTPUT_LEN (max_tokens) ≥ 1 | REQUEST_OUTPUT_LEN |
+| END_ID / PAD_ID (end_id / pad_id), optional | OUT_END_ID / OUT_PAD_ID: the client's, else `</s>` 2 and `<unk>` 0 |
+| STOP_WORDS_DICT (stop_words), optional | STOP_WORDS_IDS: `<|user|>`, `<|observation|>` and the client's words |
+| BAD_WORDS_DICT (bad_words), optional | BAD_WORDS_IDS |
+| EMBEDDING_BIAS_WORDS / _WEIGHTS, optional | EMBEDDING_BIAS: [vocab] or [0] |
+
+A prompt longer than the engine's max_input_len, or one that leaves less room than max_tokens
+before max_seq_len, is refused with a UsageError, which the model returns as an error
+response. So is STREAM (stream) true: the ensemble returns whole replies only, because an
+ensemble's postprocessing may read nothing but the engine's latest ids (Triton forbids
+mixing them with tensors from before the engine), so it could not continue a request's text
+across streamed responses; tensorrt_llm_bls streams instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from trtglm.chatglm.tokenizer import ChatGLMTokenizer
+from trtglm.errors import UsageError
+from trtglm.repo.python_models import triton_io
+from trtglm.repo.python_models.prompt import prompt_ids
+from trtglm.repo.python_models.triton_io import pb_utils
+from trtglm.repo.python_models.words import bad_sequences, embedding_bias, stack_word_lists, stop_sequences, word_list
+
+INPUTS = ("QUERY", "REQUEST_OUTPUT_LEN", "BAD_WORDS_DICT", "STOP_WORDS_DICT", "EMBEDDING_BIAS_WORDS",
+          "EMBEDDING_BIAS_WEIGHTS", "END_ID", "PAD_ID", "STREAM")
+CLIENT_NAMES = {  # what the client calls each input (ensemble and BLS), for error messages
+    "QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "BAD_WORDS_DICT": "bad_words",
+    "STOP_WORDS_DICT": "stop_words", "EMBEDDING_BIAS_WORDS": "embedding_bias_words",
+    "EMBEDDING_BIAS_WEIGHTS": "embedding_bias_weights", "END_ID": "end_id", "PAD_ID": "pad_id",
+}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the engine accepts (from the model's parameters)."""
+
+    max_input_len: int
+    max_seq_len: int
+    vocab_size: int  # the engine's vocabulary (embedding bias length)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One batch row, ready for the engine."""
+
+    ids: list[int]
+    output_len: int
+    end_id: int
+    pad_id: int
+    stop_words: np.ndarray
+    bad_words: np.ndarray
+    bias: np.ndarray
+
+
+def preprocess(tokenizer: ChatGLMTokenizer, limits: Limits, inputs: dict[str, np.ndarray | None]) -> dict:
+    """Output arrays by name for one request (any batch size); UsageError for a bad request."""
+    if inputs.get("QUERY") is None or inputs.get("REQUEST_OUTPUT_LEN") is None:
+        raise UsageError("text_input and max_tokens are required")
+    rows = [prepare(tokenizer, limits, inputs, row) for row in range(len(inputs["QUERY"]))]
+    return assemble(rows)
+
+
+def prepare(tokenizer: ChatGLMTokenizer, limits: Limits, inputs: dict, row: int) -> Prepared:
+    ids = prompt_ids(tokenizer, _one_text(inputs, "QUERY", row))
+    output_len = _one_int(inputs, "REQUEST_OUTPUT_LEN", row)
+    if output_len < 1:
+        raise UsageError(f"max_tokens must be at least 1, not {output_len}")
+    if len(ids) > limits.max_input_len:
+        raise UsageError(f"the prompt is {len(ids)} tokens, more than the engine's max_input_len "
+                         f"({limits.max_input_len})")
+    if len(ids) + output_len > limits.max_seq_len:
+        raise UsageError(f"the prompt ({len(ids)} tokens) plus max_tokens ({output_len}) exceeds the engine's "
+                         f"max_seq_len ({limits.max_seq_len})")
+    bias_words = _texts(inputs, "EMBEDDING_BIAS_WORDS", row)
+    bias_weights = _floats(inputs, "EMBEDDING_BIAS_WEIGHTS", row)
+    return Prepared(
+        ids=ids,
+        output_len=output_len,
+        end_id=_token_id(tokenizer, inputs, "END_ID", row, tokenizer.eos_id),
+        pad_id=_token_id(tokenizer, inputs, "PAD_ID", row, tokenizer.pad_id),
+        stop_words=word_list(stop_sequences(tokenizer, _texts(inputs, "STOP_WORDS_DICT", row))),
+        bad_words=word_list(bad_sequences(tokenizer, _texts(inputs, "BAD_WORDS_DICT", row))),
+        bias=embedding_bias(tokenizer, bias_words, bias_weights, limits.vocab_size),
+    )
+
+
+def assemble(rows: list[Prepared]) -> dict[str, np.ndarray]:
+    """Batch arrays: prompts right-padded with each row's pad id, word lists padded to the widest."""
+    width = max(len(r.ids) for r in rows)
+    input_ids = np.array([r.ids + [r.pad_id] * (width - len(r.ids)) for r in rows], dtype=np.int32)
+    bias_len = max(len(r.bias) for r in rows)
+    bias = np.zeros((len(rows), bias_len), dtype=np.float32)
+    for i, r in enumerate(rows):
+        bias[i, :len(r.bias)] = r.bias
+
+    def column(values: list[int]) -> np.ndarray:
+        return np.array(values, dtype=np.int32).reshape(-1, 1)
+
+    return {
+        "INPUT_ID": input_ids,
+        "REQUEST_INPUT_LEN": column([len(r.ids) for r in rows]),
+        "REQUEST_OUTPUT_LEN": column([r.output_len for r in rows]),
+        "OUT_END_ID": column([r.end_id for r in rows]),
+        "OUT_PAD_ID": column([r.pad_id for r in rows]),
+        "STOP_WORDS_IDS": stack_word_lists([r.stop_words for r in rows]),
+        "BAD_WORDS_IDS": stack_word_lists([r.bad_words for r in rows]),
+        "EMBEDDING_BIAS": bias,
+    }
+
+
+def refuse_streaming(stream: np.ndarray | None) -> None:
+    """UsageError when the request asks the ensemble to stream (see the module docstring)."""
+    if stream is not None and np.asarray(stream).astype(bool).any():
+        raise UsageError("the ensemble returns whole replies only; stream with the tensorrt_llm_bls model "
+                         "(it decodes each request's stream without splitting characters)")
+
+
+# --- reading one row of a request's arrays ------------------------------------------------------
+
+
+def _values(inputs: dict, name: str, row: int) -> list:
+    array = inputs.get(name)
+    return [] if array is None else list(np.asarray(array[row]).reshape(-1))
+
+
+def _decode(value: object, name: str) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise UsageError(f"{CLIENT_NAMES[name]} is not valid UTF-8") from None
+    return str(value)
+
+
+def _one_text(inputs: dict, name: str, row: int) -> str:
+    values = _values(inputs, name, row)
+    if len(values) != 1:
+        raise UsageError(f"{CLIENT_NAMES[name]} must hold one string per request, not {len(values)}")
+    return _decode(values[0], name)
+
+
+def _texts(inputs: dict, name: str, row: int) -> list[str]:
+    return [text for text in (_decode(v, name) for v in _values(inputs, name, row)) if text]
+
+
+def _floats(inputs: dict, name: str, row: int) -> list[float]:
+    return [float(v) for v in _values(inputs, name, row)]
+
+
+def _one_int(inputs: dict, name: str, row: int) -> int:
+    values = _values(inputs, name, row)
+    if len(values) != 1:
+        raise UsageError(f"{CLIENT_NAMES[name]} must hold one integer per request, not {len(values)}")
+    return int(values[0])
+
+
+def _token_id(tokenizer: ChatGLMTokenizer, inputs: dict, name: str, row: int, default: int) -> int:
+    if inputs.get(name) is None:
+        return default
+    token = _one_int(inputs, name, row)
+    if not 0 <= token < tokenizer.vocab_size:
+        raise UsageError(f"{CLIENT_NAMES[name]} {token} is not a token id (0..{tokenizer.vocab_size - 1})")
+    return token
+
+
+class TritonPythonModel:
+    """Triton's entry point: one response per request, an error response for a bad request."""
+
+    def initialize(self, args: dict) -> None:
+        config = triton_io.model_config(args)
+        params, name = triton_io.parameters(config), config.get("name", "preprocessing")
+        self.tokenizer = ChatGLMTokenizer(triton_io.parameter(params, "tokenizer_dir", name))
+        self.limits = Limits(max_input_len=triton_io.int_parameter(params, "max_input_len", name),
+                             max_seq_len=triton_io.int_parameter(params, "max_seq_len", name),
+                             vocab_size=triton_io.int_parameter(params, "vocab_size", name))
+        self.dtypes = triton_io.output_dtypes(config)
+
+    def execute(self, requests: list) -> list:
+        return [self._respond(request) for request in requests]
+
+    def _respond(self, request):
+        try:
+            inputs = triton_io.input_arrays(request, INPUTS)
+            refuse_streaming(inputs.pop("STREAM"))
+            arrays = preprocess(self.tokenizer, self.limits, inputs)
+        except Exception as e:  # a bad request must not fail the others of its batch
+            return triton_io.error_response(e)
+        return pb_utils.InferenceResponse(output_tensors=triton_io.output_tensors(arrays, self.dtypes))
