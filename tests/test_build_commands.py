@@ -169,12 +169,9 @@ def test_trtllm07_v1_batching_and_continuous_cache():
 
 
 def test_set_flags_become_overrides():
-    from trtglm.engine.cli_commands import join_repeated_set, set_overrides
+    from trtglm.engine.cli_commands import set_overrides
 
-    assert join_repeated_set(["build-engine", "--set", "a.b=1", "--config", "x", "--set=c.d=two"]) == [
-        "build-engine", "--config", "x", "--set", "a.b=1,c.d=two"]
-    assert join_repeated_set(["plan", "--config", "x"]) == ["plan", "--config", "x"]
-    assert set_overrides("build.max_batch_size=4,model.dir=/a,b/c,serve.decoupled=false") == {
+    assert set_overrides(["build.max_batch_size=4", "model.dir=/a,b/c", "serve.decoupled=false"]) == {
         "build.max_batch_size": 4, "model.dir": "/a,b/c", "serve.decoupled": False}
     assert set_overrides(("convert.tp_size=2", "serve.world_size=2")) == {"convert.tp_size": 2, "serve.world_size": 2}
     assert set_overrides(None) == {}

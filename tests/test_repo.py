@@ -14,7 +14,6 @@ from tritonclient.grpc import model_config_pb2
 from conftest import REPO, run_cli
 from test_repo_support import (LIMITS, MODELS, TEMPLATE, engine_vocab, ensemble_step, make_engine, parameter,
                                read_configs, template_copy, tree, upstream_copy)
-from trtglm.cli import COMMANDS
 from trtglm.errors import ModelFileError, OutputExistsError, UsageError
 from trtglm.repo import check_repo, patch_repo
 from trtglm.repo.cli_commands import patch_repo as patch_repo_command
@@ -266,7 +265,7 @@ def test_unrecognised_layout_is_refused(tmp_path, trt_engine):
 
 def test_command_takes_set_pairs_and_check_reports(tmp_path, trt_engine, capsys):
     out = tmp_path / "repo"
-    patch_repo_command(engine_dir=str(trt_engine), output_repo=str(out), set="triton_max_batch_size=2,max_queue_size=5")
+    patch_repo_command(engine_dir=str(trt_engine), output_repo=str(out), set=["triton_max_batch_size=2", "max_queue_size=5"])
     assert read_configs(out)["tensorrt_llm"].dynamic_batching.default_queue_policy.max_queue_size == 5
     patch_repo_command(check=str(out))
     config = out / "preprocessing/config.pbtxt"
@@ -276,10 +275,8 @@ def test_command_takes_set_pairs_and_check_reports(tmp_path, trt_engine, capsys)
     assert "preprocessing/config.pbtxt: max_batch_size 9 exceeds the engine's 8" in capsys.readouterr().err
 
 
-needs_cli = pytest.mark.skipif("patch-repo" not in COMMANDS, reason="patch-repo is not wired into the CLI yet")
 
 
-@needs_cli
 def test_cli_renders_checks_and_exits_with_typed_codes(tmp_path, trt_engine):
     out = tmp_path / "repo"
     proc = run_cli("patch-repo", "--engine-dir", trt_engine, "--output-repo", out,

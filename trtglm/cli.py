@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 
+from trtglm import __version__
 from trtglm.errors import TrtglmError
 
 log = logging.getLogger("trtglm")
@@ -23,11 +24,21 @@ def convert(model_dir: str, output_dir: str, dtype: str = "auto", tp_size: int =
                        weight_only=weight_only, chatglm_version=chatglm_version, force=force)
 
 
-def verify(checkpoint: str, hf_model: str, prompts: str | None = None, max_new_tokens: int = 16):
+def verify(checkpoint: str, hf_model: str, prompts: str | None = None, max_new_tokens: int = 16,
+           device: str = "cpu"):
     """Compare a TensorRT-LLM checkpoint, run by trtglm's runtime, with transformers' GlmForCausalLM."""
     from trtglm.runtime.verify import verify_checkpoint
 
-    verify_checkpoint(checkpoint, hf_model, prompts=prompts, max_new_tokens=max_new_tokens)
+    verify_checkpoint(checkpoint, hf_model, prompts=prompts, max_new_tokens=max_new_tokens, device=device)
+
+
+def chat(checkpoint: str, tokenizer_dir: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0,
+         top_k: int = 0, top_p: float = 1.0, seed: int | None = None, device: str = "cpu"):
+    """Answer PROMPT (text, or a JSON list of chat messages) from a checkpoint with trtglm's runtime."""
+    from trtglm.runtime.chat import answer
+
+    print(answer(checkpoint, tokenizer_dir, str(prompt), max_new_tokens=max_new_tokens, temperature=temperature,
+                 top_k=top_k, top_p=top_p, seed=seed, device=device))
 
 
 def synth_model(preset: str, out: str, layers: int | None = None, format: str = "safetensors",
@@ -38,11 +49,26 @@ def synth_model(preset: str, out: str, layers: int | None = None, format: str = 
     run(preset, out, layers=layers, fmt=format, dtype=dtype, seed=seed, force=force)
 
 
-COMMANDS = {
-    "convert": convert,
-    "verify": verify,
-    "synth-model": synth_model,
-}
+def _commands() -> dict:
+    from trtglm.engine.cli_commands import build_engine, plan
+    from trtglm.repo.cli_commands import patch_repo
+    from trtglm.serve.cli_commands import launch, models, stop
+
+    return {
+        "convert": convert,
+        "verify": verify,
+        "chat": chat,
+        "synth-model": synth_model,
+        "build-engine": build_engine,
+        "plan": plan,
+        "patch-repo": patch_repo,
+        "launch": launch,
+        "stop": stop,
+        "models": models,
+    }
+
+
+COMMANDS = _commands()
 
 
 def _pop_verbose(argv: list[str]) -> tuple[list[str], bool]:
@@ -51,38 +77,112 @@ def _pop_verbose(argv: list[str]) -> tuple[list[str], bool]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import fire
-
     argv, verbose = _pop_verbose(sys.argv[1:] if argv is None else list(argv))
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s" if verbose else "%(message)s")
-    if argv and argv[0] in COMMANDS and "-h" not in argv and "--help" not in argv:
-        _check_flags(argv)
+    log.debug("trtglm %s: %s", __version__, " ".join(argv))
     try:
-        fire.Fire(COMMANDS, command=argv, name="trtglm")
+        _run(argv)
     except TrtglmError as e:
         print(f"trtglm: error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         print("trtglm: interrupted", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stderr.close()
 
 
-def _check_flags(argv: list[str]) -> None:
-    """Refuse unknown flags with one line (fire would otherwise print a usage page)."""
+def _run(argv: list[str]) -> None:
+    import fire
+
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_overview())
+    elif argv[0] not in COMMANDS:
+        print(f"trtglm: error: unknown command {argv[0]!r} (commands: {', '.join(COMMANDS)})", file=sys.stderr)
+        sys.exit(2)
+    elif "-h" in argv or "--help" in argv:
+        print(_usage(argv[0]))
+    else:
+        fire.Fire(COMMANDS, command=_prepare_argv(argv), name="trtglm")
+
+
+def _overview() -> str:
+    lines = ["usage: trtglm COMMAND [FLAGS] [--verbose]", "", "commands:"]
+    width = max(map(len, COMMANDS))
+    for name, fn in COMMANDS.items():
+        lines.append(f"  {name:<{width}}  {(fn.__doc__ or '').strip().splitlines()[0]}")
+    lines.append("\n`trtglm COMMAND --help` describes a command's flags.")
+    return "\n".join(lines)
+
+
+def _usage(name: str) -> str:
+    import inspect
+
+    fn = COMMANDS[name]
+    flags = []
+    for param in inspect.signature(fn).parameters.values():
+        flag = "--" + param.name.replace("_", "-")
+        if param.default is inspect.Parameter.empty:
+            flags.append(f"{flag} {param.name.upper()}")
+        elif param.default is False:
+            flags.append(f"[{flag}]")
+        else:
+            flags.append(f"[{flag} {param.default if param.default is not None else param.name.upper()}]")
+    return f"usage: trtglm {name} {' '.join(flags)} [--verbose]\n\n{inspect.cleandoc(fn.__doc__ or '')}"
+
+
+def _prepare_argv(argv: list[str]) -> list[str]:
+    """Refuse unknown flags with one line, and keep string flags as typed.
+
+    fire reads every value as a Python literal ("[1, 2]" becomes a list, "007" a number); a
+    flag declared `str` is passed on as the repr of its text, which fire reads back verbatim.
+    `--set` may repeat: its values reach the command as one list of KEY=VALUE strings.
+    """
     import inspect
 
     params = inspect.signature(COMMANDS[argv[0]]).parameters
-    for arg in argv[1:]:
-        if arg.startswith("--"):
-            name = arg[2:].split("=", 1)[0].replace("-", "_")
-            if name.startswith("no") and name[2:] in params:
-                continue
-            if name not in params:
-                known = ", ".join("--" + p.replace("_", "-") for p in params)
-                print(f"trtglm {argv[0]}: error: unknown flag {arg.split('=', 1)[0]} (known: {known})",
-                      file=sys.stderr)
-                sys.exit(2)
+    argv, sets = _collect_sets(argv)
+    out, i = argv[:1] + ([f"--set={sets!r}"] if sets else []), 1
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if not arg.startswith("--"):
+            out.append(arg)
+            continue
+        name, has_value, value = arg[2:].partition("=")
+        key = name.replace("-", "_")
+        if key not in params and not (key.startswith("no") and key[2:] in params):
+            known = ", ".join("--" + p.replace("_", "-") for p in params)
+            print(f"trtglm {argv[0]}: error: unknown flag --{name} (known: {known})", file=sys.stderr)
+            sys.exit(2)
+        if not _is_str_flag(params.get(key)):
+            out.append(arg)
+            continue
+        if not has_value and i < len(argv):
+            value, has_value, i = argv[i], True, i + 1
+        out.append(f"--{name}={value!r}" if has_value else arg)
+    return out
+
+
+def _collect_sets(argv: list[str]) -> tuple[list[str], list[str]]:
+    rest, sets, i = [], [], 0
+    while i < len(argv):
+        if argv[i] == "--set" and i + 1 < len(argv):
+            sets.append(argv[i + 1])
+            i += 2
+        elif argv[i].startswith("--set="):
+            sets.append(argv[i][len("--set="):])
+            i += 1
+        else:
+            rest.append(argv[i])
+            i += 1
+    return rest, sets
+
+
+def _is_str_flag(param) -> bool:
+    annotation = getattr(param, "annotation", None)
+    return isinstance(annotation, str) and annotation.split("|")[0].strip() == "str"
 
 
 if __name__ == "__main__":

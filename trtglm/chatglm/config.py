@@ -65,7 +65,9 @@ class ChatGLMConfig:
 
     @property
     def variant(self) -> str:
-        """Best name for the published model this config matches (for messages and profiles)."""
+        """The published model this config matches (for messages), or `<version>-custom`."""
+        if (self.num_layers, self.hidden_size) != (28, 4096):
+            return f"{self.version}-custom"
         if self.version == "chatglm2":
             return "chatglm2-6b"
         if self.seq_length >= 131072:

@@ -9,7 +9,6 @@ backend treats as "not specified"). Everything else is explicit.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -17,7 +16,6 @@ from trtglm.errors import ModelFileError, UsageError
 from trtglm.repo.placeholders import known_placeholders
 
 UNSET = None
-_PAIR_START = re.compile(r",(?=\s*\w+\s*=)")  # a comma that starts another NAME=
 
 BACKENDS = {"tensorrt": "tensorrtllm", "torch": "python"}  # engine kind -> tensorrt_llm's backend
 DATATYPES = {"float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "float32": "TYPE_FP32"}
@@ -97,13 +95,11 @@ def as_text(value: object) -> str | None:
 
 
 def parse_sets(pairs: Iterable[str] | str | None) -> dict[str, str]:
-    """`--set` value(s) -> {placeholder: text}: `["a=1", "b=2"]` or `"a=1,b=2"` (a comma starts a pair
-    only when `NAME=` follows, so `gpu_device_ids=0,1` stays one value)."""
+    """`--set` value(s) -> {placeholder: text}: `["a=1", "b=2"]` or one `"a=1"`."""
     if pairs is None:
         return {}
-    items = [pairs] if isinstance(pairs, str) else [str(p) for p in pairs]
     sets = {}
-    for pair in (pair for item in items for pair in _PAIR_START.split(item)):
+    for pair in [pairs] if isinstance(pairs, str) else [str(p) for p in pairs]:
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
             raise UsageError(f"--set {pair}: expected PLACEHOLDER=VALUE, e.g. triton_max_batch_size=8")

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Create .venv/ in the repository root and install trtglm with its test dependencies.
+# Safe to re-run: it does nothing when the installed set is already current.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+STAMP=$VENV/.trtglm-setup
+
+log() { printf '[setup] %s\n' "$*"; }
+
+# System package: Open MPI's mpirun runs multi-rank servers (trtglm launch --world-size N).
+if ! command -v mpirun >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    log "installing openmpi-bin (mpirun)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin >/dev/null
+  else
+    log "warning: mpirun not found; install Open MPI (Debian/Ubuntu: apt-get install openmpi-bin) for multi-rank launches"
+  fi
+fi
+
+wanted=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$wanted" ]; then
+  log "environment is current ($VENV)"
+  exit 0
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV with $($PYTHON --version)"
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q)
+"${PIP[@]}" --upgrade pip
+# Install the pinned CPU build of torch first so that resolving the project does not pull a
+# multi-GB CUDA build (on GPU machines, install the torch you want before running this).
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  log "installing torch==2.13.0"
+  "${PIP[@]}" "torch==2.13.0"
+fi
+log "installing trtglm and its test dependencies"
+"${PIP[@]}" -e ".[test]"
+echo "$wanted" > "$STAMP"
+log "done: $("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"

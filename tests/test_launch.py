@@ -1,0 +1,456 @@
+"""`trtglm launch`, `stop` and `models` against real tritonserver processes (nvidia-pytriton's
+binary, CPU, python backend) and a real Open MPI `mpirun`, on free loopback ports.
+
+The repositories are the tests' own: `tensorrt_llm` answers with the OMPI_COMM_WORLD_RANK it
+sees and fails its initialisation on the rank named by $TEST_FAIL_RANK; `echo` returns its
+input. Both drop a marker file `rank{R}-{model}` when loaded, which shows which rank loaded
+what. Leftovers are looked for the way a user would: processes whose command line names the
+test's repository, and /dev/shm regions with the launch's prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI = ["-m", "trtglm"]
+NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+RANK_MODEL = '''
+import os
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def rank():
+    return int(os.environ.get("OMPI_COMM_WORLD_RANK", "-1"))
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        if os.environ.get("TEST_FAIL_RANK") == str(rank()):
+            raise RuntimeError(f"deliberate failure on rank {rank()}")
+        Path(os.environ["TEST_MARKERS"], f"rank{rank()}-{args['model_name']}").touch()
+
+    def execute(self, requests):
+        out = np.array([rank()], np.int32)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("RANK", out)]) for _ in requests]
+'''
+
+ECHO_MODEL = '''
+import os
+import time
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        time.sleep(float(os.environ.get("TEST_SLOW_ECHO", "0")))
+        rank = os.environ.get("OMPI_COMM_WORLD_RANK", "-1")
+        Path(os.environ["TEST_MARKERS"], f"rank{rank}-{args['model_name']}").touch()
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN")
+                                                            .as_numpy())]) for r in requests]
+'''
+
+
+def config(name: str, output: str, extra: str = "") -> str:
+    return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
+            'input [ { name: "IN", data_type: TYPE_INT32, dims: [ 1 ] } ]\n'
+            f'output [ {{ name: "{output}", data_type: TYPE_INT32, dims: [ 1 ] }} ]\n'
+            'instance_group [ { count: 1, kind: KIND_CPU } ]\n' + extra)
+
+
+def make_repo(root: Path, tp_size: int) -> Path:
+    """A repository whose tensorrt_llm names a (fake) engine folder of tp_size ranks."""
+    engine = root / "engine"
+    engine.mkdir(parents=True)
+    (engine / "trtglm.json").write_text(json.dumps({"mapping": {"world_size": tp_size, "tp_size": tp_size,
+                                                                "pp_size": 1}}))
+    repo = root / "repo"
+    engine_parameter = f'parameters {{ key: "gpt_model_path", value {{ string_value: "{engine}" }} }}\n'
+    for name, output, code, extra in (("tensorrt_llm", "RANK", RANK_MODEL, engine_parameter),
+                                      ("echo", "OUT", ECHO_MODEL, "")):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "config.pbtxt").write_text(config(name, output, extra))
+        (repo / name / "1" / "model.py").write_text(code)
+    return repo
+
+
+def free_ports(count: int = 3) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def repo_processes(repo: Path) -> list[psutil.Process]:
+    """Processes (mpirun, tritonserver, python stubs, a launch) whose command line names `repo`."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if proc.pid != os.getpid() and any(str(repo) in arg for arg in proc.info["cmdline"] or ()) \
+                    and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def shm_regions(base: str) -> list[str]:
+    return sorted(p.name for p in Path("/dev/shm").glob(f"{base}*"))
+
+
+def infer(port: int, model: str, value: int = 7) -> dict:
+    body = json.dumps({"inputs": [{"name": "IN", "shape": [1], "datatype": "INT32", "data": [value]}]}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/{model}/infer", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with NO_PROXY.open(request, timeout=10) as reply:
+        return {o["name"]: o["data"] for o in json.loads(reply.read())["outputs"]}
+
+
+def http_status(url: str) -> int:
+    try:
+        with NO_PROXY.open(url, timeout=2) as reply:
+            return reply.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
+
+
+class Env:
+    """One test's world: a repository, ports, its own state folder, and cleanup of whatever is left."""
+
+    def __init__(self, tmp_path: Path, tp_size: int):
+        self.repo = make_repo(tmp_path, tp_size)
+        self.markers = tmp_path / "markers"
+        self.markers.mkdir()
+        self.state_dir = tmp_path / "state"
+        self.http, self.grpc, self.metrics = free_ports()
+        self.env = {**os.environ, "TRTGLM_STATE_DIR": str(self.state_dir), "TEST_MARKERS": str(self.markers),
+                    "PYTHONUNBUFFERED": "1"}
+        self.popens: list[subprocess.Popen] = []
+
+    def ports(self) -> list[str]:
+        return ["--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics)]
+
+    def run(self, *args: str, timeout: float = 90, **env) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *CLI, *args], capture_output=True, text=True, timeout=timeout,
+                              cwd=ROOT, env={**self.env, **env})
+
+    def start(self, *args: str, **env) -> subprocess.Popen:
+        """A foreground `launch`, left running."""
+        proc = subprocess.Popen([sys.executable, *CLI, "launch", "--repo", str(self.repo), *self.ports(),
+                                 "--timeout", "60", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=ROOT, env={**self.env, **env})
+        self.popens.append(proc)
+        return proc
+
+    def wait_ready(self, proc: subprocess.Popen, limit_s: float = 60) -> str:
+        """What a foreground `launch` printed up to its endpoints (it prints them once ready)."""
+        deadline, out = time.monotonic() + limit_s, ""
+        with selectors.DefaultSelector() as selector:
+            selector.register(proc.stdout, selectors.EVENT_READ)
+            while "  logs " not in out and time.monotonic() < deadline:
+                if selector.select(timeout=0.5):
+                    chunk = os.read(proc.stdout.fileno(), 65536)  # unbuffered: select sees what is left
+                    if not chunk:
+                        _, err = proc.communicate()
+                        pytest.fail(f"launch exited {proc.returncode} before ready:\n{out}\n{err}")
+                    out += chunk.decode()
+        if "  logs " not in out:
+            pytest.fail(f"launch did not report ready in time:\n{out}")
+        assert http_status(f"http://127.0.0.1:{self.http}/v2/health/ready") == 200
+        return out
+
+    def state(self) -> dict:
+        files = list(self.state_dir.glob("*/state.json"))
+        assert len(files) == 1, files
+        return json.loads(files[0].read_text())
+
+    def markers_seen(self) -> set[str]:
+        return {p.name for p in self.markers.iterdir()}
+
+    def assert_clean(self, shm_base: str) -> None:
+        left = [(p.pid, p.name()) for p in repo_processes(self.repo) if _alive(p)]
+        assert left == [], f"processes left running: {left}"
+        assert shm_regions(shm_base) == []
+
+    def cleanup(self) -> None:
+        for proc in self.popens:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        leftovers = repo_processes(self.repo)
+        for proc in leftovers:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(leftovers, timeout=10)
+        for state in self.state_dir.glob("*/state.json"):
+            for region in shm_regions(json.loads(state.read_text()).get("shm_base", "?")):
+                Path("/dev/shm", region).unlink(missing_ok=True)
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def wait_gone(repo: Path, limit_s: float = 15) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and any(map(_alive, repo_processes(repo))):
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def env1(tmp_path):
+    world = Env(tmp_path, tp_size=1)
+    yield world
+    world.cleanup()
+
+
+@pytest.fixture
+def env2(tmp_path):
+    world = Env(tmp_path, tp_size=2)
+    yield world
+    world.cleanup()
+
+
+@pytest.fixture(autouse=True)
+def _needs_tools():
+    pytest.importorskip("pytriton")
+    pytest.importorskip("tritonclient.http")
+
+
+def needs_mpirun():
+    if subprocess.run(["sh", "-c", "command -v mpirun"], capture_output=True).returncode != 0:
+        pytest.skip("mpirun (openmpi-bin) is not installed")
+
+
+# --- one rank, foreground ---------------------------------------------------------------------------
+
+
+def test_one_rank_runs_without_mpirun_and_sigterm_cleans_up(env1):
+    proc = env1.start()
+    out = env1.wait_ready(proc)
+    assert infer(env1.http, "echo", 41) == {"OUT": [41]}
+    assert infer(env1.http, "tensorrt_llm") == {"RANK": [-1]}  # no MPI environment: tritonserver ran alone
+    assert env1.markers_seen() == {"rank-1-tensorrt_llm", "rank-1-echo"}
+    launch = psutil.Process(proc.pid)
+    assert "mpirun" not in {p.name() for p in launch.children(recursive=True)}
+    shm_base = env1.state()["shm_base"]
+    assert shm_regions(shm_base), "the python stubs should hold shared memory while running"
+
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert f"HTTP     http://127.0.0.1:{env1.http}" in out
+    assert f"gRPC     127.0.0.1:{env1.grpc}" in out and f"http://127.0.0.1:{env1.metrics}/metrics" in out
+    env1.assert_clean(shm_base)
+    assert list(env1.state_dir.glob("*/state.json")) == []
+
+
+# --- two ranks, foreground --------------------------------------------------------------------------
+
+
+def test_two_ranks_under_mpirun_rank0_serves_and_ctrl_c_cleans_up(env2):
+    needs_mpirun()
+    proc = env2.start("--world-size", "2")
+    env2.wait_ready(proc)
+    assert infer(env2.http, "tensorrt_llm") == {"RANK": [0]}
+    assert infer(env2.http, "echo", 5) == {"OUT": [5]}
+    # rank 1 loaded tensorrt_llm only; rank 0 everything
+    assert env2.markers_seen() == {"rank0-tensorrt_llm", "rank0-echo", "rank1-tensorrt_llm"}
+    names = [p.name() for p in psutil.Process(proc.pid).children(recursive=True)]
+    assert names.count("mpirun") == 1 and names.count("tritonserver") == 2
+    shm_base = env2.state()["shm_base"]
+    assert any("rank1_" in name for name in shm_regions(shm_base))
+
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    env2.assert_clean(shm_base)
+
+
+def test_a_killed_rank_stops_every_rank_and_shows_its_log(env2):
+    needs_mpirun()
+    proc = env2.start("--world-size", "2")
+    env2.wait_ready(proc)
+    shm_base = env2.state()["shm_base"]
+    rank1 = [p for p in repo_processes(env2.repo)
+             if p.name() == "tritonserver" and "--load-model=tensorrt_llm" in p.cmdline()]
+    assert len(rank1) == 1
+    killed_at = time.monotonic()
+    rank1[0].kill()
+    _, err = proc.communicate(timeout=15)
+    assert time.monotonic() - killed_at < 15
+    assert proc.returncode != 0
+    assert "rank 1 of 2 died" in err
+    rank1_log = next(env2.state_dir.glob("*/logs/ranks/*/rank.1/stderr"))
+    assert f"---- rank 1: {rank1_log} ----" in err
+    last_logged = rank1_log.read_text().rstrip().splitlines()[-1].rstrip()
+    assert err.rstrip().splitlines()[-2].rstrip() == last_logged  # the log's tail, then the error line
+    assert "rank 1 with PID 0 on node" in err and "exited on signal 9 (Killed)" in err  # mpirun's account
+    env2.assert_clean(shm_base)
+
+
+# --- detached --------------------------------------------------------------------------------------
+
+
+def test_detach_second_launch_models_and_stop(env2):
+    needs_mpirun()
+    started = env2.run("launch", "--repo", str(env2.repo), "--world-size", "2", *env2.ports(), "--detach",
+                       "--timeout", "60")
+    assert started.returncode == 0, started.stderr
+    assert f"HTTP     http://127.0.0.1:{env2.http}" in started.stdout
+    assert http_status(f"http://127.0.0.1:{env2.http}/v2/health/ready") == 200
+    shm_base = env2.state()["shm_base"]
+    assert env2.state()["status"] == "ready"
+
+    other_ports = [str(p) for p in free_ports()]
+    again = env2.run("launch", "--repo", str(env2.repo), "--world-size", "2", "--http-port", other_ports[0],
+                     "--grpc-port", other_ports[1], "--metrics-port", other_ports[2])
+    assert again.returncode == 2
+    assert again.stderr.strip().splitlines()[-1].startswith(f"trtglm: error: {env2.repo} is already being served")
+
+    url = f"http://127.0.0.1:{env2.http}"
+    listed = env2.run("models", "list", "--url", url)
+    assert listed.returncode == 0, listed.stderr
+    assert sorted(listed.stdout.splitlines()) == ["echo\t1\tREADY", "tensorrt_llm\t1\tREADY"]
+    unloaded = env2.run("models", "unload", "echo", "--url", url)
+    assert unloaded.returncode == 0, unloaded.stderr
+    deadline = time.monotonic() + 10
+    while http_status(f"{url}/v2/models/echo/ready") == 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert http_status(f"{url}/v2/models/echo/ready") == 400
+    loaded = env2.run("models", "load", "echo", "--url", url)
+    assert loaded.returncode == 0, loaded.stderr
+    assert http_status(f"{url}/v2/models/echo/ready") == 200
+    missing = env2.run("models", "load", "no_such_model", "--url", url)
+    assert missing.returncode == 1
+    assert missing.stderr.strip().startswith("trtglm: error: load no_such_model:")
+    assert len(missing.stderr.strip().splitlines()) == 1
+
+    stopped = env2.run("stop")  # the only launch: no --repo needed
+    assert stopped.returncode == 0, stopped.stderr
+    env2.assert_clean(shm_base)
+    assert env2.run("stop").returncode == 2
+
+
+def test_detached_launch_reports_a_rank_that_fails_to_start(env2):
+    needs_mpirun()
+    failed = env2.run("launch", "--repo", str(env2.repo), "--world-size", "2", *env2.ports(), "--detach",
+                      "--timeout", "60", TEST_FAIL_RANK="0")
+    assert failed.returncode != 0
+    assert failed.stderr.strip().splitlines()[-1].startswith("trtglm: error: rank 0 of 2 died")
+    assert "deliberate failure on rank 0" in failed.stderr
+    wait_gone(env2.repo)
+    assert [p.name() for p in repo_processes(env2.repo) if _alive(p)] == []
+    assert list(env2.state_dir.glob("*/state.json")) == []
+
+
+def test_launch_and_stop_clean_up_after_a_dead_supervisor(env1):
+    def start_detached_then_kill_supervisor() -> dict:
+        started = env1.run("launch", "--repo", str(env1.repo), *env1.ports(), "--detach", "--timeout", "60")
+        assert started.returncode == 0, started.stderr
+        state = env1.state()
+        psutil.Process(state["pid"]).kill()  # the supervisor dies; its server keeps running
+        time.sleep(0.5)
+        assert http_status(f"http://127.0.0.1:{env1.http}/v2/health/ready") == 200
+        return state
+
+    first = start_detached_then_kill_supervisor()
+    second = start_detached_then_kill_supervisor()  # same ports: the first server had to go
+    assert second["launch_id"] != first["launch_id"]
+    assert shm_regions(first["shm_base"]) == []
+    stopped = env1.run("stop", "--repo", str(env1.repo))
+    assert stopped.returncode == 0, stopped.stderr
+    assert "removed what a dead one left" in stopped.stdout
+    env1.assert_clean(second["shm_base"])
+
+
+def test_a_server_not_ready_in_time_is_stopped(env1):
+    proc = env1.start("--timeout", "2", TEST_SLOW_ECHO="60")
+    _, err = proc.communicate(timeout=40)
+    assert proc.returncode == 1
+    assert err.strip().splitlines()[-1].startswith("trtglm: error: rank 0 was not ready within 2 s; stopped all ranks")
+    wait_gone(env1.repo)
+    assert [p.name() for p in repo_processes(env1.repo) if _alive(p)] == []
+
+
+# --- refusals (nothing starts) -------------------------------------------------------------------------
+
+
+def test_busy_port_is_refused(env1):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", env1.http))
+        busy.listen()
+        refused = env1.run("launch", "--repo", str(env1.repo), *env1.ports())
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == (f"trtglm: error: --http-port {env1.http} on 127.0.0.1 is in use "
+                                      "(pick another port or stop what uses it)")
+    assert repo_processes(env1.repo) == []
+
+
+def test_world_size_mismatch_missing_repo_and_missing_tritonserver_are_refused(env2, tmp_path):
+    mismatch = env2.run("launch", "--repo", str(env2.repo), "--world-size", "1", *env2.ports())
+    assert mismatch.returncode == 2
+    assert mismatch.stderr.strip().startswith("trtglm: error: --world-size 1 does not match the engine's tp × pp = 2")
+    missing = env2.run("launch", "--repo", str(tmp_path / "nope"))
+    assert missing.returncode == 3
+    assert missing.stderr.strip() == f"trtglm: error: model repository {tmp_path / 'nope'}: not a folder"
+    no_server = env2.run("launch", "--repo", str(env2.repo), "--tritonserver", str(tmp_path / "tritonserver"))
+    assert no_server.returncode == 6
+    assert "not an executable file" in no_server.stderr
+    assert len(no_server.stderr.strip().splitlines()) == 1
+
+
+def test_stop_without_repo_needs_exactly_one_running_launch(env1):
+    from trtglm.serve.state import LaunchDir
+
+    held = []
+    for name in ("a", "b"):
+        launch_dir = LaunchDir(env1.state_dir / name)
+        held.append(launch_dir.try_lock())  # this test process plays two live supervisors
+        launch_dir.write({"repo": f"/repos/{name}", "pid": os.getpid(), "status": "ready"})
+    try:
+        several = env1.run("stop")
+        assert several.returncode == 2
+        assert several.stderr.strip() == "trtglm: error: 2 launches are running (/repos/a, /repos/b): pass --repo"
+    finally:
+        for handle in held:
+            handle.close()
+    none = env1.run("stop")  # both are stale now: cleaned, and nothing runs
+    assert none.returncode == 2
+    assert none.stderr.strip() == "trtglm: error: no launch is running"
+    assert list(env1.state_dir.glob("*/state.json")) == []

@@ -1,0 +1,7 @@
+"""Serving a Triton model repository: `trtglm launch`, `trtglm stop`, `trtglm models`.
+
+command.py builds the server command lines (pure), tritonserver.py finds the binaries and
+prepares the python backend, checks.py checks before starting, supervise.py runs and watches
+the servers, state.py keeps each launch's state, launch.py is `launch`/`stop`, control.py
+the repository API, cli_commands.py the CLI functions.
+"""

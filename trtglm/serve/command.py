@@ -1,0 +1,110 @@
+"""The server command lines, as pure functions of their inputs (no files, no environment).
+
+Several ranks run as one `mpirun` command with one `-n 1 tritonserver …` section per rank,
+separated by `:`, the scheme of NVIDIA's launch_triton_server.py: every rank gets the same
+model repository and its own python-backend shared-memory prefix; rank 0 serves clients and
+loads every model, ranks > 0 load only `tensorrt_llm` (`--model-control-mode=explicit`).
+
+What differs from NVIDIA's command, for a CPU machine and for supervision:
+- ranks > 0 open no endpoints (`--allow-http=false --allow-grpc=false --allow-metrics=false`)
+  instead of all ranks asking for the same ports;
+- rank 0 binds its endpoints to `host` (loopback by default) and exports no GPU metrics;
+- rank 0 runs in explicit model-control mode with `--load-model=*`: it loads every model at
+  start as before, and the repository API (`trtglm models load|unload`) is allowed;
+- `--backend-directory` when the python backend lives outside /opt/tritonserver;
+- `--exit-timeout-secs` bounds how long a SIGTERM'd server waits for in-flight requests;
+- mpirun runs with `--noprefix` (Open MPI started by absolute path would otherwise put its
+  own bin/ first on the ranks' PATH, so the python stubs would find the system python3),
+  `--bind-to none` (Open MPI would pin each rank to one core, starving a CPU engine),
+  `--oversubscribe` when there are more ranks than cores, `-x VAR` for the environment the
+  python stubs need, and `--output-filename DIR:nocopy` for per-rank logs
+  (DIR/1/rank.N/stdout and stderr).
+
+A world size of 1 runs tritonserver directly: no mpirun needed, same flags as rank 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+LLM_MODEL = "tensorrt_llm"  # the one model ranks > 0 load
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where rank 0 listens."""
+
+    host: str
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+
+    def ports(self) -> dict[str, int]:
+        return {"http": self.http_port, "grpc": self.grpc_port, "metrics": self.metrics_port}
+
+    def urls(self) -> dict[str, str]:
+        """Client addresses; a wildcard bind address is reached through loopback."""
+        host = client_host(self.host)
+        return {"http": f"http://{host}:{self.http_port}", "grpc": f"{host}:{self.grpc_port}",
+                "metrics": f"http://{host}:{self.metrics_port}/metrics"}
+
+
+def client_host(host: str) -> str:
+    """The address a local client uses for a server bound to `host` (IPv6 in brackets)."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"[{host}]" if ":" in host else host
+
+
+def shm_prefix(base: str, rank: int) -> str:
+    """The python backend's shared-memory prefix of one rank (NVIDIA's scheme: base `prefix` → `prefix0_`)."""
+    return f"{base}{rank}_"
+
+
+def server_args(tritonserver: str | Path, repo: str | Path, rank: int, endpoints: Endpoints, *,
+                shm_base: str = "prefix", backend_dir: str | Path | None = None,
+                exit_timeout_s: int = 5) -> list[str]:
+    """One rank's tritonserver command line."""
+    args = [str(tritonserver), f"--model-repository={repo}", "--disable-auto-complete-config",
+            f"--backend-config=python,shm-region-prefix-name={shm_prefix(shm_base, rank)}"]
+    if backend_dir is not None:
+        args.append(f"--backend-directory={backend_dir}")
+    if rank == 0:
+        args += [f"--http-address={endpoints.host}", f"--http-port={endpoints.http_port}",
+                 f"--grpc-address={endpoints.host}", f"--grpc-port={endpoints.grpc_port}",
+                 f"--metrics-address={endpoints.host}", f"--metrics-port={endpoints.metrics_port}",
+                 "--allow-cpu-metrics=true", "--allow-gpu-metrics=false",
+                 "--model-control-mode=explicit", "--load-model=*"]
+    else:
+        args += ["--allow-http=false", "--allow-grpc=false", "--allow-metrics=false",
+                 "--model-control-mode=explicit", f"--load-model={LLM_MODEL}"]
+    args.append(f"--exit-timeout-secs={exit_timeout_s}")
+    return args
+
+
+def mpirun_args(mpirun: str | Path, sections: list[list[str]], *, export_vars: list[str] = (),
+                oversubscribe: bool = False, output_dir: str | Path | None = None) -> list[str]:
+    """`mpirun [options] -n 1 SECTION0 : -n 1 SECTION1 : …`."""
+    args = [str(mpirun), "--allow-run-as-root", "--noprefix", "--bind-to", "none"]
+    if oversubscribe:
+        args.append("--oversubscribe")
+    if output_dir is not None:
+        args += ["--output-filename", f"{output_dir}:nocopy"]
+    for name in export_vars:
+        args += ["-x", name]
+    for i, section in enumerate(sections):
+        args += ([":"] if i else []) + ["-n", "1", *section]
+    return args
+
+
+def launch_args(tritonserver: str | Path, repo: str | Path, world_size: int, endpoints: Endpoints, *,
+                mpirun: str | Path = "mpirun", shm_base: str = "prefix", backend_dir: str | Path | None = None,
+                exit_timeout_s: int = 5, export_vars: list[str] = (), cpu_count: int = 1,
+                output_dir: str | Path | None = None) -> list[str]:
+    """The whole command: tritonserver itself for one rank, mpirun for several."""
+    sections = [server_args(tritonserver, repo, rank, endpoints, shm_base=shm_base, backend_dir=backend_dir,
+                            exit_timeout_s=exit_timeout_s) for rank in range(world_size)]
+    if world_size == 1:
+        return sections[0]
+    return mpirun_args(mpirun, sections, export_vars=export_vars, oversubscribe=world_size > cpu_count,
+                       output_dir=output_dir)

@@ -1,0 +1,56 @@
+"""`trtglm models load|unload|list`: Triton's model repository API over HTTP.
+
+load: POST /v2/repository/models/NAME/load; unload: POST …/NAME/unload; list: POST
+/v2/repository/index. They matter for a server in explicit model-control mode (ranks > 0 of a
+launch, or a server started with `--model-control-mode=explicit`); a server polling or not
+controlling its repository refuses them, which is reported as Triton words it.
+"""
+
+from __future__ import annotations
+
+import logging
+from urllib.parse import urlsplit
+
+from trtglm.errors import DependencyError, TrtglmError, UsageError
+
+log = logging.getLogger(__name__)
+
+ACTIONS = ("load", "unload", "list")
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def models(action: str, name: str | None = None, url: str = DEFAULT_URL) -> list[dict] | None:
+    """Run one repository action; `list` returns the repository index, the others None."""
+    if action not in ACTIONS:
+        raise UsageError(f"unknown action {action!r} (choose from {', '.join(ACTIONS)})")
+    if action != "list" and not name:
+        raise UsageError(f"`models {action}` needs a model name")
+    client = _client(url)
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        if action == "load":
+            client.load_model(str(name))
+        elif action == "unload":
+            client.unload_model(str(name))
+        else:
+            return client.get_model_repository_index()
+    except OSError as e:
+        raise TrtglmError(f"cannot reach Triton at {url}: {e.strerror or e}") from None
+    except InferenceServerException as e:  # Triton's own message
+        raise TrtglmError(f"{action} {name}: {e.message()}") from None
+    finally:
+        client.close()
+    log.info("%s %s: done", action, name)
+    return None
+
+
+def _client(url: str):
+    try:
+        import tritonclient.http as http
+    except ImportError:
+        raise DependencyError("tritonclient is not installed: pip install 'tritonclient[http]'") from None
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+        raise UsageError(f"--url {url}: expected http://HOST:PORT")
+    return http.InferenceServerClient(parts.netloc, ssl=parts.scheme == "https", network_timeout=600.0)

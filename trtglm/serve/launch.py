@@ -1,0 +1,214 @@
+"""`trtglm launch` and `trtglm stop`: a supervised (multi-rank) Triton server for a model repository.
+
+`launch` checks before it starts anything: the repository exists; `--world-size` equals the
+engine's tp × pp (read through tensorrt_llm's `gpt_model_path`; the engine's value when the
+flag is left out, 1 when the repository has no tensorrt_llm model); tritonserver (and mpirun
+for several ranks) can be found; no other launch serves the repository (state.py; the remains
+of a dead one are removed first); rank 0's ports are free on `--host`. Then it runs the
+supervisor (supervise.py) in the foreground, or with `--detach` as a daemon, returning once
+the server is ready; the daemon keeps watching, so a dying rank still stops the others.
+
+`stop` asks a launch's supervisor to stop (SIGTERM) and waits for it; a supervisor that does
+not finish in time is killed and its servers are stopped from the state it left.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from trtglm.errors import TrtglmError, UsageError
+from trtglm.serve.checks import check_ports, check_repo, resolve_world_size
+from trtglm.serve.command import Endpoints
+from trtglm.serve.state import LaunchDir, all_launch_dirs, clean_stale
+from trtglm.serve.supervise import EXIT_TIMEOUT_S, GRACE_S, LaunchSpec, Supervisor, announce
+from trtglm.serve.tritonserver import backend_directory, find_mpirun, find_tritonserver, server_env
+
+log = logging.getLogger(__name__)
+
+STOP_WAIT_S = GRACE_S + EXIT_TIMEOUT_S + 10  # how long `stop` waits for a supervisor before killing it
+
+
+def launch(repo: str | Path, world_size: int | None = None, tritonserver: str | None = None,
+           host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
+           log_dir: str | Path | None = None, detach: bool = False, timeout: float = 300.0) -> None:
+    """Serve `repo` with `world_size` ranks until stopped (or, with `detach`, until ready)."""
+    repo_path = check_repo(repo)
+    size = resolve_world_size(repo_path, world_size)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise UsageError(f"--timeout must be a positive number of seconds, not {timeout!r}")
+    endpoints = Endpoints(str(host), http_port, grpc_port, metrics_port)
+    binary = find_tritonserver(tritonserver)
+    mpirun = str(find_mpirun()) if size > 1 else None
+    backend_dir = backend_directory(binary)
+    launch_dir = LaunchDir.for_repo(repo_path)
+    lock = launch_dir.try_lock()
+    if lock is None:
+        raise UsageError(_already_running(launch_dir, repo_path))
+    try:
+        if launch_dir.state_file.exists():
+            log.info("removing the state of a launch of %s that is no longer running", repo_path)
+            clean_stale(launch_dir)
+        check_ports(endpoints)
+        spec = LaunchSpec(repo=str(repo_path), world_size=size, endpoints=endpoints, tritonserver=str(binary),
+                          backend_dir=str(backend_dir) if backend_dir else None, mpirun=mpirun,
+                          launch_dir=str(launch_dir.path),
+                          log_dir=str(Path(log_dir).expanduser().resolve() if log_dir else launch_dir.default_log_dir),
+                          launch_id=secrets.token_hex(4), timeout_s=float(timeout), detached=detach)
+        log.info("starting %d rank(s) of %s (%s)", size, binary, repo_path)
+        if detach:
+            _run_detached(spec, lock.fileno())
+        else:
+            Supervisor(spec).run()
+    finally:
+        lock.close()
+
+
+def _already_running(launch_dir: LaunchDir, repo: Path) -> str:
+    state = launch_dir.read() or {}
+    where = f" at {state['urls']['http']}" if state.get("urls") else ""
+    return (f"{repo} is already being served (supervisor pid {state.get('pid', '?')}{where}); "
+            f"stop it first: trtglm stop --repo {repo}")
+
+
+# --- detached ----------------------------------------------------------------------------------------
+
+
+def _run_detached(spec: LaunchSpec, lock_fd: int) -> None:
+    """Start the supervisor as a daemon holding the lock; return once it reports the server ready."""
+    launch_dir = LaunchDir(Path(spec.launch_dir))
+    spec_path = launch_dir.path / "spec.json"
+    spec.save(spec_path)
+    log_path = Path(spec.log_dir) / "supervisor.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = server_env(dict(os.environ), spec.launch_id)
+    with open(log_path, "wb") as out:
+        child = subprocess.Popen([sys.executable, "-m", "trtglm.serve.supervise", str(spec_path)], env=env,
+                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True, pass_fds=(lock_fd,))
+    try:
+        state = _wait_detached(child, launch_dir, log_path, spec.timeout_s + STOP_WAIT_S)
+    except BaseException:
+        if child.poll() is None:  # interrupted or timed out: the supervisor cleans up on SIGTERM
+            child.terminate()
+            child.wait(STOP_WAIT_S)
+        raise
+    announce(state)
+    print(f"  stop     trtglm stop --repo {spec.repo}", flush=True)
+
+
+def _wait_detached(child: subprocess.Popen, launch_dir: LaunchDir, log_path: Path, limit_s: float) -> dict:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        state = launch_dir.read()
+        if state and state.get("pid") == child.pid and state.get("status") == "ready":
+            return state
+        code = child.poll()
+        if code is not None:
+            raise _supervisor_failed(log_path, code)
+        time.sleep(0.2)
+    raise TrtglmError(f"the detached supervisor did not report within {limit_s:g} s (log: {log_path})")
+
+
+def _supervisor_failed(log_path: Path, code: int) -> TrtglmError:
+    """The supervisor's own error line as the error; the rest of its log's tail on stderr."""
+    lines = log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+    errors = [line for line in lines if line.startswith("trtglm: error: ")]
+    shown = [line for line in lines[-80:] if line not in errors]
+    if shown:
+        print(*shown, sep="\n", file=sys.stderr)
+    message = errors[-1][len("trtglm: error: "):] if errors else f"the server stopped (status {code}; log: {log_path})"
+    error = TrtglmError(message)
+    error.exit_code = code or 1
+    return error
+
+
+# --- stop ----------------------------------------------------------------------------------------
+
+
+def stop(repo: str | Path | None = None) -> None:
+    """Stop the launch serving `repo` (default: the only running launch)."""
+    launch_dir = _launch_to_stop(repo)
+    if launch_dir is None:
+        return
+    state = _wait_for_state(launch_dir)
+    pid = state.get("pid")
+    _send(pid, signal.SIGTERM)
+    if not _wait_unlocked(launch_dir, STOP_WAIT_S):
+        log.warning("supervisor %s did not stop within %g s; killing it", pid, STOP_WAIT_S)
+        _send(pid, signal.SIGKILL)
+        _wait_unlocked(launch_dir, 5)
+    _clean_if_stale(launch_dir)
+    print(f"stopped {state.get('repo')}", flush=True)
+
+
+def _launch_to_stop(repo: str | Path | None) -> LaunchDir | None:
+    if repo is not None:
+        path = Path(repo).expanduser().resolve()
+        launch_dir = LaunchDir.for_repo(path)
+        if launch_dir.is_running():
+            return launch_dir
+        if _clean_if_stale(launch_dir):
+            print(f"no launch of {path} was running; removed what a dead one left", flush=True)
+            return None
+        raise UsageError(f"no launch of {path} is running")
+    running = []
+    for launch_dir in all_launch_dirs():
+        if launch_dir.is_running():
+            running.append(launch_dir)
+        else:
+            _clean_if_stale(launch_dir)
+    if not running:
+        raise UsageError("no launch is running")
+    if len(running) > 1:
+        repos = ", ".join(str((d.read() or {}).get("repo", d.path)) for d in running)
+        raise UsageError(f"{len(running)} launches are running ({repos}): pass --repo")
+    return running[0]
+
+
+def _clean_if_stale(launch_dir: LaunchDir) -> bool:
+    """Remove a dead launch's remains; True if there were any."""
+    if not launch_dir.state_file.exists():
+        return False
+    lock = launch_dir.try_lock()
+    if lock is None:
+        return False
+    try:
+        clean_stale(launch_dir)
+    finally:
+        lock.close()
+    return True
+
+
+def _wait_for_state(launch_dir: LaunchDir, limit_s: float = 10.0) -> dict:
+    """A supervisor writes its state right after taking the lock; wait for it briefly."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        state = launch_dir.read()
+        if state and state.get("pid"):
+            return state
+        time.sleep(0.1)
+    raise TrtglmError(f"{launch_dir.path}: a launch holds the lock but wrote no state; try again")
+
+
+def _wait_unlocked(launch_dir: LaunchDir, limit_s: float) -> bool:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if not launch_dir.is_running():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _send(pid: int | None, signum: int) -> None:
+    if pid:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass

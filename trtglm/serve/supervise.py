@@ -1,0 +1,395 @@
+"""The supervisor: starts the servers, waits for rank 0, watches every rank, stops them all.
+
+One process supervises one launch for its whole life: `trtglm launch` itself in the
+foreground, or with `--detach` a daemon (`python -m trtglm.serve.supervise SPEC`, its own
+session, output in LOGS/supervisor.log) that `launch` waits for until it reports ready. The
+supervisor holds the launch folder's lock (state.py) and owns the server command (mpirun, or
+tritonserver for one rank), which runs in a session of its own so that a terminal's Ctrl-C
+reaches only the supervisor.
+
+Watching: every 0.2 s the supervisor lists the command's process tree (ranks are told apart
+by the shm prefix in their command line; python stubs are their children). If mpirun exits
+or any rank disappears, everything is stopped, the tail of that rank's log is printed and
+the launch fails. SIGINT, SIGTERM or SIGHUP stop everything and end the launch normally; a
+second signal skips the grace period.
+
+Ready means: rank 0 answers /v2/health/ready and every rank's process runs. With NVIDIA's
+backend, rank 0's tensorrt_llm is ready only once every rank holds the engine; python models
+on ranks > 0 load independently, so one that fails after rank 0 is ready is caught by the
+watch (with --detach: after `launch` has returned).
+
+Stopping: SIGTERM goes to each rank's tritonserver (not to mpirun, which would exit at once
+and leave its ranks behind; Open MPI also gives each rank a process group of its own). A
+tritonserver unloads its models, its stubs exit and remove their shared memory, and mpirun
+exits when its ranks have. Whatever still runs after the grace period (10 s) is killed, and
+shared-memory regions with the launch's prefix are removed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+from tqdm import tqdm
+
+from trtglm.errors import TrtglmError
+from trtglm.serve.command import Endpoints, launch_args
+from trtglm.serve.state import LaunchDir, kill, processes_with, remove_shm
+from trtglm.serve.tritonserver import EXPORTED_VARS, server_env
+
+log = logging.getLogger(__name__)
+
+GRACE_S = 10.0  # after SIGTERM, before SIGKILL
+EXIT_TIMEOUT_S = 5  # tritonserver's own wait for in-flight requests (< GRACE_S)
+POLL_S = 0.2
+TAIL_LINES = 30
+ERROR_LINE = re.compile(r"^(E\d{4} |error: |Traceback |\w+(Error|Exception): )")
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback must not go through a proxy
+
+
+@dataclass
+class LaunchSpec:
+    """Everything the supervisor needs; JSON-serialisable so a detached supervisor can read it."""
+
+    repo: str
+    world_size: int
+    endpoints: Endpoints
+    tritonserver: str
+    backend_dir: str | None
+    mpirun: str | None
+    launch_dir: str
+    log_dir: str
+    launch_id: str
+    timeout_s: float
+    detached: bool = False
+
+    @property
+    def shm_base(self) -> str:
+        return f"trtglm{self.launch_id}_rank"
+
+    def command(self, env: dict[str, str]) -> list[str]:
+        exports = [name for name in (*EXPORTED_VARS, "TRTGLM_LAUNCH_ID") if name in env]
+        return launch_args(self.tritonserver, self.repo, self.world_size, self.endpoints,
+                           mpirun=self.mpirun or "mpirun", shm_base=self.shm_base, backend_dir=self.backend_dir,
+                           exit_timeout_s=EXIT_TIMEOUT_S, export_vars=exports, cpu_count=os.cpu_count() or 1,
+                           output_dir=Path(self.log_dir) / "ranks")
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=2), encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: Path) -> LaunchSpec:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        data["endpoints"] = Endpoints(**data["endpoints"])
+        return cls(**data)
+
+
+@dataclass
+class Failure:
+    message: str
+    ranks: list[int]  # whose logs to show
+
+
+class Supervisor:
+    def __init__(self, spec: LaunchSpec):
+        self.spec = spec
+        self.launch = LaunchDir(Path(spec.launch_dir))
+        self.log_dir = Path(spec.log_dir)
+        self.popen: subprocess.Popen | None = None
+        self.root: psutil.Process | None = None
+        self.tracked: dict[int, psutil.Process] = {}
+        self.ranks: dict[int, psutil.Process] = {}
+        self.stop_signal: int | None = None
+        self.hurry = False
+
+    # --- the whole life --------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve until stopped by a signal (returns) or until a rank dies or never gets ready (TrtglmError)."""
+        previous = self._install_handlers()
+        try:
+            failure = self._serve()
+        finally:
+            self.shutdown()
+            self.launch.state_file.unlink(missing_ok=True)
+            self._restore_handlers(previous)
+        if failure is not None:
+            self._print_tails(failure.ranks)
+            raise TrtglmError(failure.message)
+        if self.stop_signal is not None:
+            log.info("%s: stopped (%s)", self.spec.repo, signal.Signals(self.stop_signal).name)
+
+    def _serve(self) -> Failure | None:
+        self.start()
+        failure = self.wait_ready()
+        if failure is not None or self.stop_signal is not None:
+            return failure
+        self.write_state("ready")
+        if not self.spec.detached:
+            announce(self.launch.read() or {})
+        return self.watch()
+
+    # --- starting ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._reset_logs()
+        env = server_env(dict(os.environ), self.spec.launch_id)
+        argv = self.spec.command(env)
+        log.debug("server command: %s", shlex.join(argv))
+        if self.spec.world_size == 1:
+            rank_dir = self.log_dir / "ranks" / "rank.0"
+            rank_dir.mkdir(parents=True)
+            outputs = (open(rank_dir / "stdout", "wb"), open(rank_dir / "stderr", "wb"))
+        else:
+            mpirun_log = open(self.log_dir / "mpirun.log", "wb")
+            outputs = (mpirun_log, mpirun_log)
+        try:
+            self.popen = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=outputs[0],
+                                          stderr=outputs[1], start_new_session=True)
+        finally:
+            for handle in set(outputs):
+                handle.close()
+        self.root = psutil.Process(self.popen.pid)
+        self.write_state("starting", command=argv)
+
+    def _reset_logs(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.log_dir / "ranks", ignore_errors=True)
+        (self.log_dir / "mpirun.log").unlink(missing_ok=True)
+
+    def write_state(self, status: str, **extra) -> None:
+        state = self.launch.read() if status != "starting" else None
+        state = state or {
+            "repo": self.spec.repo, "pid": os.getpid(), "server_pid": self.popen.pid, "launch_id": self.spec.launch_id,
+            "shm_base": self.spec.shm_base, "world_size": self.spec.world_size, "host": self.spec.endpoints.host,
+            "ports": self.spec.endpoints.ports(), "urls": self.spec.endpoints.urls(), "log_dir": str(self.log_dir),
+            "detached": self.spec.detached, "started": time.time()}
+        self.launch.write({**state, **extra, "status": status})
+
+    def wait_ready(self) -> Failure | None:
+        """None once rank 0 answers ready and every rank runs; a Failure on death or timeout."""
+        started = time.monotonic()
+        url = self.spec.endpoints.urls()["http"] + "/v2/health/ready"
+        with tqdm(total=round(self.spec.timeout_s), desc="starting tritonserver", unit="s", disable=None,
+                  bar_format="{desc}: {elapsed}") as bar:
+            while time.monotonic() - started < self.spec.timeout_s:
+                if self.stop_signal is not None:
+                    return None
+                failure = self.check_ranks()
+                if failure is not None:
+                    return failure
+                if len(self.ranks) == self.spec.world_size and is_ready(url):
+                    log.info("%s: ready after %.1f s", self.spec.repo, time.monotonic() - started)
+                    return None
+                time.sleep(POLL_S)
+                bar.update(round(time.monotonic() - started) - bar.n)
+        return Failure(f"rank 0 was not ready within {self.spec.timeout_s:g} s; stopped all ranks "
+                       f"(logs: {self.log_dir})", list(range(self.spec.world_size)))
+
+    # --- watching ---------------------------------------------------------------------------------
+
+    def watch(self) -> Failure | None:
+        while self.stop_signal is None:
+            failure = self.check_ranks()
+            if failure is not None:
+                return failure
+            time.sleep(POLL_S)
+        return None
+
+    def check_ranks(self) -> Failure | None:
+        self.refresh()
+        rank = self._dead()
+        if rank is None:
+            return None
+        return Failure(f"rank {rank} of {self.spec.world_size} died; stopped all ranks (logs: {self.log_dir})",
+                       [rank])
+
+    def refresh(self) -> None:
+        """Track the command's process tree; learn each rank's process."""
+        try:
+            children = self.root.children(recursive=True)
+        except psutil.Error:
+            children = []
+        for proc in children:
+            self.tracked.setdefault(proc.pid, proc)
+        if self.spec.world_size == 1:
+            self.ranks[0] = self.root
+            return
+        for proc in children:
+            rank = self._rank_of(proc)
+            if rank is not None:
+                self.ranks.setdefault(rank, proc)
+
+    def _rank_of(self, proc: psutil.Process) -> int | None:
+        flag = f"--backend-config=python,shm-region-prefix-name={self.spec.shm_base}"
+        try:
+            cmdline = proc.cmdline()
+        except psutil.Error:
+            return None
+        for arg in cmdline:
+            if arg.startswith(flag):
+                return int(arg[len(flag):].rstrip("_"))
+        return None
+
+    def _dead(self) -> int | None:
+        """The rank that died first, if one did."""
+        code = self.popen.poll()
+        if self.spec.world_size == 1:
+            return 0 if code is not None else None
+        for rank, proc in sorted(self.ranks.items()):
+            if not alive(proc):
+                return rank
+        if code is not None:  # mpirun ended before every rank was seen
+            reported = self._mpirun_rank()
+            unseen = [r for r in range(self.spec.world_size) if r not in self.ranks]
+            return reported if reported is not None else (unseen or [0])[0]
+        return None
+
+    def _mpirun_rank(self) -> int | None:
+        match = re.search(r"process rank (\d+)", _read(self.log_dir / "mpirun.log"))
+        return int(match.group(1)) if match else None
+
+    # --- stopping ---------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """SIGTERM every rank, wait up to GRACE_S, SIGKILL what is left, remove leftover shared memory."""
+        if self.popen is None:
+            return
+        self.refresh()
+        ranks = [proc for proc in self.ranks.values() if alive(proc)]
+        for proc in ranks:
+            _terminate(proc)
+        if not ranks and self.popen.poll() is None:
+            self.popen.terminate()
+        self._wait(lambda: self.popen.poll() is None or any(map(alive, self.tracked.values())), GRACE_S)
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            self._wait(lambda: self.popen.poll() is None, 3.0)
+        leftovers = [p for p in self.tracked.values() if alive(p)] + processes_with(self.spec.shm_base)
+        if leftovers:
+            log.warning("killing %d process(es) %s", len(leftovers),
+                        "(second signal)" if self.hurry else f"that did not stop within {GRACE_S:g} s")
+        kill(leftovers)
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait()
+        remove_shm(self.spec.shm_base)
+
+    def _wait(self, busy, limit_s: float) -> None:
+        deadline = time.monotonic() + limit_s
+        while busy() and time.monotonic() < deadline and not self.hurry:
+            time.sleep(0.1)
+
+    # --- reporting ---------------------------------------------------------------------------------
+
+    def _print_tails(self, ranks: list[int]) -> None:
+        mpirun_log = self.log_dir / "mpirun.log"
+        notes = [line for line in _read(mpirun_log).splitlines() if "rank" in line or "exited" in line]
+        if notes:
+            print(f"---- {mpirun_log} ----", *notes, sep="\n", file=sys.stderr)
+        for rank in ranks:
+            for path in rank_logs(self.log_dir, rank):
+                lines = log_excerpt(_read(path))
+                if lines:
+                    print(f"---- rank {rank}: {path} ----", *lines, sep="\n", file=sys.stderr)
+
+    # --- signals ------------------------------------------------------------------------------------
+
+    def _install_handlers(self) -> dict:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {signum: signal.signal(signum, self._on_signal) for signum in STOP_SIGNALS}
+
+    @staticmethod
+    def _restore_handlers(previous: dict) -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        if self.stop_signal is not None:
+            self.hurry = True
+        else:
+            self.stop_signal = signum
+
+
+def alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _terminate(proc: psutil.Process) -> None:
+    try:
+        proc.terminate()
+    except psutil.Error:
+        pass
+
+
+def is_ready(url: str) -> bool:
+    try:
+        with _NO_PROXY.open(url, timeout=1) as reply:
+            return reply.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def rank_logs(log_dir: Path, rank: int) -> list[Path]:
+    """A rank's stdout and stderr files (mpirun's DIR/ranks/<job>/rank.N/ or DIR/ranks/rank.0/)."""
+    return sorted(Path(log_dir).glob(f"ranks/**/rank.{rank}/std*"))
+
+
+def log_excerpt(text: str, tail: int = TAIL_LINES, errors: int = 10) -> list[str]:
+    """The last `tail` lines, preceded by the last `errors` error lines above them (Triton's E-lines,
+    `error:` lines, Python exceptions): a failing model's message is often followed by a long
+    shutdown report."""
+    lines = text.splitlines()
+    head, last = lines[:-tail], lines[-tail:]
+    found = [line for line in head if ERROR_LINE.match(line)][-errors:]
+    return [*found, "...", *last] if found else last
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def announce(state: dict) -> None:
+    """Print where the server answers."""
+    urls = state.get("urls", {})
+    print(f"serving {state.get('repo')} with {state.get('world_size')} rank(s)\n"
+          f"  HTTP     {urls.get('http')}\n  gRPC     {urls.get('grpc')}\n  metrics  {urls.get('metrics')}\n"
+          f"  logs     {state.get('log_dir')}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of a detached supervisor: `python -m trtglm.serve.supervise SPEC.json`."""
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    spec = LaunchSpec.load(Path(argv[0]))
+    try:
+        Supervisor(spec).run()
+    except TrtglmError as e:
+        print(f"trtglm: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
+
+
+if __name__ == "__main__":
+    main()
