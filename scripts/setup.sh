@@ -30,15 +30,24 @@ if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV with $($PYTHON --version)"
   "$PYTHON" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q)
-"${PIP[@]}" --upgrade pip
+LOG=$VENV/setup.log
+# pip's output goes to $LOG and is shown only if an install fails.
+pip_install() {
+  if ! "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off "$@" >>"$LOG" 2>&1; then
+    tail -n 40 "$LOG" >&2
+    log "pip install $* failed (full log: $LOG)"
+    exit 1
+  fi
+}
+: >"$LOG"
+pip_install --upgrade pip
 # Install the pinned CPU build of torch first so that resolving the project does not pull a
 # multi-GB CUDA build (on GPU machines, install the torch you want before running this).
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   log "installing torch==2.13.0"
-  "${PIP[@]}" "torch==2.13.0"
+  pip_install "torch==2.13.0"
 fi
-log "installing trtglm and its test dependencies"
-"${PIP[@]}" -e ".[test]"
+log "installing trtglm and its test dependencies (log: $LOG)"
+pip_install -e ".[test]"
 echo "$wanted" > "$STAMP"
 log "done: $("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
