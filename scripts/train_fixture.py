@@ -209,48 +209,19 @@ SHAPES = {
 
 
 def hf_config(vocab_size: int, torch_dtype: str) -> dict:
-    """ChatGLM3's config.json keys, with the tiny shapes."""
+    """ChatGLM3-6B's config.json keys, with the tiny shapes."""
     import transformers
 
+    from trtglm.convert.synth import CHATGLM3_6B_CONFIG
+
     return {
+        **CHATGLM3_6B_CONFIG,
         "_name_or_path": NAME,
-        "model_type": "chatglm",
-        "architectures": ["ChatGLMModel"],
-        "auto_map": {
-            "AutoConfig": "configuration_chatglm.ChatGLMConfig",
-            "AutoModel": "modeling_chatglm.ChatGLMForConditionalGeneration",
-            "AutoModelForCausalLM": "modeling_chatglm.ChatGLMForConditionalGeneration",
-            "AutoModelForSeq2SeqLM": "modeling_chatglm.ChatGLMForConditionalGeneration",
-            "AutoModelForSequenceClassification": "modeling_chatglm.ChatGLMForSequenceClassification",
-        },
-        "add_bias_linear": False,
-        "add_qkv_bias": True,
-        "apply_query_key_layer_scaling": True,
-        "apply_residual_connection_post_layernorm": False,
-        "attention_dropout": 0.0,
-        "attention_softmax_in_fp32": True,
-        "bias_dropout_fusion": True,
-        "ffn_hidden_size": SHAPES["ffn_hidden_size"],
-        "fp32_residual_connection": False,
-        "hidden_dropout": 0.0,
-        "hidden_size": SHAPES["hidden_size"],
-        "kv_channels": SHAPES["kv_channels"],
-        "layernorm_epsilon": SHAPES["layernorm_epsilon"],
-        "multi_query_attention": True,
-        "multi_query_group_num": SHAPES["multi_query_group_num"],
-        "num_attention_heads": SHAPES["num_attention_heads"],
-        "num_layers": SHAPES["num_layers"],
-        "original_rope": True,
+        **{key: SHAPES[key] for key in ("ffn_hidden_size", "hidden_size", "kv_channels", "layernorm_epsilon",
+                                        "multi_query_group_num", "num_attention_heads", "num_layers", "seq_length")},
         "padded_vocab_size": 64 * math.ceil(vocab_size / 64),
-        "post_layer_norm": True,
-        "rmsnorm": True,
-        "seq_length": SHAPES["seq_length"],
-        "use_cache": True,
         "torch_dtype": torch_dtype,
         "transformers_version": transformers.__version__,
-        "tie_word_embeddings": False,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
     }
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from trtglm.errors import ModelFileError, UsageError
+from trtglm.files import read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class ChatGLMConfig:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, version: str = "auto") -> "ChatGLMConfig":
         model_dir = Path(model_dir)
-        hf = read_json(model_dir / "config.json")
+        hf = read_json_object(model_dir / "config.json")
         return cls.from_hf_dict(hf, version, name=f"{model_dir.name} {hf.get('_name_or_path', '')}")
 
 
@@ -137,16 +137,3 @@ def guess_version(hf: dict, name: str) -> str:
         log.warning("could not tell ChatGLM2 from ChatGLM3 by name (%s); assuming chatglm3 "
                     "(use --chatglm-version to say otherwise)", name.strip() or "no name")
     return "chatglm3"
-
-
-def read_json(path: Path) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ModelFileError(f"{path}: file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelFileError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ModelFileError(f"{path}: expected a JSON object")
-    return data

@@ -39,12 +39,13 @@ from pathlib import Path
 from typing import Any
 
 import trtglm
-from trtglm.chatglm.config import ChatGLMConfig, read_json
+from trtglm.chatglm.config import ChatGLMConfig
 from trtglm.engine.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, digest, file_listing, hf_fingerprint,
                                     write_json_atomic, write_manifest)
 from trtglm.engine.trtllm_cmd import (TRTLLM_BUILD, convert_argv, engine_limits, trtllm07_build_argv,
                                       trtllm_build_argv)
 from trtglm.errors import DependencyError, ModelFileError, OutputExistsError, TrtglmError, UsageError
+from trtglm.files import read_json_object
 from trtglm.profile import Profile, load_profile
 
 log = logging.getLogger(__name__)
@@ -245,7 +246,7 @@ def _run_trtllm_build(profile: Profile, executable: str, out: Path) -> tuple[lis
 def check_trtllm_engine(profile: Profile, out: Path) -> tuple[list[str], str | None]:
     """Check `out` holds the engine the profile asked for; returns (engine files, TensorRT-LLM version)."""
     config_path = out / "config.json"
-    config = read_json(config_path)
+    config = read_json_object(config_path)
     for key in ("pretrained_config", "build_config"):
         if not isinstance(config.get(key), dict):
             raise ModelFileError(f"{config_path}: no {key} (not a TensorRT-LLM engine config)")

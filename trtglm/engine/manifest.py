@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trtglm.errors import ModelFileError
+from trtglm.files import read_json_object
 
 MANIFEST = "trtglm.json"
 FORMAT = "trtglm-engine"
@@ -73,12 +74,7 @@ def read_manifest(engine_dir: str | Path) -> dict:
     """
     engine_dir = Path(engine_dir).resolve()
     path = engine_dir / MANIFEST
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelFileError(f"{path}: not found (is {engine_dir} an engine folder from `trtglm build-engine`?)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelFileError(f"{path}: not valid JSON ({e})") from None
+    manifest = read_json_object(path, f"not found (is {engine_dir} an engine folder from `trtglm build-engine`?)")
     _check_fields(manifest, path)
     for key in _PATH_KEYS:
         manifest[key] = str((engine_dir / manifest[key]).resolve())

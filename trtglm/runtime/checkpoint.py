@@ -8,7 +8,6 @@ are `ModelFileError`s naming the tensor). Tensors are returned per rank exactly 
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import torch
 
 from trtglm.errors import ModelFileError
+from trtglm.files import read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -168,14 +168,7 @@ class Checkpoint:
 
 def read_config(path: str | Path) -> CheckpointConfig:
     file = Path(path) / "config.json"
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelFileError(f"{file}: file not found (not a TensorRT-LLM checkpoint folder)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelFileError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ModelFileError(f"{file}: expected a JSON object")
+    data = read_json_object(file, "file not found (not a TensorRT-LLM checkpoint folder)")
     return CheckpointConfig.from_dict(data, str(file))
 
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import errno
-import json
 import socket
 from pathlib import Path
 
 from trtglm.errors import ModelFileError, UsageError
+from trtglm.files import read_json_object
 from trtglm.serve.command import LLM_MODEL, Endpoints
 
 ENGINE_DIR_PARAMETER = "gpt_model_path"  # tensorrt_llm's parameter naming the engine folder
@@ -79,15 +79,7 @@ def _model_config(path: Path):
 
 
 def _json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelFileError(f"engine folder {path.parent} has neither {MANIFEST} nor config.json") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelFileError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ModelFileError(f"{path}: expected a JSON object")
-    return data
+    return read_json_object(path, f"missing: engine folder {path.parent} has neither {MANIFEST} nor config.json")
 
 
 def check_ports(endpoints: Endpoints) -> None:
