@@ -62,8 +62,8 @@ def main() -> None:
             sample = run_case(model, work / "out", flags)
             samples[name].append(sample)
             print(f"[{repeat + 1}/{args.repeats}] {name}: {sample['wall_s']:.1f} s "
-                  f"({sample['wall_sync_s']:.1f} s with sync), peak RSS {sample['peak_rss_bytes'] / 2**20:.0f} MiB",
-                  file=sys.stderr)
+                  f"({sample['wall_sync_s']:.1f} s with sync), peak RSS {sample['peak_rss_bytes'] / 2**20:.0f} MiB, "
+                  f"load {sample['load_average_1min']:.1f}", file=sys.stderr)
     runs = {name: summarize(case_samples) | {"source_bytes": source_bytes} for name, case_samples in samples.items()}
     results["runs"] = runs
     results["targets"] = check_targets(runs)
@@ -91,6 +91,7 @@ def run_case(model: Path, out: Path, flags: list[str] | None) -> dict:
 
 def measure(command: list, out: Path) -> dict:
     """Run `command`: wall time (also until `sync` returns), peak RSS of that process, bytes left in `out`."""
+    load = os.getloadavg()[0]  # other work on the machine shows here
     start = time.perf_counter()
     proc = subprocess.Popen([str(c) for c in command], stdout=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -101,7 +102,7 @@ def measure(command: list, out: Path) -> dict:
         sys.exit(f"benchmark command failed: {' '.join(map(str, command))}")
     written = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     return {"command": " ".join(map(str, command)), "wall_s": wall, "wall_sync_s": wall_sync,
-            "peak_rss_bytes": usage.ru_maxrss * 1024, "written_bytes": written,
+            "peak_rss_bytes": usage.ru_maxrss * 1024, "written_bytes": written, "load_average_1min": load,
             "user_s": usage.ru_utime, "sys_s": usage.ru_stime}
 
 

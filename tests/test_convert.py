@@ -9,8 +9,10 @@ swiglu, per-rank heads, all-reduce) and compared with transformers' GlmForCausal
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -435,3 +437,16 @@ def test_interrupted_forced_conversion_keeps_the_old_output(tiny_hf, tmp_path, m
         convert_checkpoint(tiny_hf, out, tp_size=4, force=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_output_is_the_same_without_kernel_copies(tiny_hf, tmp_path, monkeypatch):
+    """Where copy_file_range is refused (other file systems), the read/write path gives the same bytes."""
+    convert_checkpoint(tiny_hf, tmp_path / "kernel", tp_size=2)
+
+    def refuse(*args):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    convert_checkpoint(tiny_hf, tmp_path / "blocks", tp_size=2)
+    for name in ("config.json", "rank0.safetensors", "rank1.safetensors"):
+        assert (tmp_path / "kernel" / name).read_bytes() == (tmp_path / "blocks" / name).read_bytes()

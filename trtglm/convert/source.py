@@ -3,7 +3,8 @@
 `HFWeights` finds the shards (index file or scan). Safetensors shards are then read with
 `pread` (trtglm.convert.safetensors_file) rather than through a memory map, so a conversion
 does not accumulate the whole model in its resident memory. `*.bin` shards are read through
-`HFWeights` (`torch.load(weights_only=True, mmap=True)`).
+`HFWeights` (`torch.load(weights_only=True, mmap=True)`); their mapped pages do count in
+the process's RSS (as reclaimable file pages) until the conversion ends.
 """
 
 from __future__ import annotations

@@ -2,9 +2,11 @@
 
 Everything is checked before anything is written: options, config, every tensor's presence,
 shape and dtype, and the tensor-parallel split of each. Then each source tensor is read
-once, in row blocks, and each block's rows are written straight to their place in every
-rank file (all open at once, headers computed up front from the plan), so memory stays at
-a few blocks whatever the model size. The output is built in a temporary sibling folder
+once and its rows go straight to their place in every rank file (all open at once, headers
+computed up front from the plan): row ranges that keep their dtype and belong to one rank
+are copied file to file inside the kernel; everything else (dtype changes, column splits,
+tensors every rank holds) is read in blocks of rows and written to each rank, so memory
+stays at a few blocks whatever the model size. The output is built in a temporary sibling folder
 and renamed into place when complete.
 """
 
@@ -16,6 +18,7 @@ import math
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -23,7 +26,7 @@ from tqdm import tqdm
 
 from trtglm.chatglm.config import ChatGLMConfig
 from trtglm.convert.names import DROPPED, mapped_tensors
-from trtglm.convert.safetensors_file import SafetensorsWriter
+from trtglm.convert.safetensors_file import KernelCopyUnsupported, SafetensorsWriter
 from trtglm.convert.source import TensorSource
 from trtglm.convert.split import RULES, Selection
 from trtglm.convert.staging import check_output, staged_output
@@ -205,7 +208,44 @@ def write_ranks(planned: list[PlannedTensor], source: TensorSource, folder: Path
 
 def copy_tensor(tensor: PlannedTensor, source: TensorSource, writers: list[SafetensorsWriter], dtype: torch.dtype,
                 bars: list[tqdm]) -> int:
-    """Copy one source tensor, block of rows by block, into each rank's file; returns bytes read."""
+    """Copy one source tensor into each rank's file, reading it once; returns bytes read."""
+    if source.dtype(tensor.hf) == dtype and _rows_only_and_disjoint(tensor):
+        try:
+            return _copy_in_kernel(tensor, source, writers, bars)
+        except KernelCopyUnsupported:
+            pass  # e.g. bin shards, or across file systems
+    return _copy_blocks(tensor, source, writers, dtype, bars)
+
+
+def _rows_only_and_disjoint(tensor: PlannedTensor) -> bool:
+    """Each rank takes whole rows and no two ranks share one: every byte goes to one place."""
+    full_width = (0, tensor.shape[1]) if len(tensor.shape) > 1 else None
+    if any(s.cols not in (None, full_width) for s in tensor.ranks):
+        return False
+    ranges = sorted(r for s in tensor.ranks for r in s.rows)
+    return all(prev[1] <= nxt[0] for prev, nxt in pairwise(ranges))
+
+
+def _copy_in_kernel(tensor: PlannedTensor, source: TensorSource, writers: list[SafetensorsWriter],
+                    bars: list[tqdm]) -> int:
+    """Same dtype, whole rows: copy file to file with no user-space buffer (like `cp`)."""
+    copied = 0
+    for writer, selection, bar in zip(writers, tensor.ranks, bars, strict=True):
+        dst = 0
+        for start, stop in selection.rows:
+            location = source.byte_range(tensor.hf, start, stop)
+            if location is None:
+                raise KernelCopyUnsupported("not a safetensors source")
+            fd, offset, nbytes = location
+            bar.update(writer.copy_rows_from(tensor.trt, fd, offset, nbytes, dst))
+            copied += nbytes
+            dst += stop - start
+    return copied
+
+
+def _copy_blocks(tensor: PlannedTensor, source: TensorSource, writers: list[SafetensorsWriter], dtype: torch.dtype,
+                 bars: list[tqdm]) -> int:
+    """Read blocks of rows once, convert, and write each rank's part of each block."""
     n_rows = tensor.shape[0]
     row_bytes = source.dtype(tensor.hf).itemsize * math.prod(tensor.shape[1:])
     block = max(1, BLOCK_BYTES // row_bytes)
