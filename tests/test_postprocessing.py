@@ -137,3 +137,61 @@ def test_bls_engine_inputs_use_tensorrt_llm_names(tok):
     assert set(arrays) == {"input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list",
                            "bad_words_list", "runtime_top_k", "temperature", "streaming"}  # no empty embedding_bias
     assert arrays["runtime_top_k"].shape == (1, 1) and arrays["input_ids"].tolist() == prepared["INPUT_ID"].tolist()
+
+
+# --- streamed through the ensemble (every id so far with each response) --------------------------
+
+
+def ensemble_pieces(tok: ChatGLMTokenizer, ids: list[int], sizes: list[int], end_without_ids: bool) -> list[str]:
+    """What postprocessing gives for each response of a stream of `ids` split into `sizes`, as trtglm's
+    runtime sends it (new ids in TOKENS_BATCH, all so far in GENERATED_IDS, IS_FINAL on the last)."""
+    pieces, at = [], 0
+    cuts = [size for size in sizes if size] + ([0] if end_without_ids else [])
+    for number, size in enumerate(cuts):
+        new = ids[at:at + size]
+        at += size
+        so_far = np.array(ids[:at], dtype=np.int32).reshape(1, 1, -1)
+        final = np.array([[number == len(cuts) - 1]])
+        pieces.append(postprocess(tok, *batch(new) if new else (np.zeros((1, 1, 0), np.int32), np.array([[0]])),
+                                  so_far, final)[0][0])
+    return pieces
+
+
+@pytest.mark.parametrize("sizes", [[1], [2, 1, 3], [5]])
+def test_ensemble_stream_pieces_join_to_the_whole_reply(tok, answers, sizes):
+    for answer in answers:
+        ids = generated(tok, answer)
+        cut = ids[:ids.index(tok.token_id("<|user|>")) + 1]  # the engine stops after the stop word
+        split = (sizes * len(cut))[:len(cut)]
+        while sum(split) > len(cut):
+            split[-1] -= sum(split) - len(cut)
+        for end_without_ids in (False, True):
+            pieces = ensemble_pieces(tok, cut, split, end_without_ids)
+            assert "".join(pieces) == answer
+            assert not any("\ufffd" in piece for piece in pieces)
+
+
+def test_ensemble_stream_pieces_equal_whole_decoding_for_any_ids(tok):
+    """Random ids (byte pieces cut mid-character, specials, stop ids, a reply cut off mid-character):
+    the pieces join to exactly what the whole sequence decodes to."""
+    generator = np.random.default_rng(3)
+    for _ in range(200):
+        length = int(generator.integers(1, 25))
+        ids = generator.integers(0, tok.vocab_size, size=length).tolist()
+        expected = postprocess(tok, *batch(ids))[0][0]
+        sizes = generator.integers(1, 4, size=length).tolist()
+        assert "".join(ensemble_pieces(tok, ids, sizes, bool(generator.integers(0, 2)))) == expected
+
+
+def test_tool_call_streams_with_its_metadata_line(tok):
+    ids = tok.sp.encode("get_weather\n") + tok.sp.encode('{"city": "北京"}') + [tok.token_id("<|observation|>")]
+    pieces = ensemble_pieces(tok, ids, [1] * len(ids), end_without_ids=False)
+    whole = postprocess(tok, *batch(ids))[0][0]
+    assert whole.startswith("get_weather\n") and "北京" in whole
+    assert "".join(pieces) == whole and pieces[0]  # the metadata line is not held back
+
+
+def test_generated_ids_need_is_final(tok):
+    tokens, lengths = batch([5])
+    with pytest.raises(UsageError, match="GENERATED_IDS .* and IS_FINAL"):
+        postprocess(tok, tokens, lengths, np.array([[[5]]], np.int32), None)

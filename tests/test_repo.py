@@ -96,6 +96,38 @@ def test_torch_engine_uses_the_python_backend_and_its_model_file(tmp_path, tok):
     assert check_repo(repo) == []
 
 
+WHOLE_STREAM = {"generated_ids": "GENERATED_IDS", "is_final": "IS_FINAL"}  # tensorrt_llm -> postprocessing
+
+
+def assert_streams_through_the_ensemble(configs: dict, streams: bool) -> None:
+    """With trtglm's runtime `stream` reaches tensorrt_llm and postprocessing reads every id so far; with
+    NVIDIA's backend `stream` goes to preprocessing (which refuses it) and nothing else changes."""
+    ensemble = configs["ensemble"]
+    pre, llm, post = (ensemble_step(ensemble, m) for m in ("preprocessing", "tensorrt_llm", "postprocessing"))
+    declared = {t.name: t for t in configs["tensorrt_llm"].output}
+    optional = {t.name: t.optional for t in configs["postprocessing"].input}
+    if streams:
+        assert llm.input_map["streaming"] == "stream" and "STREAM" not in pre.input_map
+        for output, input_name in WHOLE_STREAM.items():
+            assert post.input_map[input_name] == llm.output_map[output]
+            assert output in declared and optional[input_name] is True
+        assert [declared["generated_ids"].data_type, declared["is_final"].data_type] == [
+            model_config_pb2.TYPE_INT32, model_config_pb2.TYPE_BOOL]
+        assert configs["postprocessing"].dynamic_batching.preserve_ordering
+    else:
+        assert pre.input_map["STREAM"] == "stream" and "streaming" not in llm.input_map
+        assert not set(WHOLE_STREAM) & set(declared) and not set(WHOLE_STREAM.values()) & set(post.input_map)
+
+
+def test_torch_engine_streams_through_the_ensemble_and_tensorrt_does_not(tmp_path, trt_engine, tok):
+    torch_repo = patch_repo(make_engine(tmp_path, "torch", tok), tok, tmp_path / "torch", template=template_copy(tmp_path))
+    assert_streams_through_the_ensemble(read_configs(torch_repo), streams=True)
+    trt_repo = patch_repo(trt_engine, tok, tmp_path / "trt")
+    assert_streams_through_the_ensemble(read_configs(trt_repo), streams=False)
+    for repo, other in ((torch_repo, "tensorrtllm"), (trt_repo, "python")):
+        assert not any(f"# only with backend {other}" in (repo / m / "config.pbtxt").read_text() for m in MODELS)
+
+
 def test_torch_engine_without_a_runtime_model_file_is_refused(tmp_path, tok):
     template = template_copy(tmp_path)
     (template / "tensorrt_llm/1/model.py").unlink()
@@ -223,8 +255,21 @@ def test_upstream_ensemble_takes_end_and_pad_ids_from_preprocessing_and_does_not
     assert llm.input_map["end_id"] == pre.output_map["OUT_END_ID"]
     assert llm.input_map["pad_id"] == pre.output_map["OUT_PAD_ID"]
     assert pre.input_map["END_ID"] == "end_id" and pre.input_map["PAD_ID"] == "pad_id"
-    assert pre.input_map["STREAM"] == "stream" and "streaming" not in llm.input_map
     assert {"END_ID", "PAD_ID", "STREAM"} <= {t.name for t in configs["preprocessing"].input}
+    assert_streams_through_the_ensemble(configs, streams=False)
+
+
+@pytest.mark.parametrize("version", ["v0.7.1", "v0.19.0"])
+def test_upstream_copy_for_trtglms_runtime_streams_through_the_ensemble(tmp_path, tok, version):
+    engine = make_engine(tmp_path, "torch", tok)
+    template = upstream_copy(tmp_path, version)
+    (template / "tensorrt_llm" / "1").mkdir(exist_ok=True)
+    (template / "tensorrt_llm" / "1" / "model.py").write_text("from trtglm.serve.triton_model import TritonPythonModel\n")
+    repo = patch_repo(engine, tok, tmp_path / "repo", template=template)
+    configs = read_configs(repo)
+    assert configs["tensorrt_llm"].backend == "python"
+    assert_streams_through_the_ensemble(configs, streams=True)
+    assert check_repo(repo) == []
 
 
 def test_v0_19_unset_parameters_are_removed_and_set_ones_kept(tmp_path, trt_engine):

@@ -60,7 +60,7 @@ def test_rendered_repository_has_no_problems(repo):
      "tensorrt_llm/config.pbtxt: exclude_input_in_output must be true"),
     ("postprocessing", "max_batch_size: 8", "max_batch_size: ${triton_max_batch_size}",
      "postprocessing/config.pbtxt: placeholder ${triton_max_batch_size} is left unfilled"),
-    ("postprocessing", "dynamic_batching { }", "dynamic_batching { frobnicate: 1 }",
+    ("postprocessing", "dynamic_batching { preserve_ordering: true }", "dynamic_batching { frobnicate: 1 }",
      "postprocessing/config.pbtxt: does not parse"),
     ("ensemble", 'input_map { key: "beam_width", value: "beam_width" }', "",
      "ensemble/config.pbtxt: input beam_width is read by no step"),
@@ -76,6 +76,22 @@ def test_streaming_through_the_ensemble_is_a_problem(repo):
     edit(repo, "ensemble", 'input_map { key: "beam_width", value: "beam_width" }',
          'input_map { key: "beam_width", value: "beam_width" }\n      input_map { key: "streaming", value: "stream" }')
     assert any("streams tensorrt_llm's output into postprocessing" in p for p in check_repo(repo))
+
+
+def test_ensemble_streams_only_when_postprocessing_reads_the_whole_stream(tmp_path, fixture_dir):
+    repo = patch_repo(make_engine(tmp_path, "torch", fixture_dir), fixture_dir, tmp_path / "repo",
+                      template=template_copy(tmp_path))
+    assert check_repo(repo) == []  # trtglm's runtime streams through the ensemble
+    edit(repo, "ensemble", 'input_map { key: "IS_FINAL", value: "_IS_FINAL" }', "")
+    edit(repo, "ensemble", 'output_map { key: "is_final", value: "_IS_FINAL" }', "")
+    assert any("streams tensorrt_llm's output into postprocessing" in p for p in check_repo(repo))
+
+
+def test_generated_ids_on_nvidias_backend_is_a_problem(repo):
+    edit(repo, "tensorrt_llm", "output [", 'output { name: "generated_ids", data_type: TYPE_INT32, dims: [ -1, -1 ] }'
+                                          "\noutput [")
+    assert "tensorrt_llm/config.pbtxt: declares generated_ids, which only trtglm's runtime (backend python) " \
+           "produces" in check_repo(repo)
 
 
 def test_step_mixing_decoupled_and_earlier_tensors_is_a_problem(repo):

@@ -25,7 +25,8 @@ LIMITS = {"max_batch_size": 8, "max_input_len": 384, "max_seq_len": 512, "max_nu
 # A stand-in for trtglm's PyTorch runtime behind the python backend: it answers each prompt
 # with the ids script.json gives for it and obeys TensorRT-LLM's rules (generation ends at
 # end_id, which is not returned, or after a stop word, which is; streaming sends each new id
-# in its own response). Every call is logged to calls.jsonl.
+# in its own response) and trtglm's (generated_ids holds every id so far, is_final marks the
+# last response; only requested outputs are sent). Every call is logged to calls.jsonl.
 STAND_IN_ENGINE = '''
 import json
 import os
@@ -75,27 +76,34 @@ class TritonPythonModel:
         return out, streaming
 
     @staticmethod
-    def response(ids):
+    def response(request, ids, so_far, last):
         n = len(ids)
-        return pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor("output_ids", np.array(ids, dtype=np.int32).reshape(1, 1, n)),
-            pb_utils.Tensor("sequence_length", np.array([[n]], dtype=np.int32)),
-            pb_utils.Tensor("cum_log_probs", np.full((1, 1), -1.5, dtype=np.float32)),
-            pb_utils.Tensor("output_log_probs", np.full((1, 1, n), -0.5, dtype=np.float32))])
+        tensors = {
+            "output_ids": np.array(ids, dtype=np.int32).reshape(1, 1, n),
+            "sequence_length": np.array([[n]], dtype=np.int32),
+            "cum_log_probs": np.full((1, 1), -1.5, dtype=np.float32),
+            "output_log_probs": np.full((1, 1, n), -0.5, dtype=np.float32),
+            "generated_ids": np.array(so_far, dtype=np.int32).reshape(1, 1, len(so_far)),
+            "is_final": np.array([[last]], dtype=bool)}
+        wanted = set(request.requested_output_names()) or set(tensors)
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(name, array) for name, array in tensors.items()
+                                                          if name in wanted])
 
     def execute(self, requests):
         if not self.decoupled:
-            return [self.response(self.generate(r)[0]) for r in requests]
+            return [self.response(r, *(2 * [self.generate(r)[0]]), True) for r in requests]
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         for request in requests:
             sender = request.get_response_sender()
             ids, streaming = self.generate(request)
             if streaming:
-                for token in ids:
-                    sender.send(self.response([token]))
-                sender.send(flags=final)
+                for i, token in enumerate(ids):
+                    last = i == len(ids) - 1
+                    sender.send(self.response(request, [token], ids[:i + 1], last), flags=final if last else 0)
+                if not ids:
+                    sender.send(self.response(request, [], [], True), flags=final)
             else:
-                sender.send(self.response(ids), flags=final)
+                sender.send(self.response(request, ids, ids, True), flags=final)
         return None
 '''
 

@@ -151,6 +151,7 @@ def server(request, tmp_path_factory, fixture_dir, tok, conversations):
     (repo / "tensorrt_llm" / "1" / "script.json").write_text(json.dumps(replies))
     server = Server(repo, root)
     server.calls = repo / "tensorrt_llm" / "1" / "calls.jsonl"
+    server.layout = layout
     yield server
     server.stop()
 
@@ -171,9 +172,23 @@ def test_ensemble_answers_exactly(server, conversations, tok):
     assert call["streaming"] is False
 
 
-def test_ensemble_refuses_to_stream_and_bad_requests_get_errors(server):
-    status, body = server.generate("ensemble", {"text_input": "hi", "max_tokens": 8, "stream": True})
-    assert status >= 400 and "tensorrt_llm_bls" in body["error"]
+def test_ensemble_streams_exactly_with_a_python_engine_else_refuses(server, conversations):
+    """trtglm's template rendered for a torch engine streams through the ensemble; NVIDIA's layouts rendered
+    for a TensorRT engine (served here by the stand-in) refuse, pointing to tensorrt_llm_bls."""
+    if server.layout != "trtglm":
+        status, body = server.generate("ensemble", {"text_input": "hi", "max_tokens": 8, "stream": True})
+        assert status >= 400 and "tensorrt_llm_bls" in body["error"]
+        return
+    for conversation in conversations:
+        status, events = server.stream("ensemble", {"text_input": chat(conversation), "max_tokens": 64})
+        assert status == 200 and not any("error" in e for e in events), events
+        pieces = [e["text_output"] for e in events]
+        assert "".join(pieces) == conversation["answer"]
+        assert len(pieces) > 1 and not any("\ufffd" in p for p in pieces)
+    assert json.loads(server.calls.read_text().splitlines()[-1])["streaming"] is True
+
+
+def test_ensemble_bad_requests_get_errors(server):
     for text, message in (("", "text_input is empty"), ('[{"role": "robot", "content": "x"}]', "role must be one of")):
         status, body = server.generate("ensemble", {"text_input": text, "max_tokens": 8})
         assert status >= 400 and message in body["error"], body

@@ -10,10 +10,14 @@ template wrong) and makes the layout carry what they need:
 - preprocessing takes END_ID/PAD_ID and gives OUT_END_ID/OUT_PAD_ID, which the ensemble
   routes to tensorrt_llm (v0.7.1 passed the client's end_id straight to the engine, so
   without one generation never stopped at `</s>`);
-- the ensemble does not stream: `stream` goes to preprocessing, which refuses it (an
-  ensemble's postprocessing cannot continue a request's text across streamed responses; the
-  BLS model streams), and the client's exclude_input_in_output is no longer passed on
-  (postprocessing decodes generated ids only);
+- with NVIDIA's tensorrtllm backend the ensemble does not stream: `stream` goes to
+  preprocessing, which refuses it (from new ids alone an ensemble's postprocessing cannot
+  continue a request's text across streamed responses; the BLS model streams); with trtglm's
+  runtime (backend python) `stream` stays wired to tensorrt_llm, which also declares
+  generated_ids and is_final, and the ensemble routes them to postprocessing (optional inputs
+  GENERATED_IDS and IS_FINAL, in order: preserve_ordering), which then streams exactly;
+- the client's exclude_input_in_output is no longer passed on (postprocessing decodes
+  generated ids only);
 - ensemble tensors nothing uses any more are unmapped (Triton refuses unused tensors), as are
   preprocessing outputs trtglm does not produce (encoder-decoder, multimodal, prompt-table
   extras) with whatever read them;
@@ -38,17 +42,32 @@ ADDED_TENSORS = (
     ("preprocessing", "output", "OUT_END_ID", "TYPE_INT32", [1], False),
     ("preprocessing", "output", "OUT_PAD_ID", "TYPE_INT32", [1], False),
 )
+# tensors trtglm's runtime adds for exact streaming through the ensemble (backend python only)
+STREAMING_TENSORS = (
+    ("tensorrt_llm", "output", "generated_ids", "TYPE_INT32", [-1, -1], False),
+    ("tensorrt_llm", "output", "is_final", "TYPE_BOOL", [1], False),
+    ("postprocessing", "input", "GENERATED_IDS", "TYPE_INT32", [-1, -1], True),
+    ("postprocessing", "input", "IS_FINAL", "TYPE_BOOL", [1], True),
+)
 # ensemble wiring: (step's model, "input_map" | "output_map", the model's tensor, the ensemble's tensor)
 WIRING = (
     ("preprocessing", "input_map", "END_ID", "end_id"),
     ("preprocessing", "input_map", "PAD_ID", "pad_id"),
-    ("preprocessing", "input_map", "STREAM", "stream"),
     ("preprocessing", "output_map", "OUT_END_ID", "_PREPROCESSOR_END_ID"),
     ("preprocessing", "output_map", "OUT_PAD_ID", "_PREPROCESSOR_PAD_ID"),
     ("tensorrt_llm", "input_map", "end_id", "_PREPROCESSOR_END_ID"),
     ("tensorrt_llm", "input_map", "pad_id", "_PREPROCESSOR_PAD_ID"),
 )
-UNWIRED = (("tensorrt_llm", "streaming"), ("tensorrt_llm", "exclude_input_in_output"))  # (step's model, input)
+WHOLE_REPLY_WIRING = (("preprocessing", "input_map", "STREAM", "stream"),)  # refused there
+STREAMING_WIRING = (
+    ("tensorrt_llm", "input_map", "streaming", "stream"),
+    ("tensorrt_llm", "output_map", "generated_ids", "_GENERATED_IDS"),
+    ("tensorrt_llm", "output_map", "is_final", "_IS_FINAL"),
+    ("postprocessing", "input_map", "GENERATED_IDS", "_GENERATED_IDS"),
+    ("postprocessing", "input_map", "IS_FINAL", "_IS_FINAL"),
+)
+WHOLE_REPLY_UNWIRED = (("tensorrt_llm", "streaming"),)  # (step's model, input)
+UNWIRED = (("tensorrt_llm", "exclude_input_in_output"),)
 # what trtglm's preprocessing produces (python_models.preprocessing.assemble)
 PREPROCESSING_OUTPUTS = frozenset({"INPUT_ID", "REQUEST_INPUT_LEN", "REQUEST_OUTPUT_LEN", "OUT_END_ID", "OUT_PAD_ID",
                                    "STOP_WORDS_IDS", "BAD_WORDS_IDS", "EMBEDDING_BIAS"})
@@ -86,16 +105,19 @@ def adapt(configs: dict, values: Mapping[str, str | None]) -> None:
     """The changes listed in the module docstring, in place."""
     pb = protobuf()[1]
     configs["tensorrt_llm"].backend = values["triton_backend"]
-    for model, kind, name, data_type, dims, optional in ADDED_TENSORS:
+    streams = values["triton_backend"] == "python"
+    for model, kind, name, data_type, dims, optional in ADDED_TENSORS + (STREAMING_TENSORS if streams else ()):
         tensors = getattr(configs[model], kind)
         if all(t.name != name for t in tensors):
             tensor = tensors.add(name=name, data_type=pb.DataType.Value(data_type), dims=dims)
             if optional:
                 tensor.optional = True
+    if streams:
+        configs["postprocessing"].dynamic_batching.preserve_ordering = True
     steps = {step.model_name: step for step in configs["ensemble"].ensemble_scheduling.step}
-    for model, field, key, value in WIRING:
+    for model, field, key, value in WIRING + (STREAMING_WIRING if streams else WHOLE_REPLY_WIRING):
         getattr(steps[model], field)[key] = value
-    for model, key in UNWIRED:
+    for model, key in UNWIRED + (() if streams else WHOLE_REPLY_UNWIRED):
         steps[model].input_map.pop(key, None)
     for key in [k for k in steps["preprocessing"].output_map if k not in PREPROCESSING_OUTPUTS]:
         del steps["preprocessing"].output_map[key]

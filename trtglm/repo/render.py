@@ -4,15 +4,18 @@ The template is trtglm's own (triton_model_repo/) or a copy of NVIDIA's inflight
 (v0.7.1 or v0.19.0; `patch.py`), recognised by its placeholders (`placeholders.py`). Every
 placeholder is filled from the engine's trtglm.json, its profile's serve section and `--set`
 (`values.py`); an unknown `--set` key or a placeholder left unfilled is an error naming the
-file and the placeholder. The result is checked (`validate.check_repo`) in a temporary folder
-beside the output and renamed into place only when it has no problems. Rendering is
-deterministic: the same inputs give the same bytes.
+file and the placeholder. A line of trtglm's template whose comment says `only with backend X`
+is kept only when tensorrt_llm's backend is X (the python backend's extra streaming tensors).
+The result is checked (`validate.check_repo`) in a temporary folder beside the output and
+renamed into place only when it has no problems. Rendering is deterministic: the same inputs
+give the same bytes.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -31,6 +34,7 @@ log = logging.getLogger(__name__)
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "triton_model_repo"
 TOKENIZER_FACTS = ("vocab_size", "pad_id", "end_id", "stop_ids", "special_ids")
+BACKEND_ONLY = re.compile(r"#\s*only with backend (\w+)\s*$")
 
 
 def patch_repo(engine_dir: str | Path, tokenizer_dir: str | Path | None, output_repo: str | Path,
@@ -85,10 +89,20 @@ def render(template: Path, version: str, values: Mapping[str, str | None]) -> di
     files = {}
     for model in MODELS:
         path = template / model / CONFIG
-        text = fill_text(path.read_text(encoding="utf-8"), values, str(path))
+        text = fill_text(for_backend(path.read_text(encoding="utf-8"), values["triton_backend"]), values, str(path))
         check_filled(text, str(path))
         files[f"{model}/{CONFIG}"] = text.encode("utf-8")
     return {**files, **model_files(template, values["triton_backend"])}
+
+
+def for_backend(text: str, backend: str | None) -> str:
+    """`text` without its lines marked `# only with backend X` for another backend X."""
+    kept = []
+    for line in text.splitlines(keepends=True):
+        match = BACKEND_ONLY.search(split_comment(line)[1])
+        if match is None or match.group(1) == backend:
+            kept.append(line)
+    return "".join(kept)
 
 
 def model_files(template: Path, backend: str | None) -> dict[str, bytes]:

@@ -9,8 +9,10 @@ different decoupled origins, batch sizes fit) and tensorrt_llm's end_id comes fr
 preprocessing; against the engine (trtglm.json, or TensorRT-LLM's config.json for an engine
 built elsewhere): batch sizes, input and sequence lengths, beam width, the backend for the
 engine kind, tp × pp = world size; streaming: tensorrt_llm, BLS and the profile agree on
-decoupled mode, and the ensemble does not stream (its postprocessing cannot decode streamed
-ChatGLM3 text intact; the BLS model streams).
+decoupled mode, and the ensemble streams only when its postprocessing reads tensorrt_llm's
+generated_ids and is_final (trtglm's runtime sends them; from new ids alone postprocessing
+cannot decode streamed ChatGLM3 text intact), which NVIDIA's tensorrtllm backend does not
+produce.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from trtglm.repo.values import BACKENDS
 TRTGLM_MODELS = ("preprocessing", "postprocessing", "tensorrt_llm_bls")
 TRTGLM_IMPORT = re.compile(r"^\s*(from|import)\s+trtglm\b", re.M)
 LENGTH_PARAMETERS = ("max_input_len", "max_seq_len")  # parameters that must not exceed the engine's
+WHOLE_STREAM = {"generated_ids": "GENERATED_IDS", "is_final": "IS_FINAL"}  # trtglm runtime's -> postprocessing
 
 
 @dataclass(frozen=True)
@@ -155,10 +158,22 @@ def _ensemble(config, configs: dict, broken: set[str]) -> list[str]:
     if len(steps) == len(every):
         problems += _decoupled_origins(config, steps, configs)
     problems += _end_id_source(every)
-    if any(s.model_name == "tensorrt_llm" and "streaming" in s.input_map for s in every):
+    if any(s.model_name == "tensorrt_llm" and "streaming" in s.input_map for s in every) \
+            and not _postprocessing_sees_whole_stream(every):
         problems.append("streams tensorrt_llm's output into postprocessing, which sees only each response's new "
-                        "ids and so loses spaces and splits characters; stream with tensorrt_llm_bls")
+                        "ids and so loses spaces and splits characters; route tensorrt_llm's generated_ids and "
+                        "is_final to it (trtglm's runtime) or stream with tensorrt_llm_bls")
     return problems
+
+
+def _postprocessing_sees_whole_stream(steps) -> bool:
+    """postprocessing reads tensorrt_llm's generated_ids and is_final (every id so far, the last response)."""
+    llm = next((s for s in steps if s.model_name == "tensorrt_llm"), None)
+    post = next((s for s in steps if s.model_name == "postprocessing"), None)
+    if llm is None or post is None:
+        return False
+    return all(name in llm.output_map and post.input_map.get(key) == llm.output_map[name]
+               for name, key in WHOLE_STREAM.items())
 
 
 def _step_inputs(step, member, sources: dict, unchecked: set[str]) -> list[str]:
@@ -307,6 +322,9 @@ def _against_engine(configs: dict, engine: Engine) -> list[str]:
     if llm is not None and llm.backend != BACKENDS[engine.kind]:
         problems.append(f"tensorrt_llm/config.pbtxt: backend is {llm.backend!r}, but a {engine.kind} engine needs "
                         f"{BACKENDS[engine.kind]!r}")
+    if llm is not None and llm.backend != "python":
+        problems += [f"tensorrt_llm/config.pbtxt: declares {t.name}, which only trtglm's runtime (backend python) "
+                     "produces" for t in llm.output if t.name in WHOLE_STREAM]
     return problems
 
 

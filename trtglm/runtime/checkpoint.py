@@ -177,7 +177,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path)
     cfg = read_config(path)
     shapes = expected_shapes(cfg)
-    ranks = [_load_rank(path / f"rank{r}.safetensors", shapes) for r in range(cfg.world_size)]
+    ranks = [load_rank(path / f"rank{r}.safetensors", shapes) for r in range(cfg.world_size)]
     extra = sorted(p.name for p in path.glob("rank*.safetensors")
                    if p.name not in {f"rank{r}.safetensors" for r in range(cfg.world_size)})
     if extra:
@@ -186,7 +186,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     return Checkpoint(path, cfg, ranks)
 
 
-def _load_rank(file: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+def load_rank(file: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     if not file.is_file():

@@ -5,8 +5,9 @@ partial results: its query/KV heads and the matching input columns of `dense`, i
 `[up; gate]` rows of `fc` and the matching columns of `proj`, its rows of `lm_head`.
 `ShardedModel` runs the ranks in lockstep and combines the partials through a process group:
 a sum after `dense` and after `proj`, a concatenation of the lm_head chunks. `LocalGroup`
-does that for ranks held by this process; a multi-process runtime would hold one rank per
-process and swap in a group that calls `torch.distributed.all_reduce` / `all_gather`.
+does that for ranks held by this process; a served multi-process runtime holds one rank per
+process (`load_model(..., rank=r, group=...)`) with a group that calls
+`torch.distributed.all_reduce` / `all_gather` (trtglm.runtime.distributed).
 
 The computation (shared facts: chatglm3.md): embedding → layers × [RMSNorm → attention →
 residual → RMSNorm → SwiGLU MLP → residual] → RMSNorm → lm_head. RMSNorm and rotary are
@@ -18,13 +19,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from trtglm.errors import UsageError
-from trtglm.runtime.checkpoint import DTYPES, Checkpoint, CheckpointConfig, load_checkpoint
+from trtglm.runtime.checkpoint import (DTYPES, Checkpoint, CheckpointConfig, load_rank, expected_shapes,
+                                      load_checkpoint, read_config)
 from trtglm.runtime.quant import QuantizedWeight, is_quantized, quantize
 
 if TYPE_CHECKING:
@@ -33,6 +35,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Weight = torch.Tensor | QuantizedWeight
+
+
+class Group(Protocol):
+    """How the partial results of the ranks held here are combined with those of all ranks."""
+
+    def all_reduce(self, parts: Sequence[torch.Tensor]) -> torch.Tensor: ...
+
+    def all_gather(self, parts: Sequence[torch.Tensor], dim: int = -1) -> torch.Tensor: ...
 
 
 class LocalGroup:
@@ -149,7 +159,7 @@ class RankModel:
 class ShardedModel:
     """All ranks of a checkpoint run in lockstep; partial results combined through `group`."""
 
-    def __init__(self, cfg: CheckpointConfig, ranks: list[RankModel], group: LocalGroup | None = None):
+    def __init__(self, cfg: CheckpointConfig, ranks: list[RankModel], group: Group | None = None):
         self.config, self.ranks, self.group = cfg, ranks, group or LocalGroup()
         self.dtype = ranks[0].embedding.dtype
         self.device = ranks[0].embedding.device
@@ -192,9 +202,18 @@ class ShardedModel:
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu",
-               checkpoint: Checkpoint | None = None) -> ShardedModel:
-    """A runnable model from a checkpoint folder, in the checkpoint's dtype unless `dtype` says otherwise."""
-    ckpt = checkpoint or load_checkpoint(path)
+               checkpoint: Checkpoint | None = None, rank: int | None = None,
+               group: Group | None = None) -> ShardedModel:
+    """A runnable model from a checkpoint folder, in the checkpoint's dtype unless `dtype` says otherwise.
+
+    With `rank`, only that rank's shard is read and held (one process per rank); `group` then
+    combines its partial results with the other processes' (the default LocalGroup suits
+    all ranks in one process).
+    """
+    if rank is not None:
+        ckpt = _one_rank(Path(path), rank)
+    else:
+        ckpt = checkpoint or load_checkpoint(path)
     cfg = ckpt.config
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -206,5 +225,14 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None, device:
         raise UsageError("device cuda requested but CUDA is not available")
     log.info("loading %s: %d layer(s), tp %d, %s%s on %s", ckpt.path, cfg.num_layers, cfg.tp_size,
              str(dtype).removeprefix("torch."), f", weight-only {cfg.quant_algo}" if cfg.quant_algo else "", device)
-    ranks = [RankModel(cfg, r, tensors, dtype, device) for r, tensors in enumerate(ckpt.ranks)]
-    return ShardedModel(cfg, ranks)
+    numbers = [rank] if rank is not None else range(cfg.world_size)
+    ranks = [RankModel(cfg, r, tensors, dtype, device) for r, tensors in zip(numbers, ckpt.ranks, strict=True)]
+    return ShardedModel(cfg, ranks, group)
+
+
+def _one_rank(path: Path, rank: int) -> Checkpoint:
+    """A checkpoint holding only `rank`'s tensors (validated as `load_checkpoint` validates them)."""
+    cfg = read_config(path)
+    if not 0 <= rank < cfg.world_size:
+        raise UsageError(f"rank {rank} is outside the checkpoint's world size {cfg.world_size} ({path})")
+    return Checkpoint(path, cfg, [load_rank(path / f"rank{rank}.safetensors", expected_shapes(cfg))])

@@ -1,16 +1,20 @@
-"""ChatGLM3 postprocessing: the engine's output ids -> reply text, one whole sequence at a time.
+"""ChatGLM3 postprocessing: the engine's output ids -> reply text, whole or as exact streamed pieces.
 
 Inputs TOKENS_BATCH [batch, beams, ids] and SEQUENCE_LENGTH [batch, beams]; output OUTPUT
-[batch, beams], each sequence's `reply.reply_text` (up to the first stop id, blank metadata
-line dropped, decoded as a whole so spaces and characters are intact). Where a layout
-declares OUT_CUM_LOG_PROBS / OUT_OUTPUT_LOG_PROBS (NVIDIA's v0.7.1), they pass
-CUM_LOG_PROBS / OUTPUT_LOG_PROBS through.
+[batch, beams]. Without GENERATED_IDS each sequence is a whole reply: `reply.reply_text` (up to
+the first stop id, blank metadata line dropped, decoded as a whole so spaces and characters
+are intact). With GENERATED_IDS [batch, beams, ids] (every id generated so far) and IS_FINAL
+[batch, 1] (no more responses follow), which trtglm's runtime sends to the ensemble, TOKENS_BATCH
+holds only the response's new ids and each OUTPUT is `reply.reply_piece`: the text those ids
+add, so a streamed reply's pieces join to exactly its whole text. Where a layout declares
+OUT_CUM_LOG_PROBS / OUT_OUTPUT_LOG_PROBS (NVIDIA's v0.7.1), they pass CUM_LOG_PROBS /
+OUTPUT_LOG_PROBS through.
 
-Sequences are always whole: the ensemble does not stream (preprocessing refuses `stream`).
-In an ensemble Triton lets this model read only the engine's outputs, so a streamed response
-would arrive as a handful of new ids with nothing to say which request they continue, and no
-decoder can then keep SentencePiece spaces or characters split over responses. Streaming is
-served by tensorrt_llm_bls, which sees each request's whole stream (`bls.py`).
+In an ensemble Triton lets this model read only the engine's outputs, so without GENERATED_IDS
+a streamed response would arrive as a handful of new ids with nothing to say which request
+they continue, and no decoder could then keep SentencePiece spaces or characters split over
+responses. NVIDIA's tensorrtllm backend sends nothing more, so with it the ensemble does not
+stream (preprocessing refuses `stream`; tensorrt_llm_bls streams, see `bls.py`).
 """
 
 from __future__ import annotations
@@ -20,19 +24,28 @@ import numpy as np
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
 from trtglm.repo.python_models import triton_io
-from trtglm.repo.python_models.reply import reply_text
+from trtglm.repo.python_models.reply import reply_piece, reply_text
 from trtglm.repo.python_models.triton_io import pb_utils
 
-INPUTS = ("TOKENS_BATCH", "SEQUENCE_LENGTH", "CUM_LOG_PROBS", "OUTPUT_LOG_PROBS")
+INPUTS = ("TOKENS_BATCH", "SEQUENCE_LENGTH", "GENERATED_IDS", "IS_FINAL", "CUM_LOG_PROBS", "OUTPUT_LOG_PROBS")
 PASS_THROUGH = {"OUT_CUM_LOG_PROBS": "CUM_LOG_PROBS", "OUT_OUTPUT_LOG_PROBS": "OUTPUT_LOG_PROBS"}
 
 
-def postprocess(tokenizer: ChatGLMTokenizer, tokens: np.ndarray | None, lengths: np.ndarray | None) -> list[list[str]]:
-    """Reply text per batch row and beam."""
+def postprocess(tokenizer: ChatGLMTokenizer, tokens: np.ndarray | None, lengths: np.ndarray | None,
+                generated: np.ndarray | None = None, final: np.ndarray | None = None) -> list[list[str]]:
+    """Reply text (whole, or this response's piece when `generated` is given) per batch row and beam."""
     if tokens is None or lengths is None or tokens.ndim != 3 or lengths.shape != tokens.shape[:2]:
         raise UsageError("postprocessing needs TOKENS_BATCH [batch, beams, ids] and SEQUENCE_LENGTH [batch, beams]")
-    return [[reply_text(tokenizer, tokens[row, beam, :max(0, min(int(lengths[row, beam]), tokens.shape[2]))])
-             for beam in range(tokens.shape[1])] for row in range(tokens.shape[0])]
+    rows, beams = range(tokens.shape[0]), range(tokens.shape[1])
+    if generated is None:
+        return [[reply_text(tokenizer, tokens[row, beam, :max(0, min(int(lengths[row, beam]), tokens.shape[2]))])
+                 for beam in beams] for row in rows]
+    if generated.ndim != 3 or generated.shape[:2] != tokens.shape[:2] or final is None \
+            or np.asarray(final).reshape(len(rows), -1).shape[1] != 1:
+        raise UsageError("postprocessing needs GENERATED_IDS [batch, beams, ids] and IS_FINAL [batch, 1] together")
+    done = np.asarray(final).reshape(-1)
+    return [[reply_piece(tokenizer, generated[row, beam].tolist(), int(lengths[row, beam]), bool(done[row]))
+             for beam in beams] for row in rows]
 
 
 class TritonPythonModel:
@@ -50,7 +63,8 @@ class TritonPythonModel:
     def _respond(self, request):
         try:
             inputs = triton_io.input_arrays(request, INPUTS)
-            texts = postprocess(self.tokenizer, inputs["TOKENS_BATCH"], inputs["SEQUENCE_LENGTH"])
+            texts = postprocess(self.tokenizer, inputs["TOKENS_BATCH"], inputs["SEQUENCE_LENGTH"],
+                                inputs["GENERATED_IDS"], inputs["IS_FINAL"])
         except Exception as e:  # one bad request must not fail the others of its batch
             return triton_io.error_response(e)
         arrays = {"OUTPUT": triton_io.strings(texts)}

@@ -14,10 +14,12 @@ returns the output arrays by name:
 
 A prompt longer than the engine's max_input_len, or one that leaves less room than max_tokens
 before max_seq_len, is refused with a UsageError, which the model returns as an error
-response. So is STREAM (stream) true: the ensemble returns whole replies only, because an
-ensemble's postprocessing may read nothing but the engine's latest ids (Triton forbids
-mixing them with tensors from before the engine), so it could not continue a request's text
-across streamed responses; tensorrt_llm_bls streams instead.
+response. So is STREAM (stream) true, which the ensemble routes here when NVIDIA's
+tensorrtllm backend serves the engine: its responses carry only their new ids, and an
+ensemble's postprocessing may read nothing but those (Triton forbids mixing them with tensors
+from before the engine), so it could not continue a request's text across streamed
+responses; tensorrt_llm_bls streams instead. With trtglm's runtime the ensemble sends
+`stream` to tensorrt_llm, never here.
 """
 
 from __future__ import annotations
@@ -123,8 +125,8 @@ def assemble(rows: list[Prepared]) -> dict[str, np.ndarray]:
 def refuse_streaming(stream: np.ndarray | None) -> None:
     """UsageError when the request asks the ensemble to stream (see the module docstring)."""
     if stream is not None and np.asarray(stream).astype(bool).any():
-        raise UsageError("the ensemble returns whole replies only; stream with the tensorrt_llm_bls model "
-                         "(it decodes each request's stream without splitting characters)")
+        raise UsageError("the ensemble returns whole replies with NVIDIA's tensorrtllm backend; stream with the "
+                         "tensorrt_llm_bls model (it decodes each request's stream without splitting characters)")
 
 
 # --- reading one row of a request's arrays ------------------------------------------------------

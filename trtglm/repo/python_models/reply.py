@@ -9,14 +9,20 @@ its metadata line. Special ids are skipped.
 `ReplyStream` gives the same text in pieces as ids arrive: it decodes incrementally (no lost
 SentencePiece spaces, no split characters) and holds text back while the metadata line is
 undecided, so the pieces always join to `reply_text` of all the ids. It needs to see every
-id of its reply in order, which is why streaming is served by the BLS model.
+id of its reply in order (the BLS model streams so).
+
+`reply_piece` gives a piece without any state, from every id so far and how many of them
+are new (what the ensemble's postprocessing receives from trtglm's runtime): the text the
+ids settle now minus the text they had settled before the new ones. Settled text is the
+whole decode, except that before the end a trailing incomplete character and an undecided
+metadata line are held back; it only ever grows, so the pieces join to `reply_text`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-from trtglm.chatglm.tokenizer import ChatGLMTokenizer, IncrementalDetokenizer
+from trtglm.chatglm.tokenizer import INCOMPLETE, ChatGLMTokenizer, IncrementalDetokenizer
 
 
 def reply_ids(tokenizer: ChatGLMTokenizer, ids: Iterable[int]) -> list[int]:
@@ -33,6 +39,18 @@ def reply_ids(tokenizer: ChatGLMTokenizer, ids: Iterable[int]) -> list[int]:
 def reply_text(tokenizer: ChatGLMTokenizer, ids: Iterable[int]) -> str:
     """The reply's text from all its generated ids (see the module docstring)."""
     return content(tokenizer.decode(reply_ids(tokenizer, ids)))
+
+
+def settled_text(tokenizer: ChatGLMTokenizer, ids: Sequence[int], final: bool) -> str:
+    """The reply text `ids` settle: `reply_text` when final, else without what more ids could change."""
+    text = tokenizer.decode(reply_ids(tokenizer, ids))
+    return content(text if final else text.rstrip(INCOMPLETE))
+
+
+def reply_piece(tokenizer: ChatGLMTokenizer, ids: Sequence[int], new: int, final: bool) -> str:
+    """The text the last `new` of `ids` (all generated so far) add to the reply; `final`: no more will come."""
+    before = settled_text(tokenizer, ids[:max(0, len(ids) - new)], final=False)
+    return settled_text(tokenizer, ids, final)[len(before):]
 
 
 def content(text: str) -> str:

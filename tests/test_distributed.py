@@ -1,0 +1,206 @@
+"""Tensor parallelism across processes: real ranks under Open MPI's `mpirun` (CPU, gloo) serve the fixture
+engine split over 2 and 4 ranks and give exactly the greedy tokens of `generate()` on the unsplit
+(tp 1) checkpoint; followers stop when rank 0 closes and when rank 0 dies. Also the pure parts: where
+ranks meet, the rank environment, the step messages."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+from trtglm.chatglm.tokenizer import ChatGLMTokenizer
+from trtglm.engine.build import build_engine
+from trtglm.errors import UsageError
+from trtglm.runtime.distributed import DECODE, PREFILL, RELEASE, STOP, RankInfo, Step, follow, rank_info, rendezvous
+from trtglm.runtime.generate import generate
+from trtglm.runtime.model import load_model
+from trtglm.serve.triton_model import ServedEngine
+
+PROFILE = REPO / "configs" / "tiny.yaml"
+MAX_NEW = 40
+
+# One rank's program: a ServedEngine from the OMPI environment; rank 0 answers the prompts (all submitted
+# at once, so they are batched) and writes the tokens; every rank reports how it ended.
+RANK_PROGRAM = '''
+import json, os, sys, time
+from trtglm.runtime.distributed import rendezvous
+from trtglm.runtime.executor import Request
+from trtglm.serve.triton_model import ServedEngine
+
+engine_dir, prompts_file, out_dir, mode = sys.argv[1:5]
+engine = ServedEngine(engine_dir)
+rank = engine.info.rank
+report = {"rank": rank, "rendezvous": rendezvous()}
+if rank == 0:
+    if mode == "die":
+        os._exit(0)  # rank 0 goes away without a word
+    prompts = json.load(open(prompts_file))
+    tokens = [[] for _ in prompts]
+    handles = [engine.executor.submit(Request(p, int(mode), end_id=2, stop_words=[[518], [520]]),
+                                      lambda output, i=i: tokens[i].extend(output.tokens))
+               for i, p in enumerate(prompts)]
+    for handle in handles:
+        handle.done.wait()
+    report.update(tokens=tokens, max_decode_batch=engine.executor.stats().max_decode_batch)
+else:
+    engine.follower.join(60)
+    report["follower_alive"] = engine.follower.is_alive()
+engine.close()
+json.dump(report, open(os.path.join(out_dir, f"rank{rank}.json"), "w"))
+'''
+
+
+def build_tiny_engine(out: Path, tp: int = 1, **overrides) -> Path:
+    """The fixture's torch engine (configs/tiny.yaml) at tensor-parallel size `tp`."""
+    return build_engine(PROFILE, model_dir=REPO / "tests" / "fixtures" / "tiny-chatglm3", output_dir=out,
+                        overrides={"convert.tp_size": tp, "serve.world_size": tp, **overrides})
+
+
+def needs_mpirun() -> None:
+    if subprocess.run(["sh", "-c", "command -v mpirun"], capture_output=True).returncode != 0:
+        pytest.skip("mpirun (openmpi-bin) is not installed")
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory) -> dict[int, Path]:
+    root = tmp_path_factory.mktemp("engines")
+    return {tp: build_tiny_engine(root / f"tp{tp}", tp) for tp in (1, 2, 4)}
+
+
+@pytest.fixture(scope="module")
+def prompts(fixture_dir) -> list[list[int]]:
+    tok = ChatGLMTokenizer(fixture_dir)
+    conversations = [json.loads(line) for line in (fixture_dir / "conversations.jsonl").read_text().splitlines()]
+    return [tok.build_chat_input(c["messages"]) for c in conversations[::4]]
+
+
+@pytest.fixture(scope="module")
+def expected(engines, prompts) -> list[list[int]]:
+    """generate() on the tp-1 checkpoint, each prompt alone, with the stop token appended as the runtime returns it."""
+    torch.set_num_threads(1)
+    model = load_model(engines[1] / "checkpoint")
+    out = []
+    for prompt in prompts:
+        tokens = generate(model, prompt, MAX_NEW, end_id=2, stop_ids=[518, 520])
+        out.append(tokens + [518] if len(tokens) < MAX_NEW else tokens)
+    return out
+
+
+def run_ranks(tmp_path: Path, engine: Path, world: int, prompts: list[list[int]], mode: str,
+              timeout: float = 120) -> dict[int, dict]:
+    program, prompts_file = tmp_path / "rank.py", tmp_path / "prompts.json"
+    program.write_text(RANK_PROGRAM)
+    prompts_file.write_text(json.dumps(prompts))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-x", "PYTHONPATH",
+               "-x", "PATH", "-x", "OMP_NUM_THREADS", "-n", str(world), sys.executable, str(program), str(engine),
+               str(prompts_file), str(tmp_path), mode]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    reports = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert reports, f"no rank reported (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    reports[-1] = {"stderr": proc.stderr, "returncode": proc.returncode}
+    return reports
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_in_processes_give_the_tokens_of_the_unsplit_model(tmp_path, engines, prompts, expected, world):
+    needs_mpirun()
+    reports = run_ranks(tmp_path, engines[world], world, prompts, str(MAX_NEW))
+    assert reports[-1]["returncode"] == 0, reports[-1]["stderr"]
+    assert reports[0]["tokens"] == expected
+    assert len(prompts) > 8 and reports[0]["max_decode_batch"] == 8  # every slot busy, the rest queued
+    assert all(reports[r]["follower_alive"] is False for r in range(1, world))  # rank 0's close stopped them
+    meeting_place = reports[0]["rendezvous"]
+    assert meeting_place.startswith("file://") and not Path(meeting_place[len("file://"):]).exists()  # removed
+
+
+@pytest.mark.slow
+def test_followers_stop_when_rank_0_dies(tmp_path, engines, prompts):
+    needs_mpirun()
+    reports = run_ranks(tmp_path, engines[2], 2, prompts, "die")
+    assert 0 not in reports and reports[1]["follower_alive"] is False
+    assert "rank 0 went away" in reports[-1]["stderr"]
+    Path(reports[1]["rendezvous"][len("file://"):]).unlink(missing_ok=True)  # what the dead rank 0 left
+
+
+def test_rank_info_comes_from_open_mpi_or_pmix():
+    assert rank_info({}) == RankInfo(0, 1, 0, 1)
+    env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    assert rank_info(env) == RankInfo(3, 4, 1, 2)
+    assert rank_info({"PMIX_RANK": "1", "PMIX_SIZE": "2"}) == RankInfo(1, 2, 1, 2)
+    with pytest.raises(UsageError, match="rank 4 is outside the world size 4"):
+        rank_info({**env, "OMPI_COMM_WORLD_RANK": "4"})
+    with pytest.raises(UsageError, match="must be a whole number"):
+        rank_info({"OMPI_COMM_WORLD_SIZE": "two"})
+
+
+def test_ranks_meet_through_master_env_or_a_file_named_by_the_launch():
+    assert rendezvous({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "TRTGLM_LAUNCH_ID": "ab"}) == "env://"
+    one = rendezvous({"TRTGLM_LAUNCH_ID": "1a2b3c4d", "PMIX_NAMESPACE": "960364545"})
+    assert one.startswith("file:///") and one.endswith("trtglm-ranks-1a2b3c4d-960364545")
+    assert rendezvous({"TRTGLM_LAUNCH_ID": "1a2b3c4d", "PMIX_NAMESPACE": "960364546"}) != one  # another mpirun
+    assert rendezvous({"OMPI_MCA_ess_base_jobid": "77"}).endswith("trtglm-ranks-77")
+    with pytest.raises(UsageError, match="MASTER_ADDR and MASTER_PORT"):
+        rendezvous({})
+
+
+def test_prefill_steps_carry_each_prompt():
+    step = Step.prefill([2, 0], [[5, 6, 7], [9]])
+    assert (step.op, step.slots, step.data) == (PREFILL, [2, 0], [3, 1, 5, 6, 7, 9])
+    assert Step(step.op, step.slots, step.data).prompts() == [[5, 6, 7], [9]]
+
+
+class Script:
+    """A channel that hands out rank 0's steps from a list (then stops), and a model that records its calls."""
+
+    def __init__(self, steps: list[Step]):
+        self.steps, self.calls = list(steps), []
+        self.vocab_size, self.max_batch, self.max_seq_len = 10, 2, 8
+
+    def receive(self) -> Step:
+        return self.steps.pop(0) if self.steps else Step(STOP, [], [])
+
+    def prefill(self, slots, prompts):
+        self.calls.append(("prefill", list(slots), [list(p) for p in prompts]))
+
+    def decode(self, slots, tokens):
+        if tokens == [99]:
+            raise UsageError("token id 99 is outside the vocabulary")  # as rank 0's shard refused it too
+        self.calls.append(("decode", list(slots), list(tokens)))
+
+    def release(self, slot):
+        self.calls.append(("release", slot))
+
+
+def test_a_follower_makes_rank_0s_calls_and_goes_on_after_one_that_fails():
+    script = Script([Step.prefill([1], [[4, 5]]), Step(DECODE, [1], [99]), Step(DECODE, [1], [6]),
+                     Step(RELEASE, [1], []), Step(DECODE, [0], [3])])
+    script.steps.insert(4, Step(STOP, [], []))  # rank 0 stops: what follows is never made
+    follow(script, script)
+    assert script.calls == [("prefill", [1], [[4, 5]]), ("decode", [1], [6]), ("release", 1)]
+
+
+def test_a_rank_process_holds_only_its_own_shard(engines):
+    from safetensors.torch import load_file
+
+    model = load_model(engines[2] / "checkpoint", rank=1)
+    assert [r.rank for r in model.ranks] == [1]
+    stored = load_file(str(engines[2] / "checkpoint" / "rank1.safetensors"))
+    assert torch.equal(model.ranks[0].lm_head, stored["lm_head.weight"])
+    assert torch.equal(model.ranks[0].layers[2].qkv, stored["transformer.layers.2.attention.qkv.weight"])
+    with pytest.raises(UsageError, match="rank 2 is outside the checkpoint's world size 2"):
+        load_model(engines[2] / "checkpoint", rank=2)
+
+
+def test_a_world_that_does_not_match_the_engine_is_refused(engines):
+    with pytest.raises(UsageError, match=r"1 rank\(s\) serve an engine of tp × pp = 2 .* --world-size 2"):
+        ServedEngine(engines[2], info=RankInfo(0, 1, 0, 1))

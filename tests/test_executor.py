@@ -1,0 +1,324 @@
+"""The in-flight batching executor over the portable SlotModel, against `generate()` (each request run
+alone, itself checked against transformers in test_runtime.py) and against independently computed
+expectations: interleaved arrivals, the queue bound, cancellation, stop and bad words, seeds, log
+probabilities, min_length, embedding bias, model failures and the background thread."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from trtglm.chatglm.tokenizer import ChatGLMTokenizer
+from trtglm.convert.writer import convert_checkpoint
+from trtglm.errors import UsageError
+from trtglm.runtime.executor import Executor, ExecutorStopped, Output, QueueFullError, Request
+from trtglm.runtime.generate import full_logits, generate
+from trtglm.runtime.model import load_model
+from trtglm.runtime.slot_runtime import ShardedSlotModel
+
+MAX_SEQ = 256
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tok(fixture_dir) -> ChatGLMTokenizer:
+    return ChatGLMTokenizer(fixture_dir)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def model(request, tmp_path_factory, fixture_dir):
+    out = tmp_path_factory.mktemp("ckpt") / f"tp{request.param}"
+    return load_model(convert_checkpoint(fixture_dir, out, dtype="float32", tp_size=request.param))
+
+
+@pytest.fixture(scope="module")
+def prompts(fixture_dir, tok) -> list[list[int]]:
+    conversations = [json.loads(line) for line in (fixture_dir / "conversations.jsonl").read_text().splitlines()]
+    return [tok.build_chat_input(c["messages"]) for c in conversations[::5]]  # 11 prompts of 7 to 70+ tokens
+
+
+def stops(tok: ChatGLMTokenizer) -> list[list[int]]:
+    return [[tok.special_ids["<|user|>"]], [tok.special_ids["<|observation|>"]]]
+
+
+class Collected:
+    """Outputs of one request, as the executor delivers them."""
+
+    def __init__(self):
+        self.outputs: list[Output] = []
+
+    def __call__(self, output: Output) -> None:
+        self.outputs.append(output)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for o in self.outputs for t in o.tokens]
+
+    @property
+    def done(self) -> bool:
+        return bool(self.outputs) and self.outputs[-1].finished
+
+    @property
+    def reason(self) -> str | None:
+        return self.outputs[-1].reason if self.done else None
+
+
+def run(executor: Executor, until=None, limit: int = 500) -> None:
+    """Step until `until()` holds (default: until there is no work left)."""
+    until = until or (lambda: not executor.has_work())
+    for _ in range(limit):
+        if until():
+            return
+        executor.step()
+    raise AssertionError("the executor did not finish")
+
+
+def alone(model, tok, prompt: list[int], max_new: int = 40) -> list[int]:
+    """generate()'s tokens, with the stop token it does not return appended (the executor returns stop words)."""
+    tokens = generate(model, prompt, max_new, end_id=tok.eos_id, stop_ids=tok.stop_ids[1:])
+    return tokens + [tok.special_ids["<|user|>"]] if len(tokens) < max_new else tokens
+
+
+def test_interleaved_arrivals_give_each_request_its_tokens_alone(model, tok, prompts):
+    executor = Executor(ShardedSlotModel(model, max_batch=3, max_seq_len=MAX_SEQ), max_queue=16)
+    results = [Collected() for _ in prompts]
+    arrivals = {0: [0, 1], 2: [2], 3: [3, 4, 5, 6], 9: [7], 12: [8, 9, 10]}  # step -> requests arriving
+    for step in range(400):
+        for index in arrivals.get(step, []):
+            executor.submit(Request(prompts[index], 40, end_id=tok.eos_id, stop_words=stops(tok)), results[index])
+        if step > max(arrivals) and not executor.has_work():
+            break
+        executor.step()
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.done and result.tokens == alone(model, tok, prompt)
+        assert result.reason == "stop_word"
+    stats = executor.stats()
+    assert stats.max_decode_batch == 3 and stats.active == stats.queued == 0
+    assert stats.generated_tokens == sum(len(r.tokens) for r in results)
+
+
+def test_a_full_queue_refuses_and_frees_up(model, tok, prompts):
+    executor = Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ), max_queue=2)
+    first, second, third = Collected(), Collected(), Collected()
+    executor.submit(Request(prompts[0], 5), first)
+    executor.submit(Request(prompts[1], 5), second)
+    with pytest.raises(QueueFullError, match="queue is full"):
+        executor.submit(Request(prompts[2], 5), third)
+    executor.step()  # the first is admitted: one place in the queue is free again
+    executor.submit(Request(prompts[2], 5), third)
+    run(executor)
+    assert all(r.done and len(r.tokens) == 5 for r in (first, second, third))
+    assert executor.stats().rejected == 1
+
+
+def test_cancelling_frees_the_slot_for_a_waiting_request(model, tok, prompts):
+    executor = Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ))
+    long, waiting, asked = Collected(), Collected(), Collected()
+    handle = executor.submit(Request(prompts[0], 100), long)
+    executor.submit(Request(prompts[1], 40, end_id=tok.eos_id, stop_words=stops(tok)), waiting)
+    for _ in range(3):
+        executor.step()
+    assert len(long.tokens) == 3 and not waiting.outputs
+    handle.cancel()
+    executor.step()
+    assert long.reason == "cancelled" and len(long.tokens) == 3
+    assert waiting.outputs  # admitted in the same step
+    flag = threading.Event()
+    executor.submit(Request(prompts[2], 100), asked, is_cancelled=flag.is_set)
+    run(executor, until=lambda: waiting.done)
+    executor.step()  # the slot is free: the next request starts
+    assert waiting.tokens == alone(model, tok, prompts[1]) and len(asked.tokens) == 1
+    flag.set()  # the client went away (Triton's request.is_cancelled())
+    run(executor)
+    assert asked.reason == "cancelled" and len(asked.tokens) < 100
+    assert executor.stats().cancelled == 2
+
+
+def test_a_callback_that_fails_stops_its_request(model, tok, prompts):
+    executor = Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ))
+
+    def gone(output: Output) -> None:
+        raise ConnectionError("client disconnected")
+
+    executor.submit(Request(prompts[0], 100), gone)
+    other = Collected()
+    executor.submit(Request(prompts[1], 40, end_id=tok.eos_id, stop_words=stops(tok)), other)
+    run(executor)
+    assert other.tokens == alone(model, tok, prompts[1])
+    assert executor.stats().generated_tokens == 1 + len(other.tokens)  # the first request stopped at once
+
+
+def test_stop_words_match_on_the_suffix_and_are_returned(model, tok, prompts):
+    expected = alone(model, tok, prompts[3])
+    assert len(expected) > 6
+
+    def through_first(word: list[int]) -> list[int]:
+        end = next(i for i in range(len(word), len(expected) + 1) if expected[i - len(word):i] == word)
+        return expected[:end]
+
+    missing = next(t for t in range(500) if [expected[3], t] != expected[3:5] and t not in expected)
+    cases = {
+        "two tokens": ([expected[3:5]], through_first(expected[3:5])),
+        "first token only": ([[expected[3], missing]], expected),
+        "one token": ([[expected[2]]], through_first(expected[2:3])),
+    }
+    assert len(cases["two tokens"][1]) < len(expected)
+    for name, (words, wanted) in cases.items():
+        executor = Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ))
+        result = Collected()
+        executor.submit(Request(prompts[3], 40, end_id=tok.eos_id, stop_words=words + stops(tok)), result)
+        run(executor)
+        assert result.tokens == wanted, name
+
+
+def test_end_id_ends_without_being_returned(model, tok, prompts):
+    expected = alone(model, tok, prompts[2])
+    executor = Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ))
+    result = Collected()
+    executor.submit(Request(prompts[2], 40, end_id=expected[4]), result)
+    run(executor)
+    assert result.tokens == expected[:4] and result.reason == "end_id"
+    assert result.outputs[-1].tokens == []
+
+
+def test_bad_words_are_banned(model, tok, prompts):
+    expected = alone(model, tok, prompts[3])
+    for words, position in (([[expected[0]]], 0), ([expected[1:3]], 2)):
+        executor = Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ))
+        result = Collected()
+        executor.submit(Request(prompts[3], 6, bad_words=words), result)
+        run(executor)
+        assert result.tokens[:position] == expected[:position]
+        assert result.tokens[position] != expected[position]
+        alternative = full_logits(model, prompts[3] + expected[:position])[-1].clone()
+        alternative[expected[position]] = float("-inf")
+        assert result.tokens[position] == int(alternative.argmax())  # the next best instead
+
+
+def test_min_length_holds_back_end_id_and_bias_shifts_choices(model, tok, prompts):
+    expected = alone(model, tok, prompts[1])
+    user = tok.special_ids["<|user|>"]
+    executor = Executor(ShardedSlotModel(model, max_batch=2, max_seq_len=MAX_SEQ))
+    plain, longer, biased = Collected(), Collected(), Collected()
+    executor.submit(Request(prompts[1], 60, end_id=user), plain)
+    executor.submit(Request(prompts[1], 60, end_id=user, min_length=len(expected) + 3), longer)
+    bias = torch.zeros(model.config.vocab_size)
+    bias[7] = 1e4
+    executor.submit(Request(prompts[1], 3, embedding_bias=bias), biased)
+    run(executor)
+    assert plain.tokens == expected[:-1] and plain.reason == "end_id"
+    assert longer.tokens[:len(expected) - 1] == expected[:-1] and len(longer.tokens) >= len(expected) + 3
+    assert user not in longer.tokens[:len(expected) + 3]
+    assert biased.tokens == [7, 7, 7]
+
+
+def test_log_probs_are_those_of_the_chosen_tokens(model, tok, prompts):
+    executor = Executor(ShardedSlotModel(model, max_batch=2, max_seq_len=MAX_SEQ))
+    result = Collected()
+    executor.submit(Request(prompts[4], 8, log_probs=True), result)
+    executor.submit(Request(prompts[5], 8), Collected())
+    run(executor)
+    log_probs = [p for o in result.outputs for p in o.log_probs]
+    teacher = torch.log_softmax(full_logits(model, prompts[4] + result.tokens), dim=-1)
+    start = len(prompts[4]) - 1
+    expected = [float(teacher[start + i, token]) for i, token in enumerate(result.tokens)]
+    assert log_probs == pytest.approx(expected, abs=1e-4)
+
+
+def test_the_same_seed_gives_the_same_tokens_whatever_runs_beside(model, tok, prompts):
+    def sampled(seed: int, company: int) -> list[int]:
+        executor = Executor(ShardedSlotModel(model, max_batch=4, max_seq_len=MAX_SEQ))
+        result = Collected()
+        for index in range(company):
+            executor.submit(Request(prompts[index + 5], 12, temperature=1.0), Collected())
+        executor.submit(Request(prompts[0], 12, temperature=5.0, top_k=50, top_p=0.95, seed=seed), result)
+        run(executor)
+        return result.tokens
+
+    first = sampled(1234, company=0)
+    assert sampled(1234, company=3) == first
+    assert sampled(99, company=1) != first  # a different seed, different tokens (hot sampling)
+    assert first != alone(model, tok, prompts[0])[:12]
+
+
+def test_requests_the_model_cannot_serve_are_refused(model, tok, prompts):
+    executor = Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=64))
+    for request, message in (
+            (Request([], 4), "prompt is empty"),
+            (Request(prompts[0], 0), "request_output_len must be at least 1"),
+            (Request(list(range(60)), 5), r"plus request_output_len \(5\) exceeds max_seq_len \(64\)"),
+            (Request([model.config.vocab_size], 4), "outside the vocabulary"),
+            (Request([1, 2], 4, top_p=0.0), "runtime_top_p")):
+        with pytest.raises(UsageError, match=message):
+            executor.submit(request, Collected())
+    assert not executor.has_work()
+
+
+class Failing:
+    """A SlotModel whose decode fails once."""
+
+    def __init__(self, inner):
+        self.inner, self.failed = inner, False
+        self.vocab_size, self.max_batch, self.max_seq_len = inner.vocab_size, inner.max_batch, inner.max_seq_len
+
+    def prefill(self, slots, prompts):
+        return self.inner.prefill(slots, prompts)
+
+    def decode(self, slots, tokens):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("device lost")
+        return self.inner.decode(slots, tokens)
+
+    def release(self, slot):
+        self.inner.release(slot)
+
+
+def test_a_model_failure_ends_the_running_requests_with_an_error_and_serving_goes_on(model, tok, prompts):
+    executor = Executor(Failing(ShardedSlotModel(model, max_batch=2, max_seq_len=MAX_SEQ)))
+    first, later = Collected(), Collected()
+    executor.submit(Request(prompts[0], 10), first)
+    executor.step()  # prefill
+    executor.step()  # decode fails
+    assert first.reason == "error" and "device lost" in first.outputs[-1].error
+    executor.submit(Request(prompts[1], 40, end_id=tok.eos_id, stop_words=stops(tok)), later)
+    run(executor)
+    assert later.tokens == alone(model, tok, prompts[1])
+
+
+def test_background_thread_serves_concurrent_submitters_and_stop_ends_the_rest(model, tok, prompts):
+    executor = Executor(ShardedSlotModel(model, max_batch=4, max_seq_len=MAX_SEQ), max_queue=32)
+    executor.start()
+    results = [Collected() for _ in prompts]
+    handles = []
+
+    def client(index: int) -> None:
+        handles.append(executor.submit(Request(prompts[index], 40, end_id=tok.eos_id, stop_words=stops(tok)),
+                                       results[index]))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for handle in handles:
+        assert handle.done.wait(60)
+    assert [r.tokens for r in results] == [alone(model, tok, p) for p in prompts]
+    assert executor.stats().max_decode_batch > 1
+
+    left = Collected()
+    executor.submit(Request(prompts[0], 200), left)
+    executor.stop()
+    assert left.reason == "error" and "shutting down" in left.outputs[-1].error
+    with pytest.raises(ExecutorStopped):
+        executor.submit(Request(prompts[0], 5), Collected())

@@ -1,0 +1,441 @@
+"""trtglm's PyTorch runtime served as Triton's `tensorrt_llm` model, end to end: the fixture engine
+(configs/tiny.yaml) rendered by patch-repo and started by `trtglm launch --detach` with 1, 2 and 4
+ranks (real tritonserver processes under a real mpirun, free loopback ports), answering the fixture's
+conversations exactly through `ensemble` and `tensorrt_llm_bls` over HTTP generate, SSE
+generate_stream and gRPC streaming; 32 concurrent requests batched in flight; bad requests refused
+with a message while the server goes on; a cancelled request stops generating. The first part
+checks the model's request and response tensors against TensorRT-LLM's documented layout."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from conftest import REPO
+from test_distributed import build_tiny_engine
+from trtglm.chatglm.tokenizer import ChatGLMTokenizer
+from trtglm.errors import UsageError
+from trtglm.repo import patch_repo
+from trtglm.repo.python_models.words import stack_word_lists, word_list
+from trtglm.runtime.executor import Output
+from trtglm.serve.triton_model import Reply, engine_request, word_sequences
+
+NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+WORLD_SIZES = (1, 2, 4)
+KINDS = {  # the conversations that are also streamed: the first of each kind
+    "english": lambda c: c["answer"].isascii() and len(c["messages"]) == 1,
+    "multi-line answer": lambda c: "\n" in c["answer"],
+    "rare Chinese (byte pieces)": lambda c: any(ch in c["answer"] for ch in "淼犇鑫焱垚"),
+    "Chinese": lambda c: "的" in c["answer"],
+    "history": lambda c: len(c["messages"]) > 2 and c["messages"][0]["role"] == "user",
+    "system message": lambda c: c["messages"][0]["role"] == "system" and len(c["messages"]) == 2,
+}
+
+
+# --- the tensor contract (no server) --------------------------------------------------------------------
+
+
+def arrays(**values) -> dict[str, np.ndarray]:
+    """A request's input arrays as Triton gives them (batch first)."""
+    base = {"input_ids": np.array([[5, 6, 7, 0]], np.int32), "input_lengths": np.array([3], np.int32),
+            "request_output_len": np.array([4], np.int32)}
+    return {**base, **values}
+
+
+def test_request_tensors_become_an_executor_request():
+    stop_words = stack_word_lists([word_list([[518], [520], [30, 31]])])
+    request, streaming = engine_request(arrays(
+        end_id=np.array([2], np.int32), stop_words_list=stop_words,
+        bad_words_list=stack_word_lists([word_list([[9]])]), embedding_bias=np.zeros((1, 0), np.float32),
+        streaming=np.array([[True]]), return_log_probs=np.array([True]), min_length=np.array([2], np.int32)))
+    assert list(request.prompt) == [5, 6, 7] and request.max_new_tokens == 4 and request.end_id == 2
+    assert request.stop_words == [[518], [520], [30, 31]] and request.bad_words == [[9]]
+    assert request.embedding_bias is None and request.min_length == 2 and request.log_probs and streaming
+    assert request.temperature == 0  # neither runtime_top_k nor runtime_top_p: greedy, as TensorRT-LLM
+
+
+@pytest.mark.parametrize("sampling, expected", [
+    ({"runtime_top_k": np.array([40], np.int32)}, (1.0, 40, 1.0)),
+    ({"runtime_top_p": np.array([0.9], np.float32), "temperature": np.array([0.7], np.float32)}, (0.7, 0, 0.9)),
+    ({"temperature": np.array([0.7], np.float32)}, (0.0, 0, 1.0)),  # temperature alone: still greedy
+])
+def test_sampling_follows_tensorrt_llms_rules(sampling, expected):
+    request, _ = engine_request(arrays(**sampling, random_seed=np.array([2**63 + 5], np.uint64)))
+    assert (request.temperature, request.top_k) == pytest.approx(expected[:2])
+    assert request.top_p == pytest.approx(expected[2]) and request.seed == 2**63 + 5
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"input_ids": np.zeros((2, 3), np.int32)}, "one sequence per request"),
+    ({"beam_width": np.array([2], np.int32)}, "does not search beams"),
+    ({"repetition_penalty": np.array([1.2], np.float32)}, "repetition_penalty 1.2 is not supported"),
+    ({"input_lengths": np.array([9], np.int32)}, "input_lengths 9 must be between 1 and the 4 ids"),
+    ({"stop_words_list": np.array([[[1, 2], [3, -1]]], np.int32)}, r"offset 3 does not follow 0 within 2 ids"),
+])
+def test_requests_outside_the_contract_are_usage_errors(extra, message):
+    with pytest.raises(UsageError, match=message):
+        engine_request({**arrays(), **extra})
+    with pytest.raises(UsageError, match="request_output_len is required"):
+        engine_request({k: v for k, v in arrays().items() if k != "request_output_len"})
+
+
+def test_word_lists_read_back_as_preprocessing_writes_them():
+    words = [[518], [12, 13, 14], [7]]
+    assert word_sequences(word_list(words), "stop_words_list") == words
+    assert word_sequences(stack_word_lists([word_list([[1]]), word_list(words)])[0], "x") == [[1]]  # -1 padded
+
+
+def test_streamed_responses_carry_new_ids_and_the_last_is_final():
+    sent, failed = [], []
+    reply = Reply(True, lambda arrays, final: sent.append((arrays, final)), failed.append)
+    reply(Output([11], [-0.5]))
+    reply(Output([12], [-0.25]))
+    reply(Output([], finished=True, reason="end_id"))  # end_id: nothing more to return
+    assert [a["output_ids"].tolist() for a, _ in sent] == [[[[11]]], [[[12]]], [[[]]]]
+    assert [a["sequence_length"].tolist() for a, _ in sent] == [[[1]], [[1]], [[0]]]
+    assert [a["generated_ids"].tolist() for a, _ in sent] == [[[[11]]], [[[11, 12]]], [[[11, 12]]]]
+    assert [(a["is_final"].tolist(), final) for a, final in sent] == [([[False]], False), ([[False]], False),
+                                                                       ([[True]], True)]
+    assert [a["cum_log_probs"].tolist() for a, _ in sent] == [[[-0.5]], [[-0.75]], [[-0.75]]]
+    assert sent[1][0]["output_log_probs"].tolist() == [[[-0.25]]] and not failed
+
+
+def test_a_whole_reply_is_one_response_and_errors_fail_it():
+    sent, failed = [], []
+    reply = Reply(False, lambda arrays, final: sent.append((arrays, final)), failed.append)
+    for output in (Output([11]), Output([12]), Output([518], finished=True, reason="stop_word")):
+        reply(output)
+    assert len(sent) == 1 and sent[0][1] is True
+    assert sent[0][0]["output_ids"].tolist() == [[[11, 12, 518]]] and sent[0][0]["sequence_length"].tolist() == [[3]]
+    assert sent[0][0]["output_log_probs"].tolist() == [[[0.0, 0.0, 0.0]]]  # zeros unless asked for
+    cancelled = Reply(True, lambda *_: None, failed.append)
+    cancelled(Output([], finished=True, reason="cancelled"))
+    assert failed == ["the request was cancelled"]
+
+
+# --- real servers -------------------------------------------------------------------------------------------
+
+
+def free_ports(count: int = 3) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def repo_processes(repo: Path) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if proc.pid != os.getpid() and any(str(repo) in arg for arg in proc.info["cmdline"] or ()) \
+                    and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+class Server:
+    """A detached `trtglm launch` of one repository, stopped with `trtglm stop`."""
+
+    def __init__(self, repo: Path, world: int, state_dir: Path):
+        self.repo, self.world = repo, world
+        self.http_port, self.grpc_port, self.metrics_port = free_ports()
+        self.env = {**os.environ, "TRTGLM_STATE_DIR": str(state_dir), "PYTHONUNBUFFERED": "1"}
+        started = self.cli("launch", "--repo", str(repo), "--world-size", str(world), "--detach", "--timeout", "180",
+                           "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
+                           "--metrics-port", str(self.metrics_port), timeout=300)
+        if started.returncode != 0:
+            self.kill_leftovers()
+            pytest.fail(f"launch failed ({started.returncode}):\n{started.stdout}\n{started.stderr}")
+        self.state = json.loads(next(state_dir.glob("*/state.json")).read_text())
+
+    def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "trtglm", *args], capture_output=True, text=True, cwd=REPO,
+                              env=self.env, timeout=timeout)
+
+    def stop(self) -> None:
+        stopped = self.cli("stop", "--repo", str(self.repo))
+        left = [(p.pid, p.name()) for p in repo_processes(self.repo)]
+        self.kill_leftovers()
+        assert stopped.returncode == 0, stopped.stderr
+        assert left == [], f"left running after stop: {left}"
+        assert not list(Path("/dev/shm").glob(f"{self.state['shm_base']}*"))
+
+    def kill_leftovers(self) -> None:
+        leftovers = repo_processes(self.repo)
+        for proc in leftovers:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(leftovers, timeout=10)
+
+    # --- HTTP ------------------------------------------------------------------------------------------
+
+    def post(self, path: str, data: bytes, timeout: float = 60) -> tuple[int, str]:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.http_port}{path}", data=data, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with NO_PROXY.open(request, timeout=timeout) as reply:
+                return reply.status, reply.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def status(self, path: str) -> int:
+        try:
+            with NO_PROXY.open(f"http://127.0.0.1:{self.http_port}{path}", timeout=10) as reply:
+                return reply.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    def generate(self, model: str, body: dict) -> tuple[int, dict]:
+        status, text = self.post(f"/v2/models/{model}/generate", json.dumps(body).encode())
+        return status, json.loads(text)
+
+    def stream(self, model: str, body: dict) -> tuple[int, list[dict]]:
+        status, text = self.post(f"/v2/models/{model}/generate_stream", json.dumps({**body, "stream": True}).encode())
+        return status, [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
+
+    def metrics(self) -> dict[str, float]:
+        with NO_PROXY.open(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as reply:
+            lines = reply.read().decode().splitlines()
+        return {line.split()[0]: float(line.split()[1]) for line in lines if line.startswith("trtglm_")}
+
+    # --- gRPC ------------------------------------------------------------------------------------------
+
+    def grpc_stream(self, model: str, inputs: dict[str, np.ndarray], read: int | None = None) -> list:
+        """The responses of one streamed request (until the final one, or the first `read` then cancel)."""
+        import tritonclient.grpc as grpc
+
+        client = grpc.InferenceServerClient(f"127.0.0.1:{self.grpc_port}")
+        results: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        tensors = []
+        for name, array in inputs.items():
+            tensor = grpc.InferInput(name, list(array.shape), _triton_type(array))
+            tensor.set_data_from_numpy(array)
+            tensors.append(tensor)
+        client.async_stream_infer(model, tensors, enable_empty_final_response=True)
+        responses = []
+        try:
+            while read is None or len(responses) < read:
+                result, error = results.get(timeout=60)
+                assert error is None, error
+                responses.append(result)
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    break
+        finally:
+            client.stop_stream(cancel_requests=read is not None)
+            client.close()
+        return responses
+
+
+def _triton_type(array: np.ndarray) -> str:
+    return {np.object_: "BYTES", np.int32: "INT32", np.bool_: "BOOL", np.float32: "FP32"}[array.dtype.type]
+
+
+def text_inputs(text: str, max_tokens: int = 64, **extra: np.ndarray) -> dict[str, np.ndarray]:
+    return {"text_input": np.array([[text.encode()]], dtype=np.object_),
+            "max_tokens": np.array([[max_tokens]], dtype=np.int32), **extra}
+
+
+def chat(conversation: dict) -> str:
+    return json.dumps({"messages": conversation["messages"]}, ensure_ascii=False)
+
+
+@pytest.fixture(scope="module")
+def conversations(fixture_dir) -> list[dict]:
+    return [json.loads(line) for line in (fixture_dir / "conversations.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def streamed(conversations) -> list[dict]:
+    return [next(c for c in conversations if matches(c)) for matches in KINDS.values()]
+
+
+@pytest.fixture(scope="module")
+def tok(fixture_dir) -> ChatGLMTokenizer:
+    return ChatGLMTokenizer(fixture_dir)
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=[f"world{w}" for w in WORLD_SIZES])
+def server(request, tmp_path_factory):
+    pytest.importorskip("pytriton")
+    pytest.importorskip("tritonclient.grpc")
+    world = request.param
+    if world > 1 and subprocess.run(["sh", "-c", "command -v mpirun"], capture_output=True).returncode != 0:
+        pytest.skip("mpirun (openmpi-bin) is not installed")
+    root = tmp_path_factory.mktemp(f"world{world}")
+    repo = patch_repo(build_tiny_engine(root / "engine", tp=world), None, root / "repo")
+    server = Server(repo, world, root / "state")
+    yield server
+    server.stop()
+
+
+def ask_all(server: Server, model: str, conversations: list[dict], workers: int = 8) -> list[tuple[int, dict]]:
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda c: server.generate(model, {"text_input": chat(c), "max_tokens": 64}),
+                             conversations))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_every_conversation_is_answered_exactly_and_stops_at_user(server, conversations, tok, model):
+    for conversation, (status, body) in zip(conversations, ask_all(server, model, conversations), strict=True):
+        assert status == 200, body
+        assert body["text_output"] == conversation["answer"]
+        # one log probability per generated token: "\n", the answer, then <|user|> (and nothing after it)
+        generated = len(tok.sp.encode("\n") + tok.sp.encode(conversation["answer"])) + 1
+        assert len(body["output_log_probs"]) == generated
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_sse_pieces_join_to_the_answer(server, streamed, model):
+    for conversation in streamed:
+        status, events = server.stream(model, {"text_input": chat(conversation), "max_tokens": 64})
+        assert status == 200 and not any("error" in e for e in events), events
+        pieces = [e["text_output"] for e in events]
+        assert "".join(pieces) == conversation["answer"]
+        assert sum(1 for p in pieces if p) > 1 and not any("\ufffd" in p for p in pieces)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_grpc_stream_pieces_join_to_the_answer(server, streamed, model):
+    for conversation in streamed:
+        responses = server.grpc_stream(model, text_inputs(chat(conversation), stream=np.array([[True]])))
+        pieces = [r.as_numpy("text_output").reshape(-1)[0].decode() for r in responses
+                  if r.as_numpy("text_output") is not None]
+        assert "".join(pieces) == conversation["answer"] and len(pieces) > 1
+
+
+@pytest.mark.slow
+def test_32_concurrent_requests_are_answered_exactly_and_batched(server, conversations):
+    chosen = (conversations * 2)[:32]
+    for conversation, (status, body) in zip(chosen, ask_all(server, "ensemble", chosen, workers=32), strict=True):
+        assert status == 200 and body["text_output"] == conversation["answer"], body
+    deadline = time.monotonic() + 5
+    while (metrics := server.metrics())["trtglm_active_sequences"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metrics["trtglm_max_decode_batch"] == 8  # the engine's max_batch_size, every slot in use
+    assert metrics["trtglm_generated_tokens_total"] > 2 * metrics["trtglm_decode_steps_total"]  # > 1 per step
+    assert metrics["trtglm_active_sequences"] == 0 and metrics["trtglm_queued_requests"] == 0
+
+
+@pytest.mark.slow
+def test_bad_requests_get_4xx_with_a_message_and_the_server_goes_on(server, conversations):
+    if server.world != 1:
+        pytest.skip("refusals happen before tensorrt_llm; one world size shows them")
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        cases = {
+            json.dumps({"max_tokens": 8}): "text_input",
+            json.dumps({"text_input": "hi", "max_tokens": -1}): "max_tokens must be at least 1, not -1",
+            json.dumps({"text_input": "hi " * 400, "max_tokens": 8}): "more than the engine's max_input_len (256)",
+            json.dumps({"text_input": '[{"role": "robot", "content": "x"}]', "max_tokens": 8}): "role must be one of",
+        }
+        for body, message in cases.items():
+            status, text = server.post(f"/v2/models/{model}/generate", body.encode())
+            assert 400 <= status < 500 and message in json.loads(text)["error"], (body, status, text)
+        # JSON that does not parse never reaches a model: Triton's HTTP frontend refuses it itself (with
+        # status 500 in Triton 2.51, which maps its JSON parser's errors so)
+        status, text = server.post(f"/v2/models/{model}/generate", b'{"text_input": "hi", "max_tokens": ')
+        assert status >= 400 and "failed to parse the request JSON buffer" in json.loads(text)["error"]
+        status, body = server.generate(model, {"text_input": chat(conversations[0]), "max_tokens": 64})
+        assert status == 200 and body["text_output"] == conversations[0]["answer"]
+
+
+@pytest.mark.slow
+def test_a_cancelled_request_stops_generating(server, tok):
+    if server.world != 1:
+        pytest.skip("cancellation is the executor's, the same for every world size")
+    before = server.metrics()["trtglm_generated_tokens_total"]
+    prompt = np.array([tok.build_chat_input("hi")], np.int32)
+    inputs = {"input_ids": prompt, "input_lengths": np.array([[prompt.shape[1]]], np.int32),
+              "request_output_len": np.array([[400]], np.int32), "streaming": np.array([[True]]),
+              "bad_words_list": stack_word_lists([word_list([[tok.special_ids["<|user|>"]], [tok.eos_id]])])}
+    assert len(server.grpc_stream("tensorrt_llm", inputs, read=3)) == 3  # then the client cancels
+    deadline = time.monotonic() + 10
+    while server.metrics()["trtglm_active_sequences"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1)
+    assert server.metrics()["trtglm_active_sequences"] == 0
+    assert server.metrics()["trtglm_generated_tokens_total"] - before < 200  # far from the 400 asked for
+
+
+@pytest.mark.slow
+def test_seeds_and_log_probs_through_the_ensemble(server, conversations):
+    if server.world != 1:
+        pytest.skip("sampling is rank 0's, the same for every world size")
+    question = {"text_input": chat(conversations[0]), "max_tokens": 24, "top_k": 100, "temperature": 4.0}
+    texts = {seed: server.generate("ensemble", {**question, "random_seed": seed})[1]["text_output"]
+             for seed in (7, 8, 9)}
+    assert server.generate("ensemble", {**question, "random_seed": 7})[1]["text_output"] == texts[7]
+    status, events = server.stream("ensemble", {**question, "random_seed": 7})
+    assert status == 200 and "".join(e["text_output"] for e in events) == texts[7]
+    assert len(set(texts.values())) > 1 and conversations[0]["answer"] not in texts.values()  # really sampled
+    status, body = server.generate("ensemble", {"text_input": chat(conversations[0]), "max_tokens": 64,
+                                                "return_log_probs": True})
+    assert status == 200 and body["text_output"] == conversations[0]["answer"]
+    assert all(-1.0 < p <= 0.0 for p in body["output_log_probs"]) and min(body["output_log_probs"]) < 0.0
+    assert body["cum_log_probs"] == pytest.approx(sum(body["output_log_probs"]), abs=1e-5)
+
+@pytest.mark.slow
+def test_unloading_and_loading_tensorrt_llm_again(server, conversations):
+    """finalize stops the executor and frees the model; a new load serves again (one rank: with several, the
+    followers end with rank 0's model and a reload needs a new launch)."""
+    if server.world != 1:
+        pytest.skip("ranks > 0 follow the rank 0 model they started with")
+    url = f"http://127.0.0.1:{server.http_port}"
+    assert server.cli("models", "unload", "tensorrt_llm", "--url", url).returncode == 0
+    deadline = time.monotonic() + 20
+    while server.status("/v2/models/tensorrt_llm/ready") == 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert server.status("/v2/models/tensorrt_llm/ready") == 400
+    status, body = server.generate("ensemble", {"text_input": chat(conversations[0]), "max_tokens": 64})
+    assert status >= 400 and "error" in body  # the ensemble is unavailable without its member
+    assert server.cli("models", "load", "tensorrt_llm", "--url", url, timeout=120).returncode == 0
+    assert server.status("/v2/models/tensorrt_llm/ready") == 200
+    status, body = server.generate("ensemble", {"text_input": chat(conversations[0]), "max_tokens": 64})
+    assert status == 200 and body["text_output"] == conversations[0]["answer"]
+
+@pytest.mark.slow
+def test_a_full_queue_answers_busy_at_once_and_serving_goes_on(tmp_path, conversations):
+    """tensorrt_llm's max_queue_size bounds the requests waiting (Triton's scheduler queue and the executor's
+    queue for a slot): a burst beyond it is refused at once with a message, and serving goes on."""
+    pytest.importorskip("pytriton")
+    repo = patch_repo(build_tiny_engine(tmp_path / "engine"), None, tmp_path / "repo")
+    config = repo / "tensorrt_llm" / "config.pbtxt"
+    config.write_text(config.read_text().replace("max_queue_size: 0", "max_queue_size: 2"))
+    server = Server(repo, 1, tmp_path / "state")
+    try:
+        chosen = (conversations * 3)[:40]
+        answers = ask_all(server, "ensemble", chosen, workers=40)
+        refused = [body["error"] for status, body in answers if status in (400, 503)]
+        answered = [(c, body) for c, (status, body) in zip(chosen, answers, strict=True) if status == 200]
+        assert len(refused) + len(answered) == len(chosen)
+        full = ("Exceeds maximum queue size", "(the queue is full); retry later")  # Triton's words, the executor's
+        assert refused and all(any(words in error for words in full) for error in refused), refused
+        assert answered and all(body["text_output"] == c["answer"] for c, body in answered)
+        status, body = server.generate("ensemble", {"text_input": chat(conversations[0]), "max_tokens": 64})
+        assert status == 200 and body["text_output"] == conversations[0]["answer"]
+    finally:
+        server.stop()

@@ -1,0 +1,243 @@
+"""Tensor parallelism across processes: one rank per process, combined through torch.distributed.
+
+Under `trtglm launch --world-size N` (mpirun) every rank's tritonserver loads `tensorrt_llm`;
+each learns its rank from Open MPI's environment (`OMPI_COMM_WORLD_RANK` / `_SIZE` /
+`_LOCAL_RANK`, or PMIx's `PMIX_RANK`), holds only its own `rank{r}.safetensors` and joins two
+process groups:
+
+- compute (NCCL on GPUs, gloo on CPU): the all-reduce after `dense` and `proj` and the
+  all-gather of the lm_head chunks in every forward (`Collectives`, the `Group` that
+  `ShardedModel` combines its partial results with);
+- control (gloo, CPU tensors): rank 0, which takes the requests, broadcasts each call it makes
+  on its `SlotModel` (prefill: slots and prompts; decode: slots and tokens; release: a slot;
+  stop) before making it (`LeaderSlotModel`); the other ranks make the same calls
+  (`follow`), so every collective meets its partners. Followers wait for the next message
+  without a deadline (an idle server is fine) and stop when rank 0 says so or goes away
+  (gloo reports the closed connection at once).
+
+The ranks meet through `MASTER_ADDR` / `MASTER_PORT` (env://) when both are set, otherwise
+through a file in the temporary folder named after the launch (`TRTGLM_LAUNCH_ID`, which
+`trtglm launch` exports to every rank) and mpirun's job (`PMIX_NAMESPACE` /
+`OMPI_MCA_ess_base_jobid`): all ranks of one launch find the same file, no port is needed,
+and no two launches share one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trtglm.errors import UsageError
+from trtglm.runtime.slots import SlotModel
+
+log = logging.getLogger(__name__)
+
+COMPUTE_TIMEOUT = timedelta(minutes=30)  # a collective whose partner never comes (torch's default)
+CONTROL_TIMEOUT = timedelta(days=365)  # a follower waits for rank 0's next step for as long as the server runs
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_size: int
+
+
+def rank_info(environ: Mapping[str, str] | None = None) -> RankInfo:
+    """This process's place among the ranks, from Open MPI's (or PMIx's) environment; rank 0 of 1 alone."""
+    env = os.environ if environ is None else environ
+
+    def number(*names: str, default: int) -> int:
+        for name in names:
+            if env.get(name, "").strip():
+                try:
+                    return int(env[name])
+                except ValueError:
+                    raise UsageError(f"${name} must be a whole number, not {env[name]!r}") from None
+        return default
+
+    world = number("OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "WORLD_SIZE", default=1)
+    rank = number("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "RANK", default=0)
+    local_rank = number("OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_RANK", default=rank)
+    local_size = number("OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", default=world)
+    if not 0 <= rank < world:
+        raise UsageError(f"rank {rank} is outside the world size {world}")
+    return RankInfo(rank, world, local_rank, local_size)
+
+
+def rendezvous(environ: Mapping[str, str] | None = None) -> str:
+    """torch.distributed's init_method for the ranks of this launch (see the module docstring)."""
+    env = os.environ if environ is None else environ
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        return "env://"
+    parts = [env.get("TRTGLM_LAUNCH_ID", ""), env.get("PMIX_NAMESPACE") or env.get("OMPI_MCA_ess_base_jobid", "")]
+    key = "-".join(re.sub(r"[^A-Za-z0-9_.]", "_", p) for p in parts if p)
+    if not key:
+        raise UsageError("the ranks cannot find each other: start them with `trtglm launch` (or mpirun), or set "
+                         "MASTER_ADDR and MASTER_PORT")
+    return (Path(tempfile.gettempdir()) / f"trtglm-ranks-{key}").as_uri()
+
+
+class Collectives:
+    """`ShardedModel`'s group over processes: this process holds one rank's partial results."""
+
+    def __init__(self, group: dist.ProcessGroup, world_size: int):
+        self.group, self.world_size = group, world_size
+
+    def all_reduce(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        (part,) = parts
+        total = part.float()  # summed in float32, as LocalGroup sums
+        dist.all_reduce(total, group=self.group)
+        return total.to(part.dtype)
+
+    def all_gather(self, parts: Sequence[torch.Tensor], dim: int = -1) -> torch.Tensor:
+        (part,) = parts
+        part = part.contiguous()
+        chunks = [torch.empty_like(part) for _ in range(self.world_size)]
+        dist.all_gather(chunks, part, group=self.group)
+        return torch.cat(chunks, dim=dim)
+
+
+@dataclass
+class Distributed:
+    """This process's membership: its rank, the compute collectives and the control group."""
+
+    info: RankInfo
+    collectives: Collectives
+    control: dist.ProcessGroup
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def join(info: RankInfo, device: torch.device, init_method: str | None = None,
+         timeout: timedelta = COMPUTE_TIMEOUT) -> Distributed:
+    """Join the launch's process groups (blocks until every rank has joined)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    init_method = init_method or rendezvous()
+    log.info("rank %d of %d joining (%s, %s)", info.rank, info.world_size, backend, init_method)
+    dist.init_process_group(backend, init_method=init_method, rank=info.rank, world_size=info.world_size,
+                            timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return Distributed(info, Collectives(dist.group.WORLD, info.world_size), control)
+
+
+# --- rank 0's steps, told to the followers -------------------------------------------------------------
+
+PREFILL, DECODE, RELEASE, STOP = 1, 2, 3, 4
+
+
+@dataclass(frozen=True)
+class Step:
+    """One SlotModel call: `op`, its slots, and `data` (decode: tokens; prefill: lengths then all ids)."""
+
+    op: int
+    slots: list[int]
+    data: list[int]
+
+    @classmethod
+    def prefill(cls, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> Step:
+        return cls(PREFILL, list(slots), [len(p) for p in prompts] + [int(t) for p in prompts for t in p])
+
+    def prompts(self) -> list[list[int]]:
+        lengths, ids = self.data[:len(self.slots)], self.data[len(self.slots):]
+        out, start = [], 0
+        for length in lengths:
+            out.append(ids[start:start + length])
+            start += length
+        return out
+
+
+class StepChannel:
+    """Rank 0 broadcasts `Step`s over the control group: a header [op, slots, data] then the numbers."""
+
+    def __init__(self, group: dist.ProcessGroup, source: int = 0):
+        self.group, self.source = group, source
+
+    def send(self, step: Step) -> None:
+        self._exchange(torch.tensor([step.op, len(step.slots), len(step.data)], dtype=torch.int64))
+        if step.slots or step.data:
+            self._exchange(torch.tensor(step.slots + step.data, dtype=torch.int64))
+
+    def receive(self) -> Step:
+        header = self._exchange(torch.zeros(3, dtype=torch.int64))
+        op, n_slots, n_data = (int(v) for v in header)
+        body = self._exchange(torch.zeros(n_slots + n_data, dtype=torch.int64)).tolist() if n_slots + n_data else []
+        return Step(op, body[:n_slots], body[n_slots:])
+
+    def _exchange(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(tensor, self.source, group=self.group)
+        return tensor
+
+
+class LeaderSlotModel:
+    """Rank 0's `SlotModel`: tells the followers each call, then makes it on its own shard."""
+
+    def __init__(self, inner: SlotModel, channel: StepChannel):
+        self.inner, self.channel = inner, channel
+        self.vocab_size, self.max_batch, self.max_seq_len = inner.vocab_size, inner.max_batch, inner.max_seq_len
+
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        self.channel.send(Step.prefill(slots, prompts))
+        return self.inner.prefill(slots, prompts)
+
+    def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        self.channel.send(Step(DECODE, list(slots), [int(t) for t in tokens]))
+        return self.inner.decode(slots, tokens)
+
+    def release(self, slot: int) -> None:
+        self.channel.send(Step(RELEASE, [slot], []))
+        self.inner.release(slot)
+
+    def stop_followers(self) -> None:
+        self.channel.send(Step(STOP, [], []))
+
+
+def follow(model: SlotModel, channel: StepChannel) -> None:
+    """A follower's loop: make rank 0's calls on this rank's shard until rank 0 stops (or goes away).
+
+    A call that fails here failed the same way on rank 0, which made it too (a request the model
+    refuses), so the follower goes on with the next one, as rank 0's executor does.
+    """
+    steps = 0
+    while True:
+        try:
+            step = channel.receive()
+        except RuntimeError as e:  # gloo: the connection to rank 0 closed
+            log.warning("rank 0 went away after %d step(s): %s", steps, str(e).splitlines()[0])
+            return
+        if step.op == STOP:
+            log.info("rank 0 stopped after %d step(s)", steps)
+            return
+        try:
+            _make(model, step)
+        except Exception as e:
+            log.warning("step %d (%s) failed: %s", steps, STEP_NAMES.get(step.op, step.op), e)
+        steps += 1
+
+
+STEP_NAMES = {PREFILL: "prefill", DECODE: "decode", RELEASE: "release", STOP: "stop"}
+
+
+def _make(model: SlotModel, step: Step) -> None:
+    if step.op == PREFILL:
+        model.prefill(step.slots, step.prompts())
+    elif step.op == DECODE:
+        model.decode(step.slots, step.data)
+    elif step.op == RELEASE:
+        model.release(step.slots[0])
+    else:
+        raise UsageError(f"unknown step {step.op} from rank 0")

@@ -1,0 +1,397 @@
+"""In-flight batching over a `SlotModel` (trtglm.runtime.slots): requests join and leave the running
+batch at every step.
+
+Requests wait in a bounded queue (a full queue refuses new ones with `QueueFullError`). Each
+step of the executor:
+
+1. drops cancelled requests, queued or running (their slots are released at once);
+2. admits queued requests into free slots, as many as there are free slots and as the
+   prompt-token budget of one step allows (at least one), and prefills them together, which
+   gives each its first token;
+3. decodes every request that was already running, one token each, in one batch.
+
+Each new token goes to its request's callback as an `Output` (the new tokens, their log
+probabilities, whether it is finished and why). A request finishes at `end_id` (which is not
+returned), after a stop word (which is returned, as TensorRT-LLM returns it), after
+`max_new_tokens`, or when cancelled. Token choice follows TensorRT-LLM's rules: the
+embedding bias is added to the logits; bad words are banned (a one-token word always, a
+longer one when the sequence ends with all but its last token); `end_id` is banned until
+`min_length` tokens exist; then greedy, or temperature / top-k / top-p sampling with the
+request's own seeded generator (the same seed gives the same tokens). Log probabilities are
+those of the distribution the token was chosen from (after bias, bans and temperature).
+
+`step()` runs one step on the calling thread (tests drive it so); `start()` runs steps on a
+background thread whenever there is work.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from trtglm.errors import TrtglmError, UsageError
+from trtglm.runtime.generate import Sampler
+from trtglm.runtime.slots import SlotModel
+
+log = logging.getLogger(__name__)
+
+CANCEL_CHECK_S = 0.05  # how often running requests' `is_cancelled` is asked (it may be a remote call)
+
+
+class QueueFullError(TrtglmError):
+    """Every slot is busy and the waiting queue is full."""
+
+
+class ExecutorStopped(TrtglmError):
+    """The executor no longer takes requests (stopped, or its model failed for good)."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """One sequence to generate (TensorRT-LLM's request fields that trtglm's runtime honours)."""
+
+    prompt: Sequence[int]
+    max_new_tokens: int
+    end_id: int | None = None
+    stop_words: Sequence[Sequence[int]] = ()
+    bad_words: Sequence[Sequence[int]] = ()
+    min_length: int = 0
+    embedding_bias: torch.Tensor | None = None  # [vocab] added to the logits
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    log_probs: bool = False
+
+
+@dataclass
+class Output:
+    """What one step gave a request."""
+
+    tokens: list[int]  # new since the previous Output
+    log_probs: list[float] = field(default_factory=list)  # one per new token, when asked for
+    finished: bool = False
+    reason: str | None = None  # end_id | stop_word | length | cancelled | error
+    error: str | None = None
+
+
+OutputCallback = Callable[[Output], None]
+
+
+@dataclass
+class ExecutorStats:
+    queued: int = 0
+    active: int = 0
+    steps: int = 0
+    prefill_calls: int = 0
+    decode_calls: int = 0
+    generated_tokens: int = 0
+    max_decode_batch: int = 0  # the largest number of requests decoded together
+    finished: int = 0
+    cancelled: int = 0
+    rejected: int = 0
+
+
+class Handle:
+    """A submitted request; `cancel()` stops it at the next step."""
+
+    def __init__(self, number: int):
+        self.id = number
+        self.cancelled = False
+        self.done = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Sequence:
+    """A request's state while queued and running."""
+
+    def __init__(self, handle: Handle, request: Request, on_output: OutputCallback,
+                 is_cancelled: Callable[[], bool] | None, device: torch.device):
+        self.handle, self.request, self.on_output, self.is_cancelled = handle, request, on_output, is_cancelled
+        self.history = [int(t) for t in request.prompt]  # prompt + generated, for word matching
+        self.generated = 0
+        self.slot: int | None = None
+        self.sampler = Sampler(request.temperature, request.top_k, request.top_p, request.seed, device)
+        self.stops_by_last = _by_last_token(request.stop_words)
+        self.banned_always = sorted({w[-1] for w in request.bad_words if len(w) == 1})
+        self.bad_prefixes = [(list(w[:-1]), w[-1]) for w in request.bad_words if len(w) > 1]
+
+    def wants_cancel(self, ask: bool) -> bool:
+        if self.handle.cancelled:
+            return True
+        if ask and self.is_cancelled is not None:
+            try:
+                return bool(self.is_cancelled())
+            except Exception:  # the request is gone
+                return True
+        return False
+
+    def banned(self) -> list[int]:
+        banned = list(self.banned_always)
+        banned += [last for prefix, last in self.bad_prefixes if self.history[-len(prefix):] == prefix]
+        if self.request.end_id is not None and self.generated < self.request.min_length:
+            banned.append(self.request.end_id)
+        return banned
+
+    def stop_word_ends(self) -> bool:
+        return any(self.history[-len(w):] == w for w in self.stops_by_last.get(self.history[-1], ()))
+
+
+def _by_last_token(words: Sequence[Sequence[int]]) -> dict[int, list[list[int]]]:
+    table: dict[int, list[list[int]]] = {}
+    for word in words:
+        if len(word):
+            table.setdefault(int(word[-1]), []).append([int(t) for t in word])
+    return table
+
+
+class Executor:
+    """In-flight batching of `Request`s over `model` (see the module docstring)."""
+
+    def __init__(self, model: SlotModel, max_queue: int = 64, max_prefill_tokens: int | None = None,
+                 device: torch.device | str = "cpu"):
+        if max_queue < 0:
+            raise UsageError(f"max_queue must be >= 0, not {max_queue}")
+        self.model = model
+        self.max_queue = max_queue
+        self.max_prefill_tokens = max_prefill_tokens or model.max_seq_len
+        self.device = torch.device(device)
+        self._lock = threading.Condition()
+        self._queue: deque[_Sequence] = deque()
+        self._active: dict[int, _Sequence] = {}  # slot -> sequence
+        self._numbers = itertools.count()
+        self._stats = ExecutorStats()
+        self._stopping = False
+        self._failed: str | None = None
+        self._thread: threading.Thread | None = None
+        self._last_cancel_check = 0.0
+
+    # --- taking requests ----------------------------------------------------------------------
+
+    def submit(self, request: Request, on_output: OutputCallback,
+               is_cancelled: Callable[[], bool] | None = None) -> Handle:
+        """Queue `request`; its outputs go to `on_output` (on the executor's thread).
+
+        UsageError for a request the model cannot serve, QueueFullError when the queue is full,
+        ExecutorStopped once stopped.
+        """
+        self.check(request)
+        handle = Handle(next(self._numbers))
+        sequence = _Sequence(handle, request, on_output, is_cancelled, self.device)
+        with self._lock:
+            if self._stopping or self._failed:
+                raise ExecutorStopped(self._failed or "the executor is stopping")
+            if len(self._queue) >= self.max_queue:
+                self._stats.rejected += 1
+                raise QueueFullError(f"busy: {len(self._queue)} requests already wait for the {self.model.max_batch} "
+                                     "slots (the queue is full); retry later")
+            self._queue.append(sequence)
+            self._lock.notify_all()
+        return handle
+
+    def check(self, request: Request) -> None:
+        """UsageError when `request` cannot be served by this model."""
+        prompt, vocab = request.prompt, self.model.vocab_size
+        if len(prompt) == 0:
+            raise UsageError("the prompt is empty")
+        if request.max_new_tokens < 1:
+            raise UsageError(f"request_output_len must be at least 1, not {request.max_new_tokens}")
+        if len(prompt) + request.max_new_tokens > self.model.max_seq_len:
+            raise UsageError(f"the prompt ({len(prompt)} tokens) plus request_output_len ({request.max_new_tokens}) "
+                             f"exceeds max_seq_len ({self.model.max_seq_len})")
+        words = [t for word in (*request.stop_words, *request.bad_words) for t in word]
+        ends = [request.end_id] if request.end_id is not None else []
+        bad = [t for t in (*prompt, *words, *ends) if not 0 <= int(t) < vocab]
+        if bad:
+            raise UsageError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        if request.temperature < 0 or request.top_k < 0 or not 0 < request.top_p <= 1:
+            raise UsageError("need temperature >= 0, runtime_top_k >= 0 and 0 < runtime_top_p <= 1")
+        if request.embedding_bias is not None and request.embedding_bias.numel() > vocab:
+            raise UsageError(f"embedding_bias has {request.embedding_bias.numel()} values, more than the vocabulary "
+                             f"({vocab})")
+
+    def stats(self) -> ExecutorStats:
+        with self._lock:
+            return ExecutorStats(**{**self._stats.__dict__, "queued": len(self._queue), "active": len(self._active)})
+
+    # --- running --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Run steps on a background thread whenever there is work."""
+        self._thread = threading.Thread(target=self._loop, name="trtglm-executor", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Finish with an error every queued and running request, and end the background thread."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        else:
+            self._abort("the server is shutting down")
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._queue or self._active)
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._stopping or self._queue or self._active):
+                    self._lock.wait()
+                if self._stopping:
+                    break
+            self.step()
+        self._abort("the server is shutting down")
+
+    def step(self) -> None:
+        """One step: drop cancelled requests, admit and prefill new ones, decode the running ones."""
+        try:
+            self._drop_cancelled()
+            running = list(self._active.values())
+            admitted = self._admit()
+            if admitted:
+                self._prefill(admitted)
+            decoding = [s for s in running if self._active.get(s.slot) is s]
+            if decoding:
+                self._decode(decoding)
+            self._stats.steps += 1
+        except Exception as e:
+            log.exception("the model failed")
+            self._recover(e)
+
+    def _drop_cancelled(self) -> None:
+        now = time.monotonic()
+        ask = now - self._last_cancel_check >= CANCEL_CHECK_S
+        if ask:
+            self._last_cancel_check = now
+        for sequence in [s for s in self._active.values() if s.wants_cancel(ask)]:
+            self._finish(sequence, Output([], finished=True, reason="cancelled"))
+        with self._lock:
+            cancelled = [s for s in self._queue if s.wants_cancel(ask)]
+            for sequence in cancelled:
+                self._queue.remove(sequence)
+        for sequence in cancelled:
+            self._finish(sequence, Output([], finished=True, reason="cancelled"))
+
+    def _admit(self) -> list[_Sequence]:
+        free = [slot for slot in range(self.model.max_batch) if slot not in self._active]
+        admitted, budget = [], self.max_prefill_tokens
+        with self._lock:
+            while self._queue and free:
+                length = len(self._queue[0].request.prompt)
+                if admitted and length > budget:
+                    break
+                sequence = self._queue.popleft()
+                sequence.slot = free.pop(0)
+                self._active[sequence.slot] = sequence
+                admitted.append(sequence)
+                budget -= length
+        return admitted
+
+    def _prefill(self, sequences: list[_Sequence]) -> None:
+        logits = self.model.prefill([s.slot for s in sequences], [list(s.request.prompt) for s in sequences])
+        self._stats.prefill_calls += 1
+        for sequence, row in zip(sequences, logits, strict=True):
+            self._advance(sequence, row)
+
+    def _decode(self, sequences: list[_Sequence]) -> None:
+        logits = self.model.decode([s.slot for s in sequences], [s.history[-1] for s in sequences])
+        self._stats.decode_calls += 1
+        self._stats.max_decode_batch = max(self._stats.max_decode_batch, len(sequences))
+        for sequence, row in zip(sequences, logits, strict=True):
+            self._advance(sequence, row)
+
+    # --- one request's token ------------------------------------------------------------------------
+
+    def _advance(self, sequence: _Sequence, row: torch.Tensor) -> None:
+        token, log_prob = self._choose(sequence, row)
+        request = sequence.request
+        if request.end_id is not None and token == request.end_id:
+            self._finish(sequence, Output([], finished=True, reason="end_id"))
+            return
+        sequence.history.append(token)
+        sequence.generated += 1
+        self._stats.generated_tokens += 1
+        reason = "stop_word" if sequence.stop_word_ends() else \
+            "length" if sequence.generated >= request.max_new_tokens else None
+        output = Output([token], [log_prob] if request.log_probs else [], finished=reason is not None, reason=reason)
+        if reason is not None:
+            self._finish(sequence, output)
+        elif not self._deliver(sequence, output):
+            self._finish(sequence, Output([], finished=True, reason="cancelled"))
+
+    def _choose(self, sequence: _Sequence, row: torch.Tensor) -> tuple[int, float]:
+        request = sequence.request
+        logits = row.float()
+        if request.embedding_bias is not None:
+            bias = request.embedding_bias.to(device=logits.device, dtype=torch.float32)
+            logits = logits.clone()
+            logits[:bias.numel()] += bias
+        banned = sequence.banned()
+        if banned:
+            logits = logits.clone()
+            logits[banned] = float("-inf")
+        token = int(sequence.sampler(logits[None])[0])
+        if not request.log_probs:
+            return token, 0.0
+        scaled = logits if sequence.sampler.greedy else logits / request.temperature
+        return token, float(torch.log_softmax(scaled, dim=-1)[token])
+
+    def _finish(self, sequence: _Sequence, output: Output) -> None:
+        if sequence.slot is not None and self._active.get(sequence.slot) is sequence:
+            del self._active[sequence.slot]
+            self.model.release(sequence.slot)
+        self._stats.finished += 1
+        self._stats.cancelled += output.reason == "cancelled"
+        self._deliver(sequence, output)
+        sequence.handle.done.set()
+
+    @staticmethod
+    def _deliver(sequence: _Sequence, output: Output) -> bool:
+        """Hand `output` to the request's callback; False when that fails (the client is gone)."""
+        try:
+            sequence.on_output(output)
+            return True
+        except Exception as e:
+            log.warning("request %d: could not deliver its output (%s); stopping it", sequence.handle.id, e)
+            return False
+
+    # --- failures ----------------------------------------------------------------------------------
+
+    def _recover(self, error: Exception) -> None:
+        """The model raised: end the running requests with the error and free every slot; if even that
+        fails, the executor takes no more requests."""
+        message = f"the model failed: {type(error).__name__}: {error}"
+        running = list(self._active.values())
+        self._active.clear()
+        for sequence in running:
+            self._deliver(sequence, Output([], finished=True, reason="error", error=message))
+            sequence.handle.done.set()
+        try:
+            for slot in range(self.model.max_batch):
+                self.model.release(slot)
+        except Exception:
+            with self._lock:
+                self._failed = message
+            self._abort(message)
+
+    def _abort(self, message: str) -> None:
+        """End every queued and running request with `message`."""
+        with self._lock:
+            sequences = list(self._queue) + list(self._active.values())
+            self._queue.clear()
+            self._active.clear()
+        for sequence in sequences:
+            self._deliver(sequence, Output([], finished=True, reason="error", error=message))
+            sequence.handle.done.set()
