@@ -1,0 +1,407 @@
+"""The fast single-GPU runtime (trtglm.runtime.fast) and `bench runtime`, on the CPU.
+
+The model runs here with its torch ops (the definitions of its Triton kernels) and is checked
+against transformers' `GlmForCausalLM` on the trained fixture: teacher-forced logits through
+prefill (right-padded groups), decode steps over changing sets of slots, slot reuse, and
+weight-only int8/int4 against the reference with the same quantization. The Triton kernels are
+checked against the torch ops under Triton's interpreter when Triton is installed (on a GPU,
+scripts/bench_gpu.sh checks them natively at the 6B shapes). The benchmark's arithmetic is
+checked on hand-computed values.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import REPO
+from safetensors.torch import load_file
+
+from trtglm.chatglm.config import ChatGLMConfig
+from trtglm.chatglm.reference import load_reference
+from trtglm.chatglm.weights import HFWeights
+from trtglm.convert.writer import convert_checkpoint
+from trtglm.errors import DependencyError, UsageError
+from trtglm.runtime.checkpoint import load_checkpoint
+from trtglm.runtime.executor import Executor, Request
+from trtglm.runtime.fast import FastModel, batch_buckets, load_fast_model
+from trtglm.runtime.fast import model as fast_model
+from trtglm.runtime.fast.linear import Linear, pack_int4, unpack_int4
+from trtglm.runtime.fast.ops import TorchOps
+from trtglm.runtime.quant import fake_quantize
+
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    # Triton's kernels run on the CPU in its interpreter, which must be chosen before triton is first imported
+    # (transformers imports it when installed).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+FP32_TOL = 1e-4
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+NEEDS_TRITON = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (the GPU run of "
+                                                          "scripts/bench_gpu.sh checks the kernels)")
+QUANTIZED_HF = ("self_attention.query_key_value.weight", "self_attention.dense.weight", "mlp.dense_h_to_4h.weight",
+                "mlp.dense_4h_to_h.weight")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def hf_cfg(fixture_dir) -> ChatGLMConfig:
+    return ChatGLMConfig.from_model_dir(fixture_dir)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, fixture_dir):
+    return convert_checkpoint(fixture_dir, tmp_path_factory.mktemp("fast") / "tp1", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def reference(fixture_dir, hf_cfg):
+    """reference(algo) -> GlmForCausalLM in float32 with the weights that weight-only `algo` stands for."""
+    weights, made = HFWeights(fixture_dir), {}
+
+    def get(algo: str | None):
+        if algo not in made:
+            def tensor(name: str) -> torch.Tensor:
+                t = weights.get(name)
+                return fake_quantize(t, algo) if algo and name.endswith(QUANTIZED_HF) else t
+            made[algo] = load_reference(hf_cfg, tensor, torch.float32)
+        return made[algo]
+
+    return get
+
+
+def ref_logits(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0]
+
+
+def sequences(vocab: int, lengths: list[int], seed: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+# --- int4 packing and the linear layers ---------------------------------------------------------------------------
+
+def test_int4_pack_layout_and_round_trip():
+    values = torch.randint(-8, 8, (6, 10), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    packed = pack_int4(values)
+    assert packed.shape == (6, 5) and packed.dtype == torch.uint8
+    # byte j of a row: q[j] + 8 in the low nibble, q[j + K/2] + 8 in the high one
+    assert int(packed[2, 3]) == (int(values[2, 3]) + 8) | ((int(values[2, 8]) + 8) << 4)
+    assert torch.equal(unpack_int4(packed), values)
+    with pytest.raises(ValueError, match="even"):
+        pack_int4(values[:, :9])
+
+
+@pytest.mark.parametrize("algo", [None, "W8A16", "W4A16"])
+def test_linear_computes_x_times_dequantized_weight(algo):
+    g = torch.Generator().manual_seed(1)
+    weight, bias, x = torch.randn(24, 32, generator=g) * 0.02, torch.randn(24, generator=g), torch.randn(5, 32, generator=g)
+    layer = Linear.from_weight(weight, bias, algo, torch.float32, use_triton=False)
+    exact = (fake_quantize(weight, algo) if algo else weight).double()
+    assert max_diff(layer(x).double(), x.double() @ exact.T + bias.double()) <= 1e-5
+    up_gate = torch.randn(3, 64, generator=g)
+    inputs = F.silu(up_gate[:, 32:]) * up_gate[:, :32]  # rows are [up; gate]
+    assert max_diff(layer(up_gate, swiglu=True).double(), inputs.double() @ exact.T + bias.double()) <= 1e-5
+    stored = {None: 4 * 24 * 32, "W8A16": 24 * 32 + 4 * 24, "W4A16": 24 * 16 + 4 * 24}
+    assert layer.nbytes == stored[algo]
+
+
+# --- the model against GlmForCausalLM ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model(checkpoint) -> FastModel:
+    return load_fast_model(checkpoint, device="cpu", max_batch=5, max_seq_len=64)
+
+
+def test_batch_buckets():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(5) == [1, 2, 4, 5]
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_score_matches_reference(model, reference, hf_cfg):
+    tokens = sequences(hf_cfg.vocab_size, [40])[0]
+    assert max_diff(model.score(tokens), ref_logits(reference(None), tokens)) <= FP32_TOL
+
+
+def test_prefill_then_decode_over_changing_slot_sets(model, reference, hf_cfg):
+    """Mixed prompt lengths in one right-padded prefill, then decode steps over varying subsets of
+    slots (padded to a graph bucket with the scratch slot) match each sequence's own logits."""
+    seqs = sequences(hf_cfg.vocab_size, [30, 30, 30])
+    prompt_lens = {3: 9, 0: 17, 1: 4}  # slot -> prompt length
+    by_slot = dict(zip(prompt_lens, seqs))
+    refs = {slot: ref_logits(reference(None), seq) for slot, seq in by_slot.items()}
+    first = model.prefill(list(prompt_lens), [by_slot[s][:n] for s, n in prompt_lens.items()])
+    for row, (slot, n) in zip(first, prompt_lens.items()):
+        assert max_diff(row, refs[slot][n - 1]) <= FP32_TOL
+    position = dict(prompt_lens)
+    for step_slots in ([0, 3], [1, 0, 3], [3], [3, 1, 0], [1]):
+        logits = model.decode(step_slots, [by_slot[s][position[s]] for s in step_slots])
+        for row, slot in zip(logits, step_slots):
+            assert max_diff(row, refs[slot][position[slot]]) <= FP32_TOL, (step_slots, slot)
+            position[slot] += 1
+    for slot in prompt_lens:
+        model.release(slot)
+
+
+def test_released_slot_serves_a_new_sequence(model, reference, hf_cfg):
+    first, second = sequences(hf_cfg.vocab_size, [12, 8], seed=5)
+    model.prefill([2], [first])
+    model.decode([2], [first[0]])
+    model.release(2)
+    model.prefill([2], [second[:5]])
+    logits = model.decode([2], [second[5]])
+    assert max_diff(logits[0], ref_logits(reference(None), second)[5]) <= FP32_TOL
+    model.release(2)
+
+
+def test_prefill_groups_respect_the_token_budget(model, reference, hf_cfg, monkeypatch):
+    assert fast_model._prefill_groups([0, 1, 2, 3], [10, 9, 5, 2]) == [[0, 1, 2, 3]]
+    monkeypatch.setattr(fast_model, "PREFILL_TOKENS", 20)
+    assert fast_model._prefill_groups([0, 1, 2, 3], [10, 9, 5, 2]) == [[0, 1], [2, 3]]
+    prompts = sequences(hf_cfg.vocab_size, [10, 3, 9, 6], seed=8)
+    logits = model.prefill([0, 1, 2, 3], prompts)
+    for row, prompt in zip(logits, prompts):
+        assert max_diff(row, ref_logits(reference(None), prompt)[-1]) <= FP32_TOL
+    for slot in range(4):
+        model.release(slot)
+
+
+@pytest.mark.parametrize("mode, algo", [("int8", "W8A16"), ("int4", "W4A16")])
+def test_weight_only_matches_quantized_reference(checkpoint, reference, hf_cfg, mode, algo):
+    quantized = load_fast_model(checkpoint, device="cpu", max_batch=2, max_seq_len=64, weight_only=mode)
+    tokens = sequences(hf_cfg.vocab_size, [24], seed=11)[0]
+    expected = ref_logits(reference(algo), tokens)
+    assert max_diff(quantized.score(tokens), expected) <= FP32_TOL
+    quantized.prefill([1], [tokens[:20]])
+    assert max_diff(quantized.decode([1], [tokens[20]])[0], expected[20]) <= FP32_TOL
+    unquantized = ref_logits(reference(None), tokens)
+    assert max_diff(quantized.score(tokens), unquantized) > 100 * FP32_TOL  # the quantization is really applied
+
+
+def test_executor_over_fast_model_decodes_greedily_like_the_reference(model, reference, hf_cfg):
+    prompts = sequences(hf_cfg.vocab_size, [7, 15, 3], seed=13)
+    got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    executor = Executor(model, max_queue=8)
+    for i, prompt in enumerate(prompts):
+        executor.submit(Request(prompt, max_new_tokens=6), lambda out, i=i: got[i].extend(out.tokens))
+    while executor.has_work():
+        executor.step()
+    for i, prompt in enumerate(prompts):
+        ids = list(prompt)
+        for _ in range(6):
+            ids.append(int(ref_logits(reference(None), ids)[-1].argmax()))
+        assert got[i] == ids[len(prompt):]
+
+
+def test_usage_errors(model, checkpoint, hf_cfg):
+    ok = [1, 2, 3]
+    cases = [
+        (lambda: model.prefill([5], [ok]), "slot 5"),
+        (lambda: model.prefill([0, 0], [ok, ok]), "twice"),
+        (lambda: model.prefill([0], [ok, ok]), "1 slots but 2 prompts"),
+        (lambda: model.prefill([0], [[hf_cfg.vocab_size]]), "outside the vocabulary"),
+        (lambda: model.prefill([0], [[1] * 64]), "prompts take 1 to 63"),
+        (lambda: model.decode([4], [1]), "prefill it first"),
+        (lambda: FastModel(load_checkpoint(checkpoint).config, {}, weight_only="int3", device="cpu"), "weight_only"),
+        (lambda: FastModel(load_checkpoint(checkpoint).config, {}, max_seq_len=10**6, device="cpu"),
+         "max_position_embeddings"),
+    ]
+    for call, message in cases:
+        with pytest.raises(UsageError, match=message):
+            call()
+    model.prefill([4], [[1] * 63])
+    model.decode([4], [1])  # the 64th and last position
+    with pytest.raises(UsageError, match="full"):
+        model.decode([4], [1])
+    model.release(4)
+
+
+def test_tensor_parallel_checkpoints_are_refused(tmp_path, fixture_dir):
+    ckpt = convert_checkpoint(fixture_dir, tmp_path / "tp2", dtype="float32", tp_size=2)
+    with pytest.raises(UsageError, match="tp_size 1"):
+        load_fast_model(ckpt, device="cpu")
+
+
+# --- Triton kernels (interpreter on the CPU) ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def triton_ops():
+    import triton
+
+    if not torch.cuda.is_available() and not triton.knobs.runtime.interpret:
+        pytest.skip("triton was imported before its interpreter could be chosen: run this module on its own")
+    from trtglm.runtime.fast import kernels
+    from trtglm.runtime.fast.ops import TritonOps
+
+    return TritonOps(), kernels
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@NEEDS_TRITON
+def test_triton_ops_match_their_definitions(triton_ops):
+    ops, _ = triton_ops
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=g).half()  # the interpreter has no bf16 dot
+
+    x, delta, w = rnd(5, 96), rnd(5, 96), rnd(96)
+    for got, want in zip(ops.add_rms_norm(x, delta, w, 1e-5), TorchOps.add_rms_norm(x, delta, w, 1e-5)):
+        assert rel(got, want) < 1e-3
+    heads, kv_heads, head, length = 8, 2, 16, 600  # 600 positions: three chunks in use, one empty
+    angles = torch.arange(length)[:, None].float() * 0.1 ** torch.arange(4).float()
+    cos, sin = angles.cos(), angles.sin()
+    caches = [rnd(4, kv_heads, length, head) for _ in range(2)]
+    copies = [c.clone() for c in caches]
+    qkv = rnd(6, (heads + 2 * kv_heads) * head)
+    slots, positions = torch.tensor([0, 2, 2, 1, 0, 3]), torch.tensor([0, 5, 6, 599, 1, 300], dtype=torch.int32)
+    q = ops.rope_cache(qkv, slots, positions, cos, sin, *caches, heads)
+    assert rel(q, TorchOps.rope_cache(qkv, slots, positions, cos, sin, *copies, heads)) < 1e-3
+    assert torch.equal(caches[0], copies[0]) and torch.equal(caches[1], copies[1])
+    q, slots3, positions3 = rnd(3, heads, head), torch.tensor([3, 0, 1]), torch.tensor([0, 299, 599], dtype=torch.int32)
+    assert rel(ops.decode_attention(q, *caches, slots3, positions3),
+               TorchOps.decode_attention(q, *caches, slots3, positions3)) < 1e-2
+    y = rnd(4, 200)
+    assert rel(ops.silu_mul(y), TorchOps.silu_mul(y)) < 1e-3
+
+
+@NEEDS_TRITON
+@pytest.mark.parametrize("algo", [None, "W8A16", "W4A16"])
+def test_triton_matmuls_match_dequantized_products(triton_ops, algo):
+    _, kernels = triton_ops
+    g = torch.Generator().manual_seed(2)
+    weight = (torch.randn(48, 160, generator=g) * 0.02).half()
+    bias = torch.randn(48, generator=g).half()
+    layer = Linear.from_weight(weight, bias, algo, torch.float16, use_triton=True)
+    exact = fake_quantize(weight, algo) if algo else weight.float()
+    for rows, swiglu, config in ((1, False, kernels.CANDIDATES[1][0]), (1, True, kernels.CANDIDATES[1][-1]),
+                                 (5, False, kernels.CANDIDATES[16][0]), (3, True, kernels.CANDIDATES[16][0])):
+        x = torch.randn(rows, 320 if swiglu else 160, generator=g).half()
+        inputs = TorchOps.silu_mul(x) if swiglu else x
+        got = kernels.matmul(x, layer.stored, layer.scale, layer.bias, layer.kind, swiglu, config)
+        assert rel(got, inputs.float() @ exact.T + bias.float()) < 1e-3, (rows, swiglu, config)
+
+
+@NEEDS_TRITON
+def test_fast_model_with_triton_kernels_matches_reference(triton_ops, checkpoint, reference, hf_cfg):
+    model = load_fast_model(checkpoint, device="cpu", max_batch=2, max_seq_len=32, kernels="triton")
+    tokens = sequences(hf_cfg.vocab_size, [12], seed=17)[0]
+    expected = ref_logits(reference(None), tokens)
+    model.prefill([0], [tokens[:8]])
+    for position in range(8, 12):
+        assert max_diff(model.decode([0], [tokens[position]])[0], expected[position]) <= FP32_TOL
+
+
+# --- bench runtime ------------------------------------------------------------------------------------------------
+
+def test_checkpoint_tensors_are_what_convert_writes(checkpoint, fixture_dir, hf_cfg):
+    from trtglm.bench.runtime import checkpoint_tensors
+
+    weights = HFWeights(fixture_dir)
+    hf = {name: weights.get(name) for name in weights.names()}
+    ckpt_cfg, tensors = checkpoint_tensors(hf_cfg, hf, "float32")
+    written = load_file(str(checkpoint / "rank0.safetensors"))
+    assert ckpt_cfg == load_checkpoint(checkpoint).config
+    assert sorted(tensors) == sorted(written)
+    assert all(torch.equal(tensors[name], written[name]) for name in written)
+
+
+def test_synth_tensors_follow_the_preset():
+    from trtglm.bench.runtime import synth_tensors
+    from trtglm.convert.synth import tensor_specs
+
+    cfg, tensors = synth_tensors("tiny", None, "float32", 0, torch.device("cpu"))
+    assert {n: s for n, s in tensor_specs(cfg) if not n.endswith("inv_freq")} == {n: tuple(t.shape)
+                                                                                 for n, t in tensors.items()}
+    embedding = tensors["transformer.embedding.word_embeddings.weight"]
+    assert abs(float(embedding.std()) - 0.02) < 0.002
+    assert abs(float(tensors["transformer.encoder.final_layernorm.weight"].mean()) - 1) < 0.02
+
+
+def test_compare_logits_on_hand_made_values():
+    from trtglm.bench.runtime import compare_logits
+
+    ref = torch.tensor([[3.0, 1.0, 0.0], [1.0, 0.9, 0.0]])
+    ours = torch.tensor([[2.9, 1.0, 0.0], [0.8, 0.9, 0.0]])  # row 1 flips a near tie
+    c = compare_logits(ours, ref)
+    assert c["top1"] == 0.5 and math.isclose(c["max_abs_diff"], 0.2, rel_tol=1e-6)
+    assert c["decisive_share"] == 0.5 and c["top1_decisive"] == 1.0  # row 0's gap 2.0 > 0.2; row 1's 0.1 is not
+    assert math.isclose(c["rel_error"], math.sqrt(0.01 + 0.04) / math.sqrt(9 + 1 + 1 + 0.81), rel_tol=1e-5)
+
+
+def test_floor_and_latency_statistics():
+    from trtglm.bench.runtime import _inflight_stats, _percentile, decode_floor_ms
+
+    cfg = SimpleNamespace(num_layers=28, num_kv_heads=2, head_size=128)
+    stub = SimpleNamespace(config=cfg, dtype=torch.bfloat16, weight_bytes=12_000_000_000)
+    kv = 64 * 192 * 28 * 2 * 2 * 128 * 2  # batch × context × layers × (k, v) × heads × head × bytes
+    assert math.isclose(decode_floor_ms(stub, 64, 192, 4e12), (12e9 + kv) / 4e12 * 1e3)
+    assert _percentile(list(range(1, 101)), 50) == 51 and _percentile(list(range(1, 101)), 99) == 99
+    assert _percentile([], 50) is None
+    stats = _inflight_stats(2, 2, [10, 20], [2, 3], {0: 0.0, 1: 0.5}, {0: [0.1, 0.3], 1: [1.0, 1.2, 1.5]}, 2.0)
+    assert stats["generated_tokens"] == 5 and stats["tokens_per_s"] == 2.5 and stats["requests_per_s"] == 1.0
+    # TTFTs 100 and 500 ms (rank 0.5 rounds up); gaps 200, 200 and 300 ms
+    assert stats["ttft_ms"]["p50"] == pytest.approx(500) and stats["itl_ms"]["p50"] == pytest.approx(200)
+    assert stats["itl_ms"]["p99"] == pytest.approx(300)
+
+
+def test_bench_runtime_needs_a_gpu(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    from trtglm.bench.runtime import bench_runtime
+
+    with pytest.raises(DependencyError, match="CUDA"):
+        bench_runtime(out=tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "trtglm.bench.cli_commands", "runtime", "--batch", "1,8"],
+                          check=False, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == DependencyError.exit_code
+    message = "bench: error: bench runtime needs a CUDA GPU (torch.cuda.is_available() is False)"
+    assert proc.stderr.strip().splitlines() == [message]
+    with pytest.raises(UsageError, match="weight-only"):
+        bench_runtime(weight_only="int2", out=tmp_path)
+
+
+def test_summary_and_plot(tmp_path):
+    from trtglm.bench.runtime import _fill_ratios, plot, summary
+
+    def row(system, batch, decode, tps, floor=None):
+        return {"system": system, "batch": batch, "ttft_ms": 10.0, "decode_ms": decode, "tokens_per_s": tps,
+                "floor_ms": floor, "pct_of_floor": None, "speedup_vs_hf": None}
+
+    results = {"device": {"name": "GPU"}, "copy_bandwidth_gbs": 4000.0, "model": {"parameters": 6.2e9, "layers": 28},
+               "options": {"dtype": "bfloat16", "prompt_len": 128, "new_tokens": 128, "batch": [1, 8]},
+               "hf": [row("hf", 1, 50.0, 20.0), row("hf", 8, 50.0, 160.0)],
+               "trtglm": {"none": {"weight_gb": 12.0, "ttft_long_ms": {"prompt_len": 512, "ms": 11.0},
+                                   "runs": [row("trtglm none", 1, 3.5, 280.0, 2.8),
+                                            row("trtglm none", 8, 4.0, 2000.0, 2.8)]}}}
+    _fill_ratios(results)
+    assert results["trtglm"]["none"]["runs"][0]["pct_of_floor"] == pytest.approx(80)
+    assert results["trtglm"]["none"]["runs"][1]["speedup_vs_hf"] == pytest.approx(12.5)
+    text = summary(results)
+    assert "| trtglm none | 1 | 10.0 | 3.500 | 2.80 | 80% | 280 | 14.0 |" in text
+    if importlib.util.find_spec("matplotlib"):
+        plot(results, tmp_path / "runtime.png")
+        assert (tmp_path / "runtime.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,369 @@
+"""`FastModel`: ChatGLM3 on one GPU behind the `SlotModel` interface (slots.py), built for speed.
+
+- Static KV cache: per layer `[max_batch + 1, kv_heads, max_seq_len, head]`; the extra
+  slot is scratch that padding rows of a decode step (and `score`) write into.
+- Decode steps are captured as CUDA graphs, one per batch bucket (1, 2, 4, … max_batch); a
+  step of n sequences replays the smallest bucket ≥ n. Slot indices, tokens and each
+  slot's length live in device buffers the graph reads; the graph itself advances the
+  lengths, so a steady decode loop uploads nothing but changed slot lists.
+- Between the matmuls, one Triton kernel per step (ops.py / kernels.py): residual add +
+  RMSNorm, rotary + KV-cache write, split-K decode attention over the two KV heads; SwiGLU
+  is applied by the `proj` matmul as it reads its input (linear.py).
+- Prefill runs eagerly: prompts of similar length are right-padded into one batch (the
+  padding's cache entries lie past each prompt's end, where the prompt's own next tokens
+  overwrite them before anything reads them) and attend with PyTorch's SDPA.
+- Weight-only int8 / int4 (linear.py) for the qkv, dense, fc and proj weights; Triton matmuls.
+
+The computation is `ShardedModel`'s at tp 1 (model.py): same RMSNorm, rotary, SwiGLU and
+checkpoint layout ([Q; K; V] rows, fc rows [up; gate]).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from trtglm.errors import UsageError
+from trtglm.runtime.checkpoint import DTYPES, CheckpointConfig, load_checkpoint
+from trtglm.runtime.fast.linear import Linear
+from trtglm.runtime.fast.ops import TritonOps, select_ops
+from trtglm.runtime.model import rotary_tables
+
+log = logging.getLogger(__name__)
+
+WEIGHT_ONLY = {None: None, "none": None, "int8": "W8A16", "int4": "W4A16", "W8A16": "W8A16", "W4A16": "W4A16"}
+PREFILL_TOKENS = 8192  # tokens (padding included) per prefill forward pass
+
+
+@dataclass
+class FastLayer:
+    input_norm: torch.Tensor
+    qkv: Linear
+    dense: Linear
+    post_norm: torch.Tensor
+    fc: Linear
+    proj: Linear
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Decode batch sizes that get a graph: powers of two below max_batch, and max_batch."""
+    sizes, n = [], 1
+    while n < max_batch:
+        sizes.append(n)
+        n *= 2
+    return sizes + [max_batch]
+
+
+class FastModel:
+    """A single-GPU ChatGLM3 `SlotModel` over a tp-1 TensorRT-LLM checkpoint's tensors."""
+
+    def __init__(self, cfg: CheckpointConfig, tensors: dict[str, torch.Tensor], *, max_batch: int = 64,
+                 max_seq_len: int = 2048, dtype: str | torch.dtype | None = None, device: str | torch.device = "cuda",
+                 weight_only: str | None = None, kernels: str = "auto", graphs: bool | None = None,
+                 tune: bool | None = None):
+        self.device = torch.device(device)
+        self.config, self.dtype = cfg, _resolve_dtype(dtype, cfg)
+        self.quant_algo = _resolve_weight_only(weight_only, cfg)
+        _check_shape_options(cfg, max_batch, max_seq_len, self.device)
+        self.max_batch, self.max_seq_len, self.vocab_size = max_batch, max_seq_len, cfg.vocab_size
+        self.ops = select_ops(self.device, kernels)
+        # Timing the matmul kernels' block shapes costs seconds at start-up and pays on every step.
+        self.tuned = isinstance(self.ops, TritonOps) and self.device.type == "cuda" if tune is None else tune
+        self.scratch = max_batch  # the extra cache slot
+        self._load_weights(tensors, self.tuned)
+        cos, sin = rotary_tables(cfg, torch.arange(max_seq_len, device=self.device)[None])
+        self.cos, self.sin = cos[0, 0].contiguous(), sin[0, 0].contiguous()
+        cache_shape = (max_batch + 1, cfg.num_kv_heads, max_seq_len, cfg.head_size)
+        self.k_cache = [torch.zeros(cache_shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v_cache = [torch.zeros(cache_shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.lengths = [0] * (max_batch + 1)  # tokens each slot holds (host copy)
+        self.buckets = batch_buckets(max_batch)
+        self._tokens = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        self._slots = torch.full((max_batch,), self.scratch, dtype=torch.long, device=self.device)
+        self._seq_len = torch.zeros(max_batch + 1, dtype=torch.int32, device=self.device)
+        self._uploaded_slots: list[int] = []
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if graphs is None:
+            graphs = self.device.type == "cuda"
+        if graphs:
+            self.capture_graphs()
+
+    # --- loading -----------------------------------------------------------------------------------------------
+
+    def _load_weights(self, tensors: dict[str, torch.Tensor], tune: bool) -> None:
+        cfg, dtype = self.config, self.dtype
+        use_triton = isinstance(self.ops, TritonOps)
+
+        def get(name: str) -> torch.Tensor:
+            return tensors[name].to(self.device)
+
+        def linear(prefix: str, bias: bool = False, quant_algo: str | None = self.quant_algo) -> Linear:
+            layer = Linear.from_weight(get(prefix + ".weight"), get(prefix + ".bias") if bias else None, quant_algo,
+                                       dtype, use_triton)
+            layer.tune = tune
+            return layer
+
+        self.embedding = get("transformer.vocab_embedding.weight").to(dtype)
+        self.final_norm = get("transformer.ln_f.weight").to(dtype)
+        self.lm_head = linear("lm_head", quant_algo=None)
+        self.layers = []
+        for i in tqdm(range(cfg.num_layers), desc="load", unit="layer", disable=None, leave=False):
+            p = f"transformer.layers.{i}."
+            self.layers.append(FastLayer(
+                input_norm=get(p + "input_layernorm.weight").to(dtype),
+                qkv=linear(p + "attention.qkv", bias=cfg.add_qkv_bias),
+                dense=linear(p + "attention.dense"),
+                post_norm=get(p + "post_layernorm.weight").to(dtype),
+                fc=linear(p + "mlp.fc"),
+                proj=linear(p + "mlp.proj"),
+            ))
+        log.info("fast model: %d layers, %s%s, %.2f GB of weights read per decode step, %s kernels, on %s",
+                 cfg.num_layers, str(dtype).removeprefix("torch."),
+                 f", weight-only {self.quant_algo}" if self.quant_algo else "", self.weight_bytes / 1e9,
+                 self.ops.name, self.device)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads (every linear layer and the lm_head)."""
+        linears = [layer for w in self.layers for layer in (w.qkv, w.dense, w.fc, w.proj)] + [self.lm_head]
+        return sum(layer.nbytes for layer in linears)
+
+    # --- the computation ---------------------------------------------------------------------------------------
+
+    def _run_layers(self, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                    attend: Callable[[int, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual stream `[T, hidden]` through every layer; returns (stream, last layer's MLP output)."""
+        cfg, ops, delta = self.config, self.ops, None
+        for i, w in enumerate(self.layers):
+            x, h = ops.add_rms_norm(x, delta, w.input_norm, cfg.norm_epsilon)
+            q = ops.rope_cache(w.qkv(h), slots, positions, self.cos, self.sin, self.k_cache[i], self.v_cache[i],
+                               cfg.num_heads)
+            delta = w.dense(attend(i, q))
+            x, h = ops.add_rms_norm(x, delta, w.post_norm, cfg.norm_epsilon)
+            delta = w.proj(w.fc(h), swiglu=True)
+        return x, delta
+
+    def _logits(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        _, h = self.ops.add_rms_norm(x, delta, self.final_norm, self.config.norm_epsilon)
+        return self.lm_head(h).float()
+
+    def _decode_step(self, n: int) -> torch.Tensor:
+        """One token for each of the first n entries of the input buffers (static shapes: graph-capturable)."""
+        tokens, slots = self._tokens[:n], self._slots[:n]
+        positions = self._seq_len[slots]
+
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+            return self.ops.decode_attention(q, self.k_cache[i], self.v_cache[i], slots, positions)
+
+        x, delta = self._run_layers(F.embedding(tokens, self.embedding), slots, positions, attend)
+        self._seq_len[slots] = positions + 1
+        self._seq_len[self.scratch:].zero_()
+        return self._logits(x, delta)
+
+    def _prefill_group(self, slots: list[int], prompts: list[Sequence[int]], all_positions: bool = False
+                       ) -> torch.Tensor:
+        """Prompts (longest first) right-padded into one batch; logits of each last position (or of all)."""
+        n, width = len(prompts), len(prompts[0])
+        dev = self.device
+        tokens = torch.zeros(n, width, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            tokens[row, : len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
+        slot_ids = torch.tensor(slots, device=dev)
+        token_slots = slot_ids.repeat_interleave(width)
+        token_positions = torch.arange(width, device=dev, dtype=torch.int32).repeat(n)
+
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+            q = q.view(n, width, *q.shape[1:]).transpose(1, 2)
+            keys = self.k_cache[i][slot_ids, :, :width]
+            values = self.v_cache[i][slot_ids, :, :width]
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
+            return out.transpose(1, 2).reshape(n * width, -1)
+
+        x, delta = self._run_layers(F.embedding(tokens.to(dev).view(-1), self.embedding), token_slots,
+                                    token_positions, attend)
+        if not all_positions:
+            last = torch.tensor([row * width + len(p) - 1 for row, p in enumerate(prompts)], device=dev)
+            x, delta = x[last], delta[last]
+        return self._logits(x, delta)
+
+    # --- SlotModel ---------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Reset each slot and run its prompt; float32 logits of each prompt's last position, [len(slots), vocab]."""
+        slots, prompts = list(slots), [list(p) for p in prompts]
+        self._check_prefill(slots, prompts)
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        rows: list[torch.Tensor | None] = [None] * len(prompts)
+        for group in _prefill_groups(order, [len(p) for p in prompts]):
+            logits = self._prefill_group([slots[i] for i in group], [prompts[i] for i in group])
+            for i, row in zip(group, logits):
+                rows[i] = row
+        for slot, prompt in zip(slots, prompts):
+            self.lengths[slot] = len(prompt)
+        self._seq_len[torch.tensor(slots, device=self.device)] = torch.tensor(
+            [len(p) for p in prompts], dtype=torch.int32, device=self.device)
+        return torch.stack(rows)
+
+    @torch.no_grad()
+    def decode(self, slots: Sequence[int], tokens: Sequence[int] | torch.Tensor, use_graph: bool = True
+               ) -> torch.Tensor:
+        """Append one token to each slot at its next position; float32 logits, [len(slots), vocab].
+
+        `tokens` may be a device tensor (e.g. the argmax of the last logits): no host round trip.
+        `use_graph=False` launches the step's kernels one by one (for profilers).
+        """
+        slots = list(slots)
+        self._check_decode(slots, tokens)
+        n = len(slots)
+        bucket = next(b for b in self.buckets if b >= n)
+        if slots != self._uploaded_slots:
+            padded = slots + [self.scratch] * (self.max_batch - n)
+            self._slots.copy_(torch.tensor(padded))
+            self._uploaded_slots = slots
+        token_ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(list(tokens))
+        self._tokens[:n].copy_(token_ids.reshape(-1), non_blocking=True)
+        if use_graph and bucket in self._graphs:
+            graph, logits = self._graphs[bucket]
+            graph.replay()
+            logits = logits[:n].clone()
+        else:
+            logits = self._decode_step(bucket)[:n]
+        for slot in slots:
+            self.lengths[slot] += 1
+        return logits
+
+    def release(self, slot: int) -> None:
+        """Forget the slot's sequence; the slot may be prefilled again."""
+        self._check_slot(slot)
+        self.lengths[slot] = 0
+
+    @torch.no_grad()
+    def score(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Teacher-forced float32 logits `[T, vocab]` of one sequence (in the scratch slot; no slot is touched)."""
+        tokens = list(tokens)
+        if not 0 < len(tokens) <= self.max_seq_len:
+            raise UsageError(f"score takes 1 to {self.max_seq_len} tokens, not {len(tokens)}")
+        self._check_token_ids(tokens)
+        return self._prefill_group([self.scratch], [tokens], all_positions=True)
+
+    # --- CUDA graphs -------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def capture_graphs(self) -> None:
+        """Warm up (compiles the Triton kernels, tunes the matmuls if asked) and capture one decode graph per bucket."""
+        if self.device.type != "cuda":
+            raise UsageError("CUDA graphs need a CUDA device")
+        self._slots.fill_(self.scratch)
+        self._uploaded_slots = []
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for n in reversed(self.buckets):
+                for _ in range(2):
+                    self._decode_step(n)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        pool = torch.cuda.graph_pool_handle()
+        for n in tqdm(list(reversed(self.buckets)), desc="capture", unit="graph", disable=None, leave=False):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._decode_step(n)
+            self._graphs[n] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+        log.info("captured decode graphs for batch sizes %s", ", ".join(map(str, self.buckets)))
+
+    # --- checks ------------------------------------------------------------------------------------------------
+
+    def _check_slot(self, slot: int) -> None:
+        if not isinstance(slot, int) or not 0 <= slot < self.max_batch:
+            raise UsageError(f"slot {slot!r} is not one of 0..{self.max_batch - 1}")
+
+    def _check_slots(self, slots: list[int]) -> None:
+        if not slots:
+            raise UsageError("no slots given")
+        for slot in slots:
+            self._check_slot(slot)
+        if len(set(slots)) != len(slots):
+            raise UsageError("a slot appears twice in one call")
+
+    def _check_token_ids(self, tokens: Sequence[int]) -> None:
+        bad = [t for t in tokens if not 0 <= int(t) < self.vocab_size]
+        if bad:
+            raise UsageError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+
+    def _check_prefill(self, slots: list[int], prompts: list[list[int]]) -> None:
+        self._check_slots(slots)
+        if len(slots) != len(prompts):
+            raise UsageError(f"{len(slots)} slots but {len(prompts)} prompts")
+        for prompt in prompts:
+            if not 0 < len(prompt) < self.max_seq_len:
+                raise UsageError(f"a prompt has {len(prompt)} tokens; prompts take 1 to {self.max_seq_len - 1}")
+            self._check_token_ids(prompt)
+
+    def _check_decode(self, slots: list[int], tokens: Sequence[int] | torch.Tensor) -> None:
+        self._check_slots(slots)
+        if len(tokens) != len(slots):
+            raise UsageError(f"{len(slots)} slots but {len(tokens)} tokens")
+        for slot in slots:
+            if self.lengths[slot] == 0:
+                raise UsageError(f"slot {slot} holds no sequence (prefill it first)")
+            if self.lengths[slot] >= self.max_seq_len:
+                raise UsageError(f"slot {slot} is full ({self.max_seq_len} tokens)")
+        if not isinstance(tokens, torch.Tensor):
+            self._check_token_ids(tokens)
+
+
+def _prefill_groups(order: list[int], lengths: list[int]) -> list[list[int]]:
+    """Consecutive prompts (longest first) whose padded batch stays within PREFILL_TOKENS."""
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= PREFILL_TOKENS:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _resolve_dtype(dtype: str | torch.dtype | None, cfg: CheckpointConfig) -> torch.dtype:
+    if dtype is None:
+        return cfg.torch_dtype
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+    name = aliases.get(dtype, dtype)
+    if name not in DTYPES:
+        raise UsageError(f"dtype must be one of bf16, fp16, {', '.join(DTYPES)}; not {dtype!r}")
+    return DTYPES[name]
+
+
+def _resolve_weight_only(weight_only: str | None, cfg: CheckpointConfig) -> str | None:
+    if weight_only is None:
+        return cfg.quant_algo
+    if weight_only not in WEIGHT_ONLY:
+        raise UsageError(f"weight_only must be none, int8 or int4; not {weight_only!r}")
+    return WEIGHT_ONLY[weight_only]
+
+
+def _check_shape_options(cfg: CheckpointConfig, max_batch: int, max_seq_len: int, device: torch.device) -> None:
+    if cfg.tp_size != 1:
+        raise UsageError(f"the fast runtime runs tp_size 1 checkpoints on one GPU; this one has tp_size {cfg.tp_size}")
+    if max_batch < 1 or max_seq_len < 2:
+        raise UsageError(f"need max_batch >= 1 and max_seq_len >= 2, not {max_batch} and {max_seq_len}")
+    if max_seq_len > cfg.max_position_embeddings:
+        raise UsageError(f"max_seq_len {max_seq_len} exceeds max_position_embeddings {cfg.max_position_embeddings}")
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise UsageError(f"{cfg.num_heads} heads are not a multiple of {cfg.num_kv_heads} KV heads")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("device cuda requested but CUDA is not available")
+
+
+def load_fast_model(path: str | Path, **options) -> FastModel:
+    """A `FastModel` from a tp-1 checkpoint folder; `options` as for `FastModel`."""
+    ckpt = load_checkpoint(path)
+    return FastModel(ckpt.config, ckpt.ranks[0], **options)

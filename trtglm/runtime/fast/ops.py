@@ -1,0 +1,91 @@
+"""The fused steps of the fast model, as plain torch (the definition) or as Triton kernels (the speed).
+
+`TorchOps` runs anywhere and states what each step computes; `TritonOps` does the same in
+one kernel per step (kernels.py). `select_ops` gives Triton on CUDA when it is installed,
+torch otherwise. Tests check the one against the other.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+
+class TorchOps:
+    """Reference implementations: few, readable tensor operations, float32 where the kernels use it."""
+
+    name = "torch"
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        total = x if delta is None else (x.float() + delta.float()).to(x.dtype)
+        xf = total.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+        return total, out.to(x.dtype)
+
+    @staticmethod
+    def rope_cache(qkv: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> torch.Tensor:
+        _, kv_heads, _, head = k_cache.shape
+        heads = qkv.unflatten(-1, (num_heads + 2 * kv_heads, head))
+        pos = positions.long()
+        rotated = _rotate(heads[:, : num_heads + kv_heads], cos[pos][:, None], sin[pos][:, None])
+        q, k, v = rotated[:, :num_heads], rotated[:, num_heads:], heads[:, num_heads + kv_heads:]
+        k_cache[slots.long(), :, pos] = k.to(k_cache.dtype)
+        v_cache[slots.long(), :, pos] = v.to(v_cache.dtype)
+        return q.to(qkv.dtype).contiguous()
+
+    @staticmethod
+    def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                         positions: torch.Tensor) -> torch.Tensor:
+        batch, num_heads, head = q.shape
+        keys, values = k_cache[slots.long()].float(), v_cache[slots.long()].float()  # [B, KVH, L, D]
+        visible = torch.arange(keys.shape[2], device=q.device)[None, :] <= positions.long()[:, None]
+        out = F.scaled_dot_product_attention(q.float()[:, :, None], keys, values, attn_mask=visible[:, None, None],
+                                             enable_gqa=True)
+        return out.reshape(batch, num_heads * head).to(q.dtype)
+
+    @staticmethod
+    def silu_mul(x: torch.Tensor) -> torch.Tensor:
+        up, gate = x.float().chunk(2, dim=-1)
+        return (F.silu(gate) * up).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-J rotary on the first 2·cos.shape[-1] features of `[T, heads, D]`, in float32."""
+    rot = 2 * cos.shape[-1]
+    pairs = x[..., :rot].float().unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    return torch.cat((rotated, x[..., rot:].float()), dim=-1)
+
+
+class TritonOps:
+    """The same steps as Triton kernels (one launch each)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from trtglm.runtime.fast import kernels
+
+        self.add_rms_norm = kernels.add_rms_norm
+        self.rope_cache = kernels.rope_cache
+        self.decode_attention = kernels.decode_attention
+        self.silu_mul = kernels.silu_mul
+
+
+Ops = TorchOps | TritonOps
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def select_ops(device: torch.device, kernels: str = "auto") -> Ops:
+    """`auto`: Triton on CUDA when installed, else torch; `torch` / `triton` force one."""
+    if kernels == "auto":
+        kernels = "triton" if device.type == "cuda" and triton_available() else "torch"
+    return TritonOps() if kernels == "triton" else TorchOps()
