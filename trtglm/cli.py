@@ -50,6 +50,9 @@ def synth_model(preset: str, out: str, layers: int | None = None, format: str = 
 
 
 def _commands() -> dict:
+    from trtglm.bench import serving
+    from trtglm.bench.cli_commands import runtime
+    from trtglm.client.cli_commands import generate
     from trtglm.engine.cli_commands import build_engine, plan
     from trtglm.repo.cli_commands import patch_repo
     from trtglm.serve.cli_commands import launch, models, stop
@@ -65,6 +68,8 @@ def _commands() -> dict:
         "launch": launch,
         "stop": stop,
         "models": models,
+        "generate": generate,
+        "bench": {"runtime": runtime, "serving": serving},
     }
 
 
@@ -101,25 +106,44 @@ def _run(argv: list[str]) -> None:
     elif argv[0] not in COMMANDS:
         print(f"trtglm: error: unknown command {argv[0]!r} (commands: {', '.join(COMMANDS)})", file=sys.stderr)
         sys.exit(2)
+    elif isinstance(COMMANDS[argv[0]], dict) and (len(argv) < 2 or argv[1] not in COMMANDS[argv[0]]):
+        group = COMMANDS[argv[0]]
+        if len(argv) > 1 and argv[1] not in ("-h", "--help"):
+            print(f"trtglm {argv[0]}: error: unknown kind {argv[1]!r} (choose from {', '.join(group)})",
+                  file=sys.stderr)
+            sys.exit(2)
+        print("\n\n".join(_usage(f"{argv[0]} {kind}", fn) for kind, fn in group.items()))
     elif "-h" in argv or "--help" in argv:
-        print(_usage(argv[0]))
+        print(_usage(*_command(argv)[:2]))
     else:
         fire.Fire(COMMANDS, command=_prepare_argv(argv), name="trtglm")
+
+
+def _command(argv: list[str]) -> tuple[str, object, int]:
+    """(name, function, number of argv words naming it) for `argv`; groups take two words."""
+    entry = COMMANDS[argv[0]]
+    if isinstance(entry, dict):
+        return f"{argv[0]} {argv[1]}", entry[argv[1]], 2
+    return argv[0], entry, 1
 
 
 def _overview() -> str:
     lines = ["usage: trtglm COMMAND [FLAGS] [--verbose]", "", "commands:"]
     width = max(map(len, COMMANDS))
-    for name, fn in COMMANDS.items():
-        lines.append(f"  {name:<{width}}  {(fn.__doc__ or '').strip().splitlines()[0]}")
+    for name, entry in COMMANDS.items():
+        if isinstance(entry, dict):
+            entry = next(iter(entry.values()))
+            summary = f"benchmarks: {' | '.join(COMMANDS[name])} (`trtglm {name} KIND --help`)"
+        else:
+            summary = (entry.__doc__ or "").strip().splitlines()[0]
+        lines.append(f"  {name:<{width}}  {summary}")
     lines.append("\n`trtglm COMMAND --help` describes a command's flags.")
     return "\n".join(lines)
 
 
-def _usage(name: str) -> str:
+def _usage(name: str, fn) -> str:
     import inspect
 
-    fn = COMMANDS[name]
     flags = []
     for param in inspect.signature(fn).parameters.values():
         flag = "--" + param.name.replace("_", "-")
@@ -127,6 +151,8 @@ def _usage(name: str) -> str:
             flags.append(f"{flag} {param.name.upper()}")
         elif param.default is False:
             flags.append(f"[{flag}]")
+        elif param.default is True:
+            flags.append(f"[--no-{param.name.replace('_', '-')}]")
         else:
             flags.append(f"[{flag} {param.default if param.default is not None else param.name.upper()}]")
     return f"usage: trtglm {name} {' '.join(flags)} [--verbose]\n\n{inspect.cleandoc(fn.__doc__ or '')}"
@@ -141,27 +167,28 @@ def _prepare_argv(argv: list[str]) -> list[str]:
     """
     import inspect
 
-    params = inspect.signature(COMMANDS[argv[0]]).parameters
+    command, fn, words = _command(argv)
+    params = inspect.signature(fn).parameters
     argv, sets = _collect_sets(argv)
-    out, i = argv[:1] + ([f"--set={sets!r}"] if sets else []), 1
+    out, i = argv[:words] + ([f"--set={sets!r}"] if sets else []), words
     while i < len(argv):
         arg = argv[i]
         i += 1
         if not arg.startswith("--"):
             out.append(arg)
             continue
-        name, has_value, value = arg[2:].partition("=")
-        key = name.replace("-", "_")
+        flag, has_value, value = arg[2:].partition("=")
+        key = flag.replace("-", "_")
         if key not in params and not (key.startswith("no") and key[2:] in params):
             known = ", ".join("--" + p.replace("_", "-") for p in params)
-            print(f"trtglm {argv[0]}: error: unknown flag --{name} (known: {known})", file=sys.stderr)
+            print(f"trtglm {command}: error: unknown flag --{flag} (known: {known})", file=sys.stderr)
             sys.exit(2)
         if not _is_str_flag(params.get(key)):
             out.append(arg)
             continue
         if not has_value and i < len(argv):
             value, has_value, i = argv[i], True, i + 1
-        out.append(f"--{name}={value!r}" if has_value else arg)
+        out.append(f"--{flag}={value!r}" if has_value else arg)
     return out
 
 

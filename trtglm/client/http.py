@@ -1,0 +1,200 @@
+"""Triton's HTTP generate extension: `POST /v2/models/{model}/generate` and `/generate_stream`.
+
+`/generate` answers one JSON object holding the outputs (`text_output`). `/generate_stream`
+answers `text/event-stream`: one `data: {…}` event per response, read line by line as it
+arrives. Errors come as `{"error": "…"}` with a 4xx/5xx status, or as an event inside an
+HTTP 200 stream once streaming has begun. No proxy is used: the server is addressed directly.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import socket
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+from urllib.parse import urlsplit
+
+from trtglm.client import GenerateRequest, ServerError, check_model, one_line
+from trtglm.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Server:
+    """A Triton HTTP endpoint, from `http://HOST:PORT`, `https://HOST:PORT` or `HOST:PORT`."""
+
+    url: str
+    host: str
+    port: int
+    tls: bool
+
+    @classmethod
+    def parse(cls, url: str) -> "Server":
+        if not isinstance(url, str) or not url:
+            raise UsageError(f"--url must be http://HOST:PORT, not {url!r}")
+        parts = urlsplit(url if "://" in url else f"http://{url}")
+        try:
+            port = parts.port
+        except ValueError:
+            port = -1
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") or port == -1:
+            raise UsageError(f"--url {url}: expected http://HOST:PORT")
+        tls = parts.scheme == "https"
+        return cls(url.rstrip("/"), parts.hostname, port or (443 if tls else 80), tls)
+
+    @contextmanager
+    def request(self, method: str, path: str, body: bytes | None,
+                timeout: float) -> Iterator[http.client.HTTPResponse]:
+        """The open response to one request (JSON in, JSON or events out); the connection closes after."""
+        kind = http.client.HTTPSConnection if self.tls else http.client.HTTPConnection
+        connection = kind(self.host, self.port, timeout=timeout)
+        headers = {"Accept": "application/json, text/event-stream"}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        try:
+            try:
+                connection.request(method, path, body=body, headers=headers)
+                response = connection.getresponse()
+            except OSError as e:
+                raise self.unreachable(e) from None
+            yield response
+        finally:
+            connection.close()
+
+    def get_json(self, path: str, timeout: float = 30.0) -> dict:
+        """A GET answered with a JSON object (e.g. a model's config); ServerError otherwise."""
+        with self.request("GET", path, None, timeout) as response:
+            body = _read(self, response)
+        if response.status != 200:
+            raise ServerError(_error_message(f"GET {path}", response.status, body))
+        return _json_object(f"GET {path}", body)
+
+    def unreachable(self, error: OSError) -> ServerError:
+        if isinstance(error, socket.timeout):
+            return ServerError(f"no answer from Triton at {self.url} in time")
+        return ServerError(f"cannot reach Triton at {self.url}: {error.strerror or error}")
+
+
+def generate(url: str, model: str, request: GenerateRequest, timeout: float = 600.0) -> str:
+    """The whole reply of `model` (one response) through `/generate`."""
+    server, path = Server.parse(url), f"/v2/models/{check_model(model)}/generate"
+    log.debug("POST %s%s", server.url, path)
+    with server.request("POST", path, _body(request), timeout) as response:
+        body = _read(server, response)
+    if response.status != 200:
+        raise ServerError(_error_message(model, response.status, body))
+    return reply_text(_json_object(model, body))
+
+
+def generate_stream(url: str, model: str, request: GenerateRequest, timeout: float = 600.0) -> Iterator[str]:
+    """The reply's text pieces as `/generate_stream` sends them (each event's text_output)."""
+    server, path = Server.parse(url), f"/v2/models/{check_model(model)}/generate_stream"
+    log.debug("POST %s%s", server.url, path)
+    with server.request("POST", path, _body(request), timeout) as response:
+        if response.status != 200:
+            raise ServerError(_error_message(model, response.status, _read(server, response)))
+        for data in sse_data(_lines(server, response)):
+            piece = reply_text(_json_object(model, data.encode("utf-8")), streamed=True)
+            if piece:
+                yield piece
+
+
+def sse_data(lines: Iterable[bytes]) -> Iterator[str]:
+    """The data of each server-sent event, from the stream's lines (with their line endings).
+
+    An event ends at a blank line; several `data:` lines of one event join with newlines;
+    comments (`:`) and other fields are skipped (the text/event-stream format).
+    """
+    data: list[str] = []
+    for raw in lines:
+        try:
+            line = raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError:
+            raise ServerError(f"the event stream is not UTF-8: {raw[:100]!r}") from None
+        if not line:
+            if data:
+                yield "\n".join(data)
+            data = []
+            continue
+        field, _, value = line.partition(":")
+        if field == "data":
+            data.append(value[1:] if value.startswith(" ") else value)
+    if data:  # a last event the server did not end with a blank line
+        yield "\n".join(data)
+
+
+def reply_text(output: dict, streamed: bool = False) -> str:
+    """An answer's `text_output` (a string, or a list of strings for several rows); errors raise."""
+    if "error" in output:
+        raise ServerError(one_line(output["error"]))
+    text = output.get("text_output")
+    if text is None:
+        if streamed:  # e.g. a response carrying only log probabilities
+            return ""
+        raise ServerError(f"the answer has no text_output: {json.dumps(output)[:200]}")
+    if isinstance(text, list):
+        return "".join(str(piece) for piece in text)
+    return str(text)
+
+
+def _body(request: GenerateRequest) -> bytes:
+    return json.dumps(request.inputs(), ensure_ascii=False).encode("utf-8")
+
+
+def _read(server: Server, response: http.client.HTTPResponse) -> bytes:
+    try:
+        return response.read()
+    except OSError as e:
+        raise server.unreachable(e) from None
+
+
+def _lines(server: Server, response: http.client.HTTPResponse) -> Iterator[bytes]:
+    while True:
+        try:
+            line = response.readline()
+        except (OSError, http.client.IncompleteRead) as e:
+            if isinstance(e, OSError):
+                raise server.unreachable(e) from None
+            raise ServerError(f"the event stream from {server.url} broke off") from None
+        if not line:
+            return
+        yield line
+
+
+def _json_object(model: str, body: bytes) -> dict:
+    try:
+        value = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ServerError(f"{model}: the answer is not JSON: {body[:200]!r}") from None
+    if not isinstance(value, dict):
+        raise ServerError(f"{model}: the answer is not a JSON object: {body[:200]!r}")
+    return value
+
+
+def _error_message(model: str, status: int, body: bytes) -> str:
+    """Triton's `{"error": …}` text (a JSON body, or the first event of a stream), else the body's first line."""
+    message = None
+    for candidate in (body, *_events(body)):
+        try:
+            value = json.loads(candidate)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if isinstance(value, dict) and "error" in value:
+            message = value["error"]
+            break
+    if message is None:
+        lines = body.decode("utf-8", errors="replace").strip().splitlines()
+        message = lines[0][:200] if lines else "(empty answer)"
+    return f"{model}: {one_line(message)} (HTTP {status})"
+
+
+def _events(body: bytes) -> list[str]:
+    """The event data in an error body sent as a stream (Triton sets the status from a first error)."""
+    try:
+        return list(sse_data(body.splitlines(keepends=True)))
+    except ServerError:
+        return []
