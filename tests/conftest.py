@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,8 +25,45 @@ def run_cli(*args: str, check: bool = False, timeout: float = 600) -> subprocess
     return proc
 
 
+
+def free_ports(count: int = 3) -> list[int]:
+    """`count` distinct loopback ports that were free a moment ago."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def repo_processes(repo: Path) -> list[psutil.Process]:
+    """Processes (mpirun, tritonserver, python stubs, a launch) whose command line names `repo`."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if proc.pid != os.getpid() and any(str(repo) in arg for arg in proc.info["cmdline"] or ()) \
+                    and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
 @pytest.fixture(scope="session")
 def fixture_dir() -> Path:
     if not (FIXTURE / "config.json").exists():
         pytest.fail(f"fixture model missing at {FIXTURE}; run scripts/train_fixture.py")
     return FIXTURE
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """The test models are tiny: one thread beats two contending threads on a 2-core machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

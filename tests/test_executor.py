@@ -22,14 +22,6 @@ from trtglm.runtime.slot_runtime import ShardedSlotModel
 MAX_SEQ = 256
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tok(fixture_dir) -> ChatGLMTokenizer:
     return ChatGLMTokenizer(fixture_dir)

@@ -50,14 +50,6 @@ QUANTIZED_HF = ("self_attention.query_key_value.weight", "self_attention.dense.w
                 "mlp.dense_4h_to_h.weight")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def hf_cfg(fixture_dir) -> ChatGLMConfig:
     return ChatGLMConfig.from_model_dir(fixture_dir)

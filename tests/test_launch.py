@@ -25,6 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from conftest import free_ports, repo_processes
 
 pytestmark = pytest.mark.slow
 
@@ -98,28 +99,6 @@ def make_repo(root: Path, tp_size: int) -> Path:
     return repo
 
 
-def free_ports(count: int = 3) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def repo_processes(repo: Path) -> list[psutil.Process]:
-    """Processes (mpirun, tritonserver, python stubs, a launch) whose command line names `repo`."""
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if proc.pid != os.getpid() and any(str(repo) in arg for arg in proc.info["cmdline"] or ()) \
-                    and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        except psutil.Error:
-            continue
-    return found
 
 
 def shm_regions(base: str) -> list[str]:

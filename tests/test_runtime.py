@@ -24,15 +24,6 @@ FP32_TOL = 1e-4
 LAYER = "transformer.layers.{}."
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The models are tiny: one thread beats two contending on a small CI machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def hf_cfg(fixture_dir) -> ChatGLMConfig:
     return ChatGLMConfig.from_model_dir(fixture_dir)

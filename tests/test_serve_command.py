@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import free_ports
 from trtglm.errors import DependencyError, ModelFileError, UsageError
 from trtglm.serve import checks, tritonserver
 from trtglm.serve.checks import check_ports, engine_world_size, resolve_world_size
@@ -244,13 +245,3 @@ def test_free_ports_pass_and_bad_ones_are_refused():
     with pytest.raises(UsageError, match="--host 192.0.2.1: not an address of this machine"):
         check_ports(Endpoints("192.0.2.1", 9000, 9001, 9002))
 
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()

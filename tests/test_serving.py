@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ import numpy as np
 import psutil
 import pytest
 
-from conftest import REPO
+from conftest import REPO, free_ports, repo_processes
 from test_distributed import build_tiny_engine
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
@@ -129,27 +128,6 @@ def test_a_whole_reply_is_one_response_and_errors_fail_it():
 # --- real servers -------------------------------------------------------------------------------------------
 
 
-def free_ports(count: int = 3) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def repo_processes(repo: Path) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if proc.pid != os.getpid() and any(str(repo) in arg for arg in proc.info["cmdline"] or ()) \
-                    and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        except psutil.Error:
-            continue
-    return found
 
 
 class Server:

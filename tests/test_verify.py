@@ -29,15 +29,6 @@ TP_SIZES = (1, 2, 4, 8)
 VERIFY_EXIT = VerificationError.exit_code
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The models are tiny: one thread beats two contending on a small CI machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def conversations(fixture_dir) -> list[dict]:
     lines = (fixture_dir / "conversations.jsonl").read_text(encoding="utf-8").splitlines()
