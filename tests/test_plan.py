@@ -8,7 +8,6 @@ from safetensors import safe_open
 
 from conftest import REPO, run_cli
 from trtglm.chatglm.config import ChatGLMConfig
-from trtglm.cli import COMMANDS
 from trtglm.engine.plan import (SHAPES_6B, ModelShape, footprint, kv_bytes_per_token, memory_plan, parse_memory,
                                 plan, weight_bytes)
 from trtglm.errors import ModelFileError, UsageError
@@ -17,7 +16,6 @@ from trtglm.profile import load_profile
 CONFIGS = REPO / "configs"
 FP16_TP1 = CONFIGS / "chatglm3-6b-fp16-tp1.yaml"
 GiB = 1 << 30
-needs_cli = pytest.mark.skipif("plan" not in COMMANDS, reason="plan is not wired into the CLI yet")
 
 # chatglm3.md: THUDM's "min GPU memory, encode 2048 tokens" for the 6B model, in GB
 PUBLISHED_ENCODE_2048 = {None: 13.1e9, "int8": 8.2e9, "int4": 5.5e9}
@@ -157,7 +155,6 @@ def test_shapes_come_from_the_hf_config_when_readable(tmp_path, fixture_dir):
         plan(CONFIGS / "tiny.yaml", overrides={"model.dir": str(tmp_path / "nowhere")})
 
 
-@needs_cli
 def test_cli_plan(tmp_path):
     ok = run_cli("plan", "--config", "configs/chatglm3-6b-int4-tp1.yaml", "--gpu-memory", "24GB")
     assert ok.returncode == 0 and "KV tokens that fit" in ok.stdout
