@@ -142,6 +142,12 @@ class _Sequence:
             banned.append(self.request.end_id)
         return banned
 
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing to adjust: the next token is the row's argmax."""
+        request = self.request
+        return (self.sampler.greedy and request.embedding_bias is None and not request.log_probs
+                and not self.banned())
+
     def stop_word_ends(self) -> bool:
         return any(self.history[-len(w):] == w for w in self.stops_by_last.get(self.history[-1], ()))
 
@@ -302,20 +308,29 @@ class Executor:
     def _prefill(self, sequences: list[_Sequence]) -> None:
         logits = self.model.prefill([s.slot for s in sequences], [list(s.request.prompt) for s in sequences])
         self._stats.prefill_calls += 1
-        for sequence, row in zip(sequences, logits, strict=True):
-            self._advance(sequence, row)
+        for sequence, choice in zip(sequences, self._choose_all(sequences, logits), strict=True):
+            self._advance(sequence, *choice)
 
     def _decode(self, sequences: list[_Sequence]) -> None:
         logits = self.model.decode([s.slot for s in sequences], [s.history[-1] for s in sequences])
         self._stats.decode_calls += 1
         self._stats.max_decode_batch = max(self._stats.max_decode_batch, len(sequences))
-        for sequence, row in zip(sequences, logits, strict=True):
-            self._advance(sequence, row)
+        for sequence, choice in zip(sequences, self._choose_all(sequences, logits), strict=True):
+            self._advance(sequence, *choice)
+
+    def _choose_all(self, sequences: list[_Sequence], logits: torch.Tensor) -> list[tuple[int, float]]:
+        """(token, log-prob) per row. Plain greedy rows share one argmax and one device sync; the
+        rest (sampling, bias, banned words, log-probs) go one by one."""
+        plain = [i for i, s in enumerate(sequences) if s.plain_greedy()]
+        choices: dict[int, tuple[int, float]] = {}
+        if plain:
+            rows = logits.index_select(0, torch.tensor(plain, device=logits.device))
+            choices = {i: (token, 0.0) for i, token in zip(plain, rows.argmax(dim=-1).tolist())}
+        return [choices[i] if i in choices else self._choose(s, logits[i]) for i, s in enumerate(sequences)]
 
     # --- one request's token ------------------------------------------------------------------------
 
-    def _advance(self, sequence: _Sequence, row: torch.Tensor) -> None:
-        token, log_prob = self._choose(sequence, row)
+    def _advance(self, sequence: _Sequence, token: int, log_prob: float) -> None:
         request = sequence.request
         if request.end_id is not None and token == request.end_id:
             self._finish(sequence, Output([], finished=True, reason="end_id"))
