@@ -117,8 +117,14 @@ class Distributed:
     control: dist.ProcessGroup
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Leave the groups together: a rank tearing gloo down while a peer still talks to it can abort."""
+        if not dist.is_initialized():
+            return
+        try:
+            dist.barrier(group=self.control)
+        except RuntimeError as e:  # a peer is gone already: nothing to wait for
+            log.debug("leaving without the others: %s", str(e).splitlines()[0])
+        dist.destroy_process_group()
 
 
 def join(info: RankInfo, device: torch.device, init_method: str | None = None,
