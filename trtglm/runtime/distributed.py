@@ -115,6 +115,7 @@ class Distributed:
     info: RankInfo
     collectives: Collectives
     control: dist.ProcessGroup
+    init_method: str = ""
 
     def close(self) -> None:
         """Leave the groups together: a rank tearing gloo down while a peer still talks to it can abort."""
@@ -125,6 +126,10 @@ class Distributed:
         except RuntimeError as e:  # a peer is gone already: nothing to wait for
             log.debug("leaving without the others: %s", str(e).splitlines()[0])
         dist.destroy_process_group()
+        if self.init_method.startswith("file://"):
+            # gloo's file store removes its file only when its last user is collected, which
+            # interpreter exit does not promise; every rank is past the barrier, so it is unused.
+            Path(self.init_method[len("file://"):]).unlink(missing_ok=True)
 
 
 def join(info: RankInfo, device: torch.device, init_method: str | None = None,
@@ -138,7 +143,7 @@ def join(info: RankInfo, device: torch.device, init_method: str | None = None,
     dist.init_process_group(backend, init_method=init_method, rank=info.rank, world_size=info.world_size,
                             timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    return Distributed(info, Collectives(dist.group.WORLD, info.world_size), control)
+    return Distributed(info, Collectives(dist.group.WORLD, info.world_size), control, init_method)
 
 
 # --- rank 0's steps, told to the followers -------------------------------------------------------------

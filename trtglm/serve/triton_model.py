@@ -296,7 +296,11 @@ class ServedEngine:
         elif self.follower is not None:
             self.follower.join(timeout)
         if self.distributed is not None and (self.follower is None or not self.follower.is_alive()):
-            _with_deadline(self.distributed.close, timeout)
+            # The ranks leave together (a barrier), so allow for the slowest one on a busy host.
+            _with_deadline(self.distributed.close, max(timeout, LEAVE_TIMEOUT_S))
+
+
+LEAVE_TIMEOUT_S = 60.0
 
 
 def _with_deadline(call: Callable[[], None], timeout: float) -> None:
