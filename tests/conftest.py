@@ -51,6 +51,29 @@ def repo_processes(repo: Path) -> list[psutil.Process]:
     return found
 
 
+def kill_repo_processes(repo: Path) -> None:
+    """Kill whatever still runs for `repo` (cleanup after a failed test) and wait for it."""
+    leftovers = repo_processes(repo)
+    for proc in leftovers:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(leftovers, timeout=10)
+
+
+# Kinds of fixture conversation that end-to-end tests serve (the first of each kind).
+CONVERSATION_KINDS = {
+    "english": lambda c: c["answer"].isascii() and len(c["messages"]) == 1,
+    "multi-line answer": lambda c: "\n" in c["answer"],
+    "rare Chinese (byte pieces)": lambda c: any(ch in c["answer"] for ch in "淼犇鑫焱垚"),
+    "Chinese": lambda c: "的" in c["answer"],
+    "history": lambda c: len(c["messages"]) > 2 and c["messages"][0]["role"] == "user",
+    "system message": lambda c: c["messages"][0]["role"] == "system" and len(c["messages"]) == 2,
+    "tool call and observation": lambda c: any(m["role"] == "observation" for m in c["messages"]),
+}
+
+
 @pytest.fixture(scope="session")
 def fixture_dir() -> Path:
     if not (FIXTURE / "config.json").exists():

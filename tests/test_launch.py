@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import free_ports, repo_processes
+from conftest import free_ports, kill_repo_processes, repo_processes
 
 pytestmark = pytest.mark.slow
 
@@ -186,13 +186,7 @@ class Env:
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
-        leftovers = repo_processes(self.repo)
-        for proc in leftovers:
-            try:
-                proc.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(leftovers, timeout=10)
+        kill_repo_processes(self.repo)
         for state in self.state_dir.glob("*/state.json"):
             for region in shm_regions(json.loads(state.read_text()).get("shm_base", "?")):
                 Path("/dev/shm", region).unlink(missing_ok=True)

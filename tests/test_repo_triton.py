@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import CONVERSATION_KINDS
 from test_repo_support import STAND_IN_ENGINE, make_engine, template_copy, upstream_copy
 
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
@@ -25,15 +26,7 @@ from trtglm.repo import patch_repo
 pytestmark = pytest.mark.slow
 
 LAYOUTS = ("trtglm", "v0.7.1", "v0.19.0")
-KINDS = {  # the fixture conversations served: the first of each kind
-    "english": lambda c: c["answer"].isascii() and len(c["messages"]) == 1,
-    "multi-line answer": lambda c: "\n" in c["answer"],
-    "rare Chinese (byte pieces)": lambda c: any(ch in c["answer"] for ch in "淼犇鑫焱垚"),
-    "Chinese": lambda c: "的" in c["answer"],
-    "history": lambda c: len(c["messages"]) > 2 and c["messages"][0]["role"] == "user",
-    "system message": lambda c: c["messages"][0]["role"] == "system" and len(c["messages"]) == 2,
-    "tool call and observation": lambda c: any(m["role"] == "observation" for m in c["messages"]),
-}
+KINDS = CONVERSATION_KINDS  # the fixture conversations served: the first of each kind
 
 
 def tritonserver() -> Path:

@@ -20,10 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 
-from conftest import REPO, free_ports, repo_processes
+from conftest import CONVERSATION_KINDS, REPO, free_ports, kill_repo_processes, repo_processes
 from test_distributed import build_tiny_engine
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
@@ -34,14 +33,8 @@ from trtglm.serve.triton_model import Reply, engine_request, word_sequences
 
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 WORLD_SIZES = (1, 2, 4)
-KINDS = {  # the conversations that are also streamed: the first of each kind
-    "english": lambda c: c["answer"].isascii() and len(c["messages"]) == 1,
-    "multi-line answer": lambda c: "\n" in c["answer"],
-    "rare Chinese (byte pieces)": lambda c: any(ch in c["answer"] for ch in "淼犇鑫焱垚"),
-    "Chinese": lambda c: "的" in c["answer"],
-    "history": lambda c: len(c["messages"]) > 2 and c["messages"][0]["role"] == "user",
-    "system message": lambda c: c["messages"][0]["role"] == "system" and len(c["messages"]) == 2,
-}
+KINDS = {kind: match for kind, match in CONVERSATION_KINDS.items()  # also streamed: the first of each kind
+         if kind != "tool call and observation"}
 
 
 # --- the tensor contract (no server) --------------------------------------------------------------------
@@ -158,13 +151,7 @@ class Server:
         assert not list(Path("/dev/shm").glob(f"{self.state['shm_base']}*"))
 
     def kill_leftovers(self) -> None:
-        leftovers = repo_processes(self.repo)
-        for proc in leftovers:
-            try:
-                proc.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(leftovers, timeout=10)
+        kill_repo_processes(self.repo)
 
     # --- HTTP ------------------------------------------------------------------------------------------
 

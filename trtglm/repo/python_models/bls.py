@@ -120,9 +120,7 @@ class TritonPythonModel:
         config = triton_io.model_config(args)
         params, name = triton_io.parameters(config), config.get("name", "tensorrt_llm_bls")
         self.tokenizer = ChatGLMTokenizer(triton_io.parameter(params, "tokenizer_dir", name))
-        self.limits = Limits(max_input_len=triton_io.int_parameter(params, "max_input_len", name),
-                             max_seq_len=triton_io.int_parameter(params, "max_seq_len", name),
-                             vocab_size=triton_io.int_parameter(params, "vocab_size", name))
+        self.limits = Limits.from_parameters(params, name)
         self.engine = triton_io.parameter(params, "tensorrt_llm_model_name", name)
         self.accumulate = triton_io.bool_parameter(params, "accumulate_tokens", name)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)

@@ -52,6 +52,12 @@ class Limits:
     max_seq_len: int
     vocab_size: int  # the engine's vocabulary (embedding bias length)
 
+    @classmethod
+    def from_parameters(cls, params: dict, model: str) -> "Limits":
+        """The limits patch-repo wrote into a model's config.pbtxt parameters."""
+        return cls(**{field: triton_io.int_parameter(params, field, model)
+                      for field in ("max_input_len", "max_seq_len", "vocab_size")})
+
 
 @dataclass(frozen=True)
 class Prepared:
@@ -184,9 +190,7 @@ class TritonPythonModel:
         config = triton_io.model_config(args)
         params, name = triton_io.parameters(config), config.get("name", "preprocessing")
         self.tokenizer = ChatGLMTokenizer(triton_io.parameter(params, "tokenizer_dir", name))
-        self.limits = Limits(max_input_len=triton_io.int_parameter(params, "max_input_len", name),
-                             max_seq_len=triton_io.int_parameter(params, "max_seq_len", name),
-                             vocab_size=triton_io.int_parameter(params, "vocab_size", name))
+        self.limits = Limits.from_parameters(params, name)
         self.dtypes = triton_io.output_dtypes(config)
 
     def execute(self, requests: list) -> list:
