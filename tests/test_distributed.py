@@ -48,7 +48,8 @@ if rank == 0:
                for i, p in enumerate(prompts)]
     for handle in handles:
         handle.done.wait()
-    report.update(tokens=tokens, max_decode_batch=engine.executor.stats().max_decode_batch)
+    stats = engine.executor.stats()
+    report.update(tokens=tokens, max_decode_batch=stats.max_decode_batch, prefill_chunks=stats.prefill_chunks)
 else:
     engine.follower.join(60)
     report["follower_alive"] = engine.follower.is_alive()
@@ -123,6 +124,20 @@ def test_ranks_in_processes_give_the_tokens_of_the_unsplit_model(tmp_path, engin
 
 
 @pytest.mark.slow
+def test_ranks_in_processes_prefill_prompts_in_chunks(tmp_path, prompts, expected):
+    """A prefill budget of 16 tokens a step (the engine's max_num_tokens): every rank continues the same slots
+    from the same starts, and the tokens are still those of the unsplit model."""
+    needs_mpirun()
+    engine = build_tiny_engine(tmp_path / "engine", 2, **{"build.max_num_tokens": 16,
+                                                          "build.use_paged_context_fmha": True})
+    reports = run_ranks(tmp_path, engine, 2, prompts, str(MAX_NEW))
+    assert reports[-1]["returncode"] == 0, reports[-1]["stderr"]
+    assert reports[0]["tokens"] == expected
+    assert max(map(len, prompts)) > 16 and reports[0]["prefill_chunks"] > len(prompts)
+    assert reports[0]["max_decode_batch"] == 8
+
+
+@pytest.mark.slow
 def test_followers_stop_when_rank_0_dies(tmp_path, engines, prompts):
     needs_mpirun()
     reports = run_ranks(tmp_path, engines[2], 2, prompts, "die")
@@ -153,10 +168,15 @@ def test_ranks_meet_through_master_env_or_a_file_named_by_the_launch():
         rendezvous({})
 
 
-def test_prefill_steps_carry_each_prompt():
+def test_prefill_steps_carry_each_prompt_and_where_it_starts():
     step = Step.prefill([2, 0], [[5, 6, 7], [9]])
-    assert (step.op, step.slots, step.data) == (PREFILL, [2, 0], [3, 1, 5, 6, 7, 9])
-    assert Step(step.op, step.slots, step.data).prompts() == [[5, 6, 7], [9]]
+    assert (step.op, step.slots, step.data) == (PREFILL, [2, 0], [0, 0, 3, 1, 5, 6, 7, 9])
+    chunked = Step.prefill([2, 0], [[5, 6, 7], [9]], starts=[4, 0])
+    assert chunked.data == [4, 0, 3, 1, 5, 6, 7, 9]
+    received = Step(chunked.op, chunked.slots, chunked.data)
+    assert received.prompts() == [[5, 6, 7], [9]] and received.starts() == [4, 0]
+    with pytest.raises(UsageError, match="2 prompts but 1 starts"):
+        Step.prefill([2, 0], [[5, 6, 7], [9]], starts=[4])
 
 
 class Script:
@@ -169,8 +189,8 @@ class Script:
     def receive(self) -> Step:
         return self.steps.pop(0) if self.steps else Step(STOP, [], [])
 
-    def prefill(self, slots, prompts):
-        self.calls.append(("prefill", list(slots), [list(p) for p in prompts]))
+    def prefill(self, slots, prompts, starts=None):
+        self.calls.append(("prefill", list(slots), [list(p) for p in prompts], list(starts)))
 
     def decode(self, slots, tokens):
         if tokens == [99]:
@@ -186,7 +206,7 @@ def test_a_follower_makes_rank_0s_calls_and_goes_on_after_one_that_fails():
                      Step(RELEASE, [1], []), Step(DECODE, [0], [3])])
     script.steps.insert(4, Step(STOP, [], []))  # rank 0 stops: what follows is never made
     follow(script, script)
-    assert script.calls == [("prefill", [1], [[4, 5]]), ("decode", [1], [6]), ("release", 1)]
+    assert script.calls == [("prefill", [1], [[4, 5]], [0]), ("decode", [1], [6]), ("release", 1)]
 
 
 def test_a_rank_process_holds_only_its_own_shard(engines):

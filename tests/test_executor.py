@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+from itertools import pairwise
 
 import pytest
 import torch
@@ -34,9 +35,14 @@ def model(request, tmp_path_factory, fixture_dir):
 
 
 @pytest.fixture(scope="module")
-def prompts(fixture_dir, tok) -> list[list[int]]:
+def all_prompts(fixture_dir, tok) -> list[list[int]]:
     conversations = [json.loads(line) for line in (fixture_dir / "conversations.jsonl").read_text().splitlines()]
-    return [tok.build_chat_input(c["messages"]) for c in conversations[::5]]  # 11 prompts of 7 to 70+ tokens
+    return [tok.build_chat_input(c["messages"]) for c in conversations]  # 53 prompts of 7 to 225 tokens
+
+
+@pytest.fixture(scope="module")
+def prompts(all_prompts) -> list[list[int]]:
+    return all_prompts[::5]  # 11 prompts of 7 to 70+ tokens
 
 
 def stops(tok: ChatGLMTokenizer) -> list[list[int]]:
@@ -256,6 +262,142 @@ def test_requests_the_model_cannot_serve_are_refused(model, tok, prompts):
     assert not executor.has_work()
 
 
+# --- chunked prefill ---------------------------------------------------------------------------------------------
+
+def test_a_prompt_prefilled_in_chunks_gives_the_logits_of_one_prefill(model, prompts):
+    slots = ShardedSlotModel(model, max_batch=3, max_seq_len=MAX_SEQ)
+    prompt = max(prompts, key=len)
+    whole = slots.prefill([0], [prompt])[0]
+    next_token = int(whole.argmax())
+    after_whole = slots.decode([0], [next_token])[0]
+    teacher = full_logits(model, prompt)
+    for cuts in ([1], [5], [1, 2, 3], [7, 8, 20], [len(prompt) - 1]):
+        bounds = [0, *cuts, len(prompt)]
+        for start, end in pairwise(bounds):
+            logits = slots.prefill([1], [prompt[start:end]], starts=[start])[0]
+            torch.testing.assert_close(logits, teacher[end - 1], rtol=0, atol=1e-5)
+        torch.testing.assert_close(logits, whole, rtol=0, atol=1e-5)
+        torch.testing.assert_close(slots.decode([1], [next_token])[0], after_whole, rtol=0, atol=1e-5)
+    # chunks of two prompts and a fresh prompt in one call
+    other = prompts[5]
+    slots.prefill([1, 2], [prompt[:6], other[:4]])
+    logits = slots.prefill([2, 0, 1], [other[4:], prompts[4], prompt[6:]], starts=[4, 0, 6])
+    torch.testing.assert_close(logits[0], full_logits(model, other)[-1], rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits[1], full_logits(model, prompts[4])[-1], rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits[2], whole, rtol=0, atol=1e-5)
+
+
+def test_a_chunk_must_continue_where_its_slot_ends(model, prompts):
+    slots = ShardedSlotModel(model, max_batch=2, max_seq_len=MAX_SEQ)
+    slots.prefill([0], [prompts[0][:5]])
+    for starts, message in (([3], "slot 0 holds 5 positions: a prefill continuing it starts at 5, not 3"),
+                            ([6], "starts at 5, not 6"), ([-1], "negative"), ([5, 0], "1 prompts but 2 starts")):
+        with pytest.raises(UsageError, match=message):
+            slots.prefill([0], [prompts[0][5:]], starts=starts)
+    with pytest.raises(UsageError, match="slot 1 holds 0 positions"):
+        slots.prefill([1], [prompts[0][5:]], starts=[5])
+    with pytest.raises(UsageError, match=f"needs 1 to {MAX_SEQ - 5} tokens"):
+        slots.prefill([0], [[1] * (MAX_SEQ - 4)], starts=[5])
+    assert slots.cache.lengths[:2] == [5, 0]  # a refused call changes nothing
+    slots.prefill([0], [prompts[0][5:]], starts=[5])
+    slots.release(0)
+    with pytest.raises(UsageError, match="slot 0 holds 0 positions"):
+        slots.prefill([0], [[1]], starts=[len(prompts[0])])
+
+
+class Recording:
+    """A SlotModel that records its calls: ("prefill", slots, starts, lengths), ("decode", slots), ("release", slot)."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+        self.vocab_size, self.max_batch, self.max_seq_len = inner.vocab_size, inner.max_batch, inner.max_seq_len
+
+    def prefill(self, slots, prompts, starts=None):
+        self.calls.append(("prefill", list(slots), list(starts), [len(p) for p in prompts]))
+        return self.inner.prefill(slots, prompts, starts)
+
+    def decode(self, slots, tokens):
+        self.calls.append(("decode", list(slots)))
+        return self.inner.decode(slots, tokens)
+
+    def release(self, slot):
+        self.calls.append(("release", slot))
+        self.inner.release(slot)
+
+
+def answers(executor: Executor, prompts: list[list[int]], tok) -> list[list[int]]:
+    results = [Collected() for _ in prompts]
+    for prompt, result in zip(prompts, results):
+        executor.submit(Request(prompt, 40, end_id=tok.eos_id, stop_words=stops(tok)), result)
+    run(executor, limit=5000)
+    assert all(r.done for r in results)
+    return [r.tokens for r in results]
+
+
+def test_chunked_prefill_gives_every_conversation_its_unchunked_answer(model, tok, all_prompts):
+    def executor(max_prefill_tokens: int | None) -> Executor:
+        return Executor(Recording(ShardedSlotModel(model, max_batch=4, max_seq_len=320)), max_queue=len(all_prompts),
+                        max_prefill_tokens=max_prefill_tokens)
+
+    whole, chunked = executor(None), executor(5)
+    assert answers(chunked, all_prompts, tok) == answers(whole, all_prompts, tok)
+    prefills = [call for call in chunked.model.calls if call[0] == "prefill"]
+    assert all(sum(lengths) <= 5 for _, _, _, lengths in prefills)
+    assert sum(sum(lengths) for _, _, _, lengths in prefills) == sum(map(len, all_prompts))
+    assert any(len(slots) > 1 for _, slots, _, _ in prefills)  # a prompt's last chunk and the next one's first
+    stats = chunked.stats()
+    assert stats.prefill_chunks == sum(len(slots) for _, slots, _, _ in prefills) > len(all_prompts)
+    assert stats.max_decode_batch == 4
+    assert whole.stats().prefill_chunks == len(all_prompts)
+
+
+def test_a_long_prompt_is_prefilled_between_decode_steps_of_the_running_requests(model, tok, all_prompts):
+    recording = Recording(ShardedSlotModel(model, max_batch=2, max_seq_len=320))
+    executor = Executor(recording, max_prefill_tokens=16)
+    short, long = Collected(), Collected()
+    long_prompt = max(all_prompts, key=len)
+    executor.submit(Request(all_prompts[0], 60), short)
+    run(executor, until=lambda: bool(short.tokens))
+    recording.calls.clear()
+    executor.submit(Request(long_prompt, 5), long)
+    steps = 0
+    while not long.tokens:
+        executor.step()
+        steps += 1
+    chunks = -(-len(long_prompt) // 16)
+    assert steps == chunks and len(short.tokens) == 1 + chunks  # the running request got a token every step
+    long_slot = 1
+    trace = [(call[0], call[1]) for call in recording.calls]
+    assert trace == [("prefill", [long_slot]), ("decode", [0])] * chunks
+    starts = [call[2][0] for call in recording.calls if call[0] == "prefill"]
+    assert starts == list(range(0, len(long_prompt), 16))
+    run(executor)
+    assert long.tokens == alone(model, tok, long_prompt, 5)
+
+
+def test_cancelling_a_request_mid_prefill_frees_its_slot(model, tok, prompts):
+    recording = Recording(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ))
+    executor = Executor(recording, max_prefill_tokens=5)
+    long, waiting = Collected(), Collected()
+    handle = executor.submit(Request(prompts[2], 10), long)
+    executor.submit(Request(prompts[1], 40, end_id=tok.eos_id, stop_words=stops(tok)), waiting)
+    executor.step()
+    executor.step()
+    assert not long.outputs and executor.stats().active == 1 and executor.stats().queued == 1
+    handle.cancel()
+    executor.step()
+    assert long.outputs == [Output([], finished=True, reason="cancelled")]
+    assert recording.calls[2:4] == [("release", 0), ("prefill", [0], [0], [5])]  # the waiting one starts at once
+    run(executor)
+    assert waiting.tokens == alone(model, tok, prompts[1])
+    assert executor.stats().cancelled == 1
+
+
+def test_the_prefill_budget_must_be_positive(model):
+    with pytest.raises(UsageError, match="max_prefill_tokens must be >= 1, not 0"):
+        Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ), max_prefill_tokens=0)
+
+
 class Failing:
     """A SlotModel whose decode fails once."""
 
@@ -263,8 +405,8 @@ class Failing:
         self.inner, self.failed = inner, False
         self.vocab_size, self.max_batch, self.max_seq_len = inner.vocab_size, inner.max_batch, inner.max_seq_len
 
-    def prefill(self, slots, prompts):
-        return self.inner.prefill(slots, prompts)
+    def prefill(self, slots, prompts, starts=None):
+        return self.inner.prefill(slots, prompts, starts)
 
     def decode(self, slots, tokens):
         if not self.failed:

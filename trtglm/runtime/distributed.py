@@ -9,8 +9,8 @@ process groups:
   all-gather of the lm_head chunks in every forward (`Collectives`, the `Group` that
   `ShardedModel` combines its partial results with);
 - control (gloo, CPU tensors): rank 0, which takes the requests, broadcasts each call it makes
-  on its `SlotModel` (prefill: slots and prompts; decode: slots and tokens; release: a slot;
-  stop) before making it (`LeaderSlotModel`); the other ranks make the same calls
+  on its `SlotModel` (prefill: slots, starts and prompts; decode: slots and tokens; release: a
+  slot; stop) before making it (`LeaderSlotModel`); the other ranks make the same calls
   (`follow`), so every collective meets its partners. Followers wait for the next message
   without a deadline (an idle server is fine) and stop when rank 0 says so or goes away
   (gloo reports the closed connection at once).
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from trtglm.errors import UsageError
-from trtglm.runtime.slots import SlotModel
+from trtglm.runtime.slots import SlotModel, prefill_starts
 
 log = logging.getLogger(__name__)
 
@@ -153,18 +153,24 @@ PREFILL, DECODE, RELEASE, STOP = 1, 2, 3, 4
 
 @dataclass(frozen=True)
 class Step:
-    """One SlotModel call: `op`, its slots, and `data` (decode: tokens; prefill: lengths then all ids)."""
+    """One SlotModel call: `op`, its slots, and `data` (decode: tokens; prefill: starts, lengths, then all ids)."""
 
     op: int
     slots: list[int]
     data: list[int]
 
     @classmethod
-    def prefill(cls, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> Step:
-        return cls(PREFILL, list(slots), [len(p) for p in prompts] + [int(t) for p in prompts for t in p])
+    def prefill(cls, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+                starts: Sequence[int] | None = None) -> Step:
+        starts = prefill_starts(starts, len(prompts))
+        return cls(PREFILL, list(slots), starts + [len(p) for p in prompts] + [int(t) for p in prompts for t in p])
+
+    def starts(self) -> list[int]:
+        return self.data[:len(self.slots)]
 
     def prompts(self) -> list[list[int]]:
-        lengths, ids = self.data[:len(self.slots)], self.data[len(self.slots):]
+        n = len(self.slots)
+        lengths, ids = self.data[n:2 * n], self.data[2 * n:]
         out, start = [], 0
         for length in lengths:
             out.append(ids[start:start + length])
@@ -201,9 +207,11 @@ class LeaderSlotModel:
         self.inner, self.channel = inner, channel
         self.vocab_size, self.max_batch, self.max_seq_len = inner.vocab_size, inner.max_batch, inner.max_seq_len
 
-    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        self.channel.send(Step.prefill(slots, prompts))
-        return self.inner.prefill(slots, prompts)
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+                starts: Sequence[int] | None = None) -> torch.Tensor:
+        step = Step.prefill(slots, prompts, starts)
+        self.channel.send(step)
+        return self.inner.prefill(slots, prompts, step.starts())
 
     def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         self.channel.send(Step(DECODE, list(slots), [int(t) for t in tokens]))
@@ -245,7 +253,7 @@ STEP_NAMES = {PREFILL: "prefill", DECODE: "decode", RELEASE: "release", STOP: "s
 
 def _make(model: SlotModel, step: Step) -> None:
     if step.op == PREFILL:
-        model.prefill(step.slots, step.prompts())
+        model.prefill(step.slots, step.prompts(), step.starts())
     elif step.op == DECODE:
         model.decode(step.slots, step.data)
     elif step.op == RELEASE:

@@ -4,11 +4,18 @@ batch at every step.
 Requests wait in a bounded queue (a full queue refuses new ones with `QueueFullError`). Each
 step of the executor:
 
-1. drops cancelled requests, queued or running (their slots are released at once);
-2. admits queued requests into free slots, as many as there are free slots and as the
-   prompt-token budget of one step allows (at least one), and prefills them together, which
-   gives each its first token;
-3. decodes every request that was already running, one token each, in one batch.
+1. drops cancelled requests, queued, prefilling or running (their slots are released at once);
+2. prefills, in one call, at most `max_prefill_tokens` prompt tokens: first the next chunks of
+   the prompts already being prefilled (oldest request first), then the prompts of queued
+   requests admitted into free slots while the budget lasts. A prompt longer than what is left
+   of the budget is prefilled in chunks over several steps, holding its slot meanwhile; the
+   request gets its first token from its last chunk;
+3. decodes every request whose prompt was complete before this step, one token each, in one
+   batch.
+
+So a long prompt never stalls the running requests for more than one budget's worth of
+prefill per step, and chunked prefill gives the tokens an unchunked one gives (each chunk
+continues its slot's cache).
 
 Each new token goes to its request's callback as an `Output` (the new tokens, their log
 probabilities, whether it is finished and why). A request finishes at `end_id` (which is not
@@ -91,6 +98,7 @@ class ExecutorStats:
     active: int = 0
     steps: int = 0
     prefill_calls: int = 0
+    prefill_chunks: int = 0  # prompt pieces prefilled (a prompt prefilled in one step counts one)
     decode_calls: int = 0
     generated_tokens: int = 0
     max_decode_batch: int = 0  # the largest number of requests decoded together
@@ -118,12 +126,17 @@ class _Sequence:
                  is_cancelled: Callable[[], bool] | None, device: torch.device):
         self.handle, self.request, self.on_output, self.is_cancelled = handle, request, on_output, is_cancelled
         self.history = [int(t) for t in request.prompt]  # prompt + generated, for word matching
+        self.prefilled = 0  # prompt tokens in the slot's cache so far
         self.generated = 0
         self.slot: int | None = None
         self.sampler = Sampler(request.temperature, request.top_k, request.top_p, request.seed, device)
         self.stops_by_last = _by_last_token(request.stop_words)
         self.banned_always = sorted({w[-1] for w in request.bad_words if len(w) == 1})
         self.bad_prefixes = [(list(w[:-1]), w[-1]) for w in request.bad_words if len(w) > 1]
+
+    @property
+    def unprefilled(self) -> int:
+        return len(self.request.prompt) - self.prefilled
 
     def wants_cancel(self, ask: bool) -> bool:
         if self.handle.cancelled:
@@ -167,9 +180,11 @@ class Executor:
                  device: torch.device | str = "cpu"):
         if max_queue < 0:
             raise UsageError(f"max_queue must be >= 0, not {max_queue}")
+        if max_prefill_tokens is not None and max_prefill_tokens < 1:
+            raise UsageError(f"max_prefill_tokens must be >= 1, not {max_prefill_tokens}")
         self.model = model
         self.max_queue = max_queue
-        self.max_prefill_tokens = max_prefill_tokens or model.max_seq_len
+        self.max_prefill_tokens = max_prefill_tokens or model.max_seq_len  # whole prompts: no chunks
         self.device = torch.device(device)
         self._lock = threading.Condition()
         self._queue: deque[_Sequence] = deque()
@@ -261,13 +276,13 @@ class Executor:
         self._abort("the server is shutting down")
 
     def step(self) -> None:
-        """One step: drop cancelled requests, admit and prefill new ones, decode the running ones."""
+        """One step: drop cancelled requests, prefill the next prompt chunks, decode the running requests."""
         try:
             self._drop_cancelled()
-            running = list(self._active.values())
-            admitted = self._admit()
-            if admitted:
-                self._prefill(admitted)
+            running = [s for s in self._active.values() if not s.unprefilled]
+            chunks = self._plan_prefill()
+            if chunks:
+                self._prefill(chunks)
             decoding = [s for s in running if self._active.get(s.slot) is s]
             if decoding:
                 self._decode(decoding)
@@ -290,26 +305,50 @@ class Executor:
         for sequence in cancelled:
             self._finish(sequence, Output([], finished=True, reason="cancelled"))
 
-    def _admit(self) -> list[_Sequence]:
+    def _plan_prefill(self) -> list[tuple[_Sequence, int]]:
+        """(sequence, chunk length) to prefill this step, within the budget: prompts under way first
+        (oldest first), then new requests admitted while budget is left."""
+        budget = self.max_prefill_tokens
+        under_way = sorted((s for s in self._active.values() if s.unprefilled), key=lambda s: s.handle.id)
+        chunks = []
+        for sequence in under_way + self._admit(budget - sum(s.unprefilled for s in under_way)):
+            length = min(sequence.unprefilled, budget)
+            if not length:
+                break
+            chunks.append((sequence, length))
+            budget -= length
+        return chunks
+
+    def _admit(self, budget: int) -> list[_Sequence]:
+        """Queued requests into free slots while `budget` prompt tokens are left (the last admitted may start
+        with a chunk of its prompt)."""
         free = [slot for slot in range(self.model.max_batch) if slot not in self._active]
-        admitted, budget = [], self.max_prefill_tokens
+        admitted = []
         with self._lock:
-            while self._queue and free:
-                length = len(self._queue[0].request.prompt)
-                if admitted and length > budget:
-                    break
+            while self._queue and free and budget > 0:
                 sequence = self._queue.popleft()
                 sequence.slot = free.pop(0)
                 self._active[sequence.slot] = sequence
                 admitted.append(sequence)
-                budget -= length
+                budget -= len(sequence.request.prompt)
         return admitted
 
-    def _prefill(self, sequences: list[_Sequence]) -> None:
-        logits = self.model.prefill([s.slot for s in sequences], [list(s.request.prompt) for s in sequences])
+    def _prefill(self, chunks: list[tuple[_Sequence, int]]) -> None:
+        sequences = [s for s, _ in chunks]
+        starts = [s.prefilled for s in sequences]
+        pieces = [s.history[start:start + length] for (s, length), start in zip(chunks, starts)]  # history: the prompt
+        logits = self.model.prefill([s.slot for s in sequences], pieces, starts)
         self._stats.prefill_calls += 1
-        for sequence, choice in zip(sequences, self._choose_all(sequences, logits), strict=True):
-            self._advance(sequence, *choice)
+        self._stats.prefill_chunks += len(chunks)
+        for sequence, length in chunks:
+            sequence.prefilled += length
+        complete = [i for i, s in enumerate(sequences) if not s.unprefilled]
+        if complete:
+            ready = [sequences[i] for i in complete]
+            rows = logits if len(ready) == len(sequences) else \
+                logits.index_select(0, torch.tensor(complete, device=logits.device))
+            for sequence, choice in zip(ready, self._choose_all(ready, rows), strict=True):
+                self._advance(sequence, *choice)
 
     def _decode(self, sequences: list[_Sequence]) -> None:
         logits = self.model.decode([s.slot for s in sequences], [s.history[-1] for s in sequences])

@@ -4,7 +4,8 @@ Works for any tensor-parallel size, with every rank in this process (`LocalGroup
 rank per process (a torch.distributed group), on CPU or GPU. Each slot holds one sequence
 left-aligned from position 0, so a slot's length is also the position of its next token.
 
-A prefill runs each prompt on its own, straight into its slot (no padding computed). A decode
+A prefill runs each prompt on its own, straight into its slot (no padding computed); a chunk
+that continues a slot appends after its cached positions and attends to them. A decode
 step runs the given slots together: each writes its new key/value at its own length, and
 attends to its own first `length + 1` positions only (the mask hides the rest of the cache,
 where shorter sequences or a slot's previous occupant left stale entries).
@@ -18,6 +19,7 @@ import torch
 
 from trtglm.errors import UsageError
 from trtglm.runtime.model import ShardedModel
+from trtglm.runtime.slots import check_start, prefill_starts
 
 
 class SlotCache:
@@ -41,25 +43,26 @@ class SlotCache:
 
 
 class _Prefill:
-    """One slot's cache as `ShardedModel.forward` sees it while the slot's prompt runs (views: writes land)."""
+    """One slot's cache as `ShardedModel.forward` sees it while a prompt (or a chunk of one, after the
+    `start` positions already cached) runs into the slot (views: writes land)."""
 
-    def __init__(self, cache: SlotCache, slot: int):
+    def __init__(self, cache: SlotCache, slot: int, start: int = 0):
         self.cache, self.slot = cache, slot
-        self.length = 0
+        self.length = start
         self.valid = cache.valid[slot:slot + 1]
 
     def mark_valid(self, steps: int) -> None:
-        self.valid[:, :steps] = True
+        self.valid[:, self.length:self.length + steps] = True
 
     def append(self, rank: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        steps, s = k.shape[2], self.slot
+        start, end, s = self.length, self.length + k.shape[2], self.slot
         keys, values = self.cache.keys[rank][layer], self.cache.values[rank][layer]
-        keys[s:s + 1, :, :steps] = k
-        values[s:s + 1, :, :steps] = v
-        return keys[s:s + 1, :, :steps], values[s:s + 1, :, :steps]
+        keys[s:s + 1, :, start:end] = k
+        values[s:s + 1, :, start:end] = v
+        return keys[s:s + 1, :, :end], values[s:s + 1, :, :end]
 
     def advance(self, steps: int) -> None:
-        self.cache.lengths[self.slot] = steps
+        self.cache.lengths[self.slot] = self.length + steps
 
 
 class _Decode:
@@ -108,15 +111,19 @@ class ShardedSlotModel:
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.cache = SlotCache(model, max_batch, max_seq_len)
 
-    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+                starts: Sequence[int] | None = None) -> torch.Tensor:
+        starts = prefill_starts(starts, len(prompts))
+        if len(slots) != len(prompts):
+            raise UsageError(f"{len(slots)} slots but {len(prompts)} prompts")
+        for slot, prompt, start in zip(slots, prompts, starts):
+            self._check_prefill(slot, len(prompt), start)
         rows = []
-        for slot, prompt in zip(slots, prompts, strict=True):
-            self._check_slot(slot)
-            if not 0 < len(prompt) <= self.max_seq_len:
-                raise UsageError(f"a prompt needs 1 to {self.max_seq_len} tokens, not {len(prompt)}")
-            self.cache.reset(slot)
+        for slot, prompt, start in zip(slots, prompts, starts):
+            if start == 0:
+                self.cache.reset(slot)
             ids = torch.tensor([list(prompt)], dtype=torch.long, device=self.model.device)
-            rows.append(self.model.forward(ids, _Prefill(self.cache, slot), last_only=True)[:, -1])
+            rows.append(self.model.forward(ids, _Prefill(self.cache, slot, start), last_only=True)[:, -1])
         return torch.cat(rows) if rows else torch.empty(0, self.vocab_size)
 
     def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
@@ -134,6 +141,14 @@ class ShardedSlotModel:
     def release(self, slot: int) -> None:
         self._check_slot(slot)
         self.cache.reset(slot)
+
+    def _check_prefill(self, slot: int, length: int, start: int) -> None:
+        self._check_slot(slot)
+        check_start(slot, start, self.cache.lengths[slot])
+        if not 0 < length <= self.max_seq_len - start:
+            raise UsageError(f"a prompt needs 1 to {self.max_seq_len} tokens, not {length}" if not start else
+                             f"a chunk after {start} cached positions needs 1 to {self.max_seq_len - start} tokens, "
+                             f"not {length}")
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_batch:

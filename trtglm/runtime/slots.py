@@ -5,6 +5,10 @@ positions long. The executor admits a request by prefilling a free slot with its
 then advances every active slot by one token per decode step; a finished or cancelled
 request releases its slot. Requests join and leave the running batch at any step.
 
+A prompt may be prefilled in chunks over several calls: a chunk that starts at position
+`start > 0` continues its slot, attending to the `start` positions already cached, so the
+slot ends up as one prefill of the whole prompt would leave it, with the same logits.
+
 Two implementations serve this interface: the portable one over `ShardedModel` (CPU or
 GPU, any tensor-parallel size, one process per rank when served) and the fast single-GPU
 one (static cache, CUDA graphs). The executor knows nothing else about the model.
@@ -16,17 +20,45 @@ from typing import Protocol, Sequence
 
 import torch
 
+from trtglm.errors import UsageError
+
 
 class SlotModel(Protocol):
     vocab_size: int  # width of the logits rows returned below
     max_batch: int  # number of slots
     max_seq_len: int  # positions per slot (prompt + generated tokens)
 
-    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Reset each slot and run its prompt; float32 logits of each prompt's last position, [len(slots), vocab]."""
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+                starts: Sequence[int] | None = None) -> torch.Tensor:
+        """Run each prompt, or chunk of one, into its slot; float32 logits of each one's last position,
+        [len(slots), vocab].
+
+        Prompt i holds positions `starts[i] … starts[i] + len(prompts[i]) - 1` of slot i (`starts`
+        None: all 0). Start 0 resets the slot first; a start > 0 continues a slot that holds exactly
+        `start` positions (UsageError otherwise).
+        """
 
     def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         """Append one token to each slot at its next position; float32 logits, [len(slots), vocab]."""
 
     def release(self, slot: int) -> None:
         """Forget the slot's sequence; the slot may be prefilled again."""
+
+
+def prefill_starts(starts: Sequence[int] | None, count: int) -> list[int]:
+    """`starts` of a prefill of `count` prompts as a list (None: every prompt starts its slot afresh)."""
+    if starts is None:
+        return [0] * count
+    starts = [int(s) for s in starts]
+    if len(starts) != count:
+        raise UsageError(f"{count} prompts but {len(starts)} starts")
+    if any(s < 0 for s in starts):
+        raise UsageError(f"a prefill cannot start at a negative position ({min(starts)})")
+    return starts
+
+
+def check_start(slot: int, start: int, cached: int) -> None:
+    """UsageError unless a chunk starting at `start` may continue a slot that holds `cached` positions."""
+    if start and start != cached:
+        raise UsageError(f"slot {slot} holds {cached} positions: a prefill continuing it starts at {cached}, "
+                         f"not {start}")

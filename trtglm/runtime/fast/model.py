@@ -11,7 +11,10 @@
   is applied by the `proj` matmul as it reads its input (linear.py).
 - Prefill runs eagerly: prompts of similar length are right-padded into one batch (the
   padding's cache entries lie past each prompt's end, where the prompt's own next tokens
-  overwrite them before anything reads them) and attend with PyTorch's SDPA.
+  overwrite them before anything reads them) and attend with PyTorch's SDPA (flash attention
+  on the GPU, never cuDNN's, which builds a plan of about 40 ms for every new shape: every
+  prompt length). Chunks that continue their slots from one start position share a batch
+  too and attend to the cached positions before them through a lower-right causal bias.
 - Weight-only int8 / int4 (linear.py) for the qkv, dense, fc and proj weights; Triton matmuls.
 
 The computation is `ShardedModel`'s at tp 1 (model.py): same RMSNorm, rotary, SwiGLU and
@@ -27,6 +30,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 from tqdm import tqdm
 
 from trtglm.errors import UsageError
@@ -34,11 +39,13 @@ from trtglm.runtime.checkpoint import DTYPES, CheckpointConfig, load_checkpoint
 from trtglm.runtime.fast.linear import Linear
 from trtglm.runtime.fast.ops import TritonOps, select_ops
 from trtglm.runtime.model import rotary_tables
+from trtglm.runtime.slots import check_start, prefill_starts
 
 log = logging.getLogger(__name__)
 
 WEIGHT_ONLY = {None: None, "none": None, "int8": "W8A16", "int4": "W4A16", "W8A16": "W8A16", "W4A16": "W4A16"}
 PREFILL_TOKENS = 8192  # tokens (padding included) per prefill forward pass
+PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # not cuDNN
 
 
 @dataclass
@@ -166,9 +173,10 @@ class FastModel:
         self._seq_len[self.scratch:].zero_()
         return self._logits(x, delta)
 
-    def _prefill_group(self, slots: list[int], prompts: list[Sequence[int]], all_positions: bool = False
-                       ) -> torch.Tensor:
-        """Prompts (longest first) right-padded into one batch; logits of each last position (or of all)."""
+    def _prefill_group(self, slots: list[int], prompts: list[Sequence[int]], start: int = 0,
+                       all_positions: bool = False) -> torch.Tensor:
+        """Prompts (longest first) right-padded into one batch, each at positions start… of its slot; logits of
+        each last position (or of all)."""
         n, width = len(prompts), len(prompts[0])
         dev = self.device
         tokens = torch.zeros(n, width, dtype=torch.long)
@@ -176,13 +184,17 @@ class FastModel:
             tokens[row, : len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
         slot_ids = torch.tensor(slots, device=dev)
         token_slots = slot_ids.repeat_interleave(width)
-        token_positions = torch.arange(width, device=dev, dtype=torch.int32).repeat(n)
+        token_positions = torch.arange(start, start + width, device=dev, dtype=torch.int32).repeat(n)
+        # Queries sit at the end of the `start + width` keys each row attends to: SDPA's is_causal aligns them
+        # to the top left, so a chunk after cached positions needs the lower-right bias.
+        causal = {"is_causal": True} if start == 0 else {"attn_mask": causal_lower_right(width, start + width)}
 
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
             q = q.view(n, width, *q.shape[1:]).transpose(1, 2)
-            keys = self.k_cache[i][slot_ids, :, :width]
-            values = self.v_cache[i][slot_ids, :, :width]
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
+            keys = self.k_cache[i][slot_ids, :, :start + width]
+            values = self.v_cache[i][slot_ids, :, :start + width]
+            with sdpa_kernel(PREFILL_ATTENTION):
+                out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True, **causal)
             return out.transpose(1, 2).reshape(n * width, -1)
 
         x, delta = self._run_layers(F.embedding(tokens.to(dev).view(-1), self.embedding), token_slots,
@@ -195,20 +207,24 @@ class FastModel:
     # --- SlotModel ---------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Reset each slot and run its prompt; float32 logits of each prompt's last position, [len(slots), vocab]."""
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]], starts: Sequence[int] | None = None
+                ) -> torch.Tensor:
+        """Run each prompt, or chunk of one, into its slot; float32 logits of each one's last position,
+        [len(slots), vocab]. Prompt i holds positions starts[i]… of slot i (see SlotModel.prefill)."""
         slots, prompts = list(slots), [list(p) for p in prompts]
-        self._check_prefill(slots, prompts)
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        starts = prefill_starts(starts, len(prompts))
+        self._check_prefill(slots, prompts, starts)
+        order = sorted(range(len(prompts)), key=lambda i: (starts[i], -len(prompts[i])))
         rows: list[torch.Tensor | None] = [None] * len(prompts)
-        for group in _prefill_groups(order, [len(p) for p in prompts]):
-            logits = self._prefill_group([slots[i] for i in group], [prompts[i] for i in group])
+        for group in _prefill_groups(order, [len(p) for p in prompts], starts):
+            logits = self._prefill_group([slots[i] for i in group], [prompts[i] for i in group], starts[group[0]])
             for i, row in zip(group, logits):
                 rows[i] = row
-        for slot, prompt in zip(slots, prompts):
-            self.lengths[slot] = len(prompt)
-        self._seq_len[torch.tensor(slots, device=self.device)] = torch.tensor(
-            [len(p) for p in prompts], dtype=torch.int32, device=self.device)
+        ends = [start + len(prompt) for start, prompt in zip(starts, prompts)]
+        for slot, end in zip(slots, ends):
+            self.lengths[slot] = end
+        self._seq_len[torch.tensor(slots, device=self.device)] = torch.tensor(ends, dtype=torch.int32,
+                                                                              device=self.device)
         return torch.stack(rows)
 
     @torch.no_grad()
@@ -297,13 +313,15 @@ class FastModel:
         if bad:
             raise UsageError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
 
-    def _check_prefill(self, slots: list[int], prompts: list[list[int]]) -> None:
+    def _check_prefill(self, slots: list[int], prompts: list[list[int]], starts: list[int]) -> None:
         self._check_slots(slots)
         if len(slots) != len(prompts):
             raise UsageError(f"{len(slots)} slots but {len(prompts)} prompts")
-        for prompt in prompts:
-            if not 0 < len(prompt) < self.max_seq_len:
-                raise UsageError(f"a prompt has {len(prompt)} tokens; prompts take 1 to {self.max_seq_len - 1}")
+        for slot, prompt, start in zip(slots, prompts, starts):
+            check_start(slot, start, self.lengths[slot])
+            if not 0 < len(prompt) < self.max_seq_len - start:
+                raise UsageError(f"a prompt has {len(prompt)} tokens; prompts take 1 to {self.max_seq_len - 1}"
+                                 + (f" ({self.max_seq_len - 1 - start} after the {start} cached)" if start else ""))
             self._check_token_ids(prompt)
 
     def _check_decode(self, slots: list[int], tokens: Sequence[int] | torch.Tensor) -> None:
@@ -319,11 +337,14 @@ class FastModel:
             self._check_token_ids(tokens)
 
 
-def _prefill_groups(order: list[int], lengths: list[int]) -> list[list[int]]:
-    """Consecutive prompts (longest first) whose padded batch stays within PREFILL_TOKENS."""
+def _prefill_groups(order: list[int], lengths: list[int], starts: list[int] | None = None) -> list[list[int]]:
+    """Consecutive prompts (longest first for each start) of one start whose padded batch stays within
+    PREFILL_TOKENS."""
     groups: list[list[int]] = []
     for i in order:
-        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= PREFILL_TOKENS:
+        first = groups[-1][0] if groups else None
+        if first is not None and (len(groups[-1]) + 1) * lengths[first] <= PREFILL_TOKENS \
+                and (starts is None or starts[i] == starts[first]):
             groups[-1].append(i)
         else:
             groups.append([i])
