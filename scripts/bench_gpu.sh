@@ -23,11 +23,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 set -o pipefail
 python3 -m trtglm.bench.cli_commands runtime --preset 6b --dtype bf16 --weight-only none,int8,int4 \
     --batch 1,8,32,64 --prompt-len 128 --new-tokens 128 --baseline hf --long-prompt 512 \
-    --requests 256 --concurrency 64 --out "$DEST" "$@" 2>&1 | tee "$DEST/log.txt"
+    --requests 256 --concurrency 64 --prefill-chunk 1024 --out "$DEST" "$@" 2>&1 | tee "$DEST/log.txt"
+# The one-row matmuls on their own: every block shape, word-wide against portable int8/int4 kernels.
+python3 scripts/bench_matmul.py --portable --out "$DEST/matmul.json" 2>&1 | grep -v '^{' | tee "$DEST/matmul.txt"
 # Where the one-row weight-only matmuls spend their time (Nsight Compute; skipped where ncu is missing).
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1 || true)
 if [ -n "$NCU" ]; then
-    "$NCU" --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis -k regex:_gemv_kernel \
+    "$NCU" --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis -k regex:_gemv \
         python3 -c "import logging; logging.basicConfig(level=logging.INFO); \
 from trtglm.bench.runtime import gemv_probe; gemv_probe()" > "$DEST/ncu.txt" 2>&1 || echo "ncu failed (see $DEST/ncu.txt)"
 fi

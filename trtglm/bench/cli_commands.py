@@ -15,14 +15,15 @@ from trtglm.errors import TrtglmError, UsageError
 def runtime(preset: str = "6b", dtype: str = "bf16", weight_only: str | list | tuple = "none",
             batch: str | int | list | tuple = "1,8,32,64", prompt_len: int = 128, new_tokens: int = 128,
             baseline: str = "hf", out: str = "out/bench-runtime", layers: int | None = None, long_prompt: int = 512,
-            requests: int = 256, concurrency: int = 64, check: bool = True, profile: bool = True,
-            tune: bool | None = None, seed: int = 0):
+            requests: int = 256, concurrency: int = 64, prefill_chunk: int = 1024, check: bool = True,
+            profile: bool = True, tune: bool | None = None, seed: int = 0):
     """The fast GPU runtime against HF generate() and the bandwidth floor, on random 6B-shaped weights.
 
     --weight-only none|int8|int4 (comma-separated for several), --batch 1,8,32,64: decode batch
     sizes, --prompt-len/--new-tokens: forced lengths (EOS ignored), --baseline hf|none,
     --long-prompt N: TTFT of one N-token prompt, --requests/--concurrency: the in-flight run
-    (0 requests skips it), --layers N: fewer layers, --no-check / --no-profile skip those parts,
+    (0 requests skips it), --prefill-chunk N: prompt tokens its executor prefills per step (longer
+    prompts go in chunks, between decode steps), --layers N: fewer layers, --no-check / --no-profile skip those parts,
     --no-tune skips timing the matmul kernels' block shapes at start-up (and
     cuBLAS against the one-row kernel for float weights). Writes OUT/runtime.json and
     OUT/runtime.png and prints a table.
@@ -31,7 +32,7 @@ def runtime(preset: str = "6b", dtype: str = "bf16", weight_only: str | list | t
 
     bench_runtime(preset=preset, dtype=dtype, weight_only=weight_only, batch=batch, prompt_len=prompt_len,
                   new_tokens=new_tokens, baseline=baseline, out=out, layers=layers, long_prompt=long_prompt,
-                  requests=requests, concurrency=concurrency, check=check, profile=profile, tune=tune,
+                  requests=requests, concurrency=concurrency, prefill_chunk=prefill_chunk, check=check, profile=profile, tune=tune,
                   seed=seed)
 
 

@@ -74,12 +74,13 @@ class BatchTiming:
 def bench_runtime(preset: str = "6b", dtype: str = "bf16", weight_only: Sequence[str] | str = "none",
                   batch: Sequence[int] | int = (1, 8, 32, 64), prompt_len: int = 128, new_tokens: int = 128,
                   baseline: str = "hf", out: str | Path = "out/bench-runtime", layers: int | None = None,
-                  long_prompt: int = 512, requests: int = 256, concurrency: int = 64, check: bool = True,
+                  long_prompt: int = 512, requests: int = 256, concurrency: int = 64, prefill_chunk: int = 1024,
+                  check: bool = True,
                   profile: bool = True, tune: bool | None = None, seed: int = 0) -> dict:
     """Run the benchmark (see the module docstring); returns the results written to OUT/runtime.json."""
     modes, batches = _as_list(weight_only, str), _as_list(batch, int)
     dtype_name = _check_options(preset, dtype, modes, batches, prompt_len, new_tokens, baseline, requests,
-                                concurrency)
+                                concurrency, prefill_chunk)
     device = _cuda_device()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -88,7 +89,8 @@ def bench_runtime(preset: str = "6b", dtype: str = "bf16", weight_only: Sequence
                      "options": {"preset": preset, "dtype": dtype_name, "weight_only": modes, "batch": batches,
                                  "prompt_len": prompt_len, "new_tokens": new_tokens, "baseline": baseline,
                                  "layers": layers, "long_prompt": long_prompt, "requests": requests,
-                                 "concurrency": concurrency, "tune": tune, "seed": seed}}
+                                 "concurrency": concurrency, "prefill_chunk": prefill_chunk, "tune": tune,
+                                 "seed": seed}}
     stage = _Stages(results, out / "runtime.json")
     cfg, hf_tensors = synth_tensors(preset, layers, dtype_name, seed, device)
     ckpt_cfg, trt_tensors = checkpoint_tensors(cfg, hf_tensors, dtype_name)
@@ -486,7 +488,8 @@ def _bench_mode(mode: str, weights: Weights, opts: dict, max_seq_len: int, check
     if profile:
         entry["profile"] = {str(b): profile_decode_step(model, b) for b in sorted({1, max(batches)})}
     if inflight:
-        entry["inflight"] = inflight_run(model, opts["requests"], opts["concurrency"], generator)
+        entry["inflight"] = inflight_run(model, opts["requests"], opts["concurrency"], generator,
+                                         prefill_tokens=opts["prefill_chunk"])
     if model.tuned:
         from trtglm.runtime.fast.kernels import CHOSEN
 
@@ -556,15 +559,15 @@ def _device_us(event) -> float:
     return float(getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0) or 0)
 
 
-def inflight_run(model, requests: int, concurrency: int, generator: torch.Generator,
+def inflight_run(model, requests: int, concurrency: int, generator: torch.Generator, prefill_tokens: int = 512,
                  prompt_range: tuple[int, int] = INFLIGHT_PROMPTS, output_range: tuple[int, int] = INFLIGHT_OUTPUTS
                  ) -> dict:
     """Closed loop through the executor: `concurrency` requests in flight, a new one as each finishes.
 
-    Prompt and output lengths are uniform over the given inclusive ranges; EOS is never set.
+    Prompt and output lengths are uniform over the given inclusive ranges; EOS is never set. The executor
+    prefills at most `prefill_tokens` prompt tokens per step (longer prompts in chunks between decode steps).
     """
     from trtglm.runtime.executor import Executor, Request
-    from trtglm.runtime.fast.model import PREFILL_TOKENS
 
     def uniform(low: int, high: int) -> list[int]:
         return torch.randint(low, high + 1, (requests,), generator=generator, device=generator.device).tolist()
@@ -572,7 +575,7 @@ def inflight_run(model, requests: int, concurrency: int, generator: torch.Genera
     lengths, outputs = uniform(*prompt_range), uniform(*output_range)
     prompts = [torch.randint(0, model.vocab_size, (n,), generator=generator, device=generator.device).tolist()
                for n in lengths]
-    executor = Executor(model, max_queue=requests, max_prefill_tokens=PREFILL_TOKENS, device=model.device)
+    executor = Executor(model, max_queue=requests, max_prefill_tokens=prefill_tokens, device=model.device)
     submitted: dict[int, float] = {}
     token_times: dict[int, list[float]] = {i: [] for i in range(requests)}
     pending = iter(range(requests))
@@ -597,7 +600,10 @@ def inflight_run(model, requests: int, concurrency: int, generator: torch.Genera
     while executor.has_work():
         executor.step()
     elapsed = time.perf_counter() - start
-    return _inflight_stats(requests, concurrency, lengths, outputs, submitted, token_times, elapsed)
+    stats = _inflight_stats(requests, concurrency, lengths, outputs, submitted, token_times, elapsed)
+    done = executor.stats()
+    return {**stats, "prefill_tokens_per_step": prefill_tokens, "prefill_chunks": done.prefill_chunks,
+            "decode_steps": done.decode_calls}
 
 
 def _inflight_stats(requests: int, concurrency: int, lengths: list[int], outputs: list[int],
@@ -755,7 +761,7 @@ def _as_list(value, kind: type) -> list:
 
 
 def _check_options(preset: str, dtype: str, modes: list[str], batches: list[int], prompt_len: int,
-                   new_tokens: int, baseline: str, requests: int, concurrency: int) -> str:
+                   new_tokens: int, baseline: str, requests: int, concurrency: int, prefill_chunk: int) -> str:
     from trtglm.convert.synth import PRESETS
 
     if preset not in PRESETS:
@@ -771,8 +777,8 @@ def _check_options(preset: str, dtype: str, modes: list[str], batches: list[int]
         raise UsageError("--prompt-len must be >= 1 and --new-tokens >= 2")
     if baseline not in ("hf", "none"):
         raise UsageError(f"--baseline must be hf or none; not {baseline!r}")
-    if requests < 0 or concurrency < 1:
-        raise UsageError("--requests must be >= 0 and --concurrency >= 1")
+    if requests < 0 or concurrency < 1 or prefill_chunk < 1:
+        raise UsageError("--requests must be >= 0, --concurrency and --prefill-chunk >= 1")
     return DTYPES[dtype]
 
 

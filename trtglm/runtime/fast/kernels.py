@@ -13,9 +13,11 @@ the chunks through their log-sum-exp. Chunks past a sequence's end exit at once,
 launch shape (fixed by the cache length) serves every length, as CUDA graphs need.
 
 The matmuls: a one-row kernel for decoding one sequence (weights converted to float32 in
-registers, products summed elementwise and reduced once; memory-bound for bf16 weights) and
-a tensor-core kernel for several rows. Block shapes are chosen per (weight kind, row bucket,
-shape) by timing the candidates at start-up (`tune`), cuBLAS included for float weights.
+registers, products summed elementwise and reduced once; memory-bound for bf16 weights), on
+the GPU a word-wide one-row kernel for int8/int4 weights (inline PTX, see below), and a
+tensor-core kernel for several rows. Block shapes are chosen per (weight kind, row bucket,
+shape) by timing the candidates at start-up (`tune`, CUDA-graph replays on a cold L2 cache),
+cuBLAS included for float weights.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from triton.runtime.errors import OutOfResources
 
 DECODE_CHUNK = 256  # positions per decode-attention program
 DECODE_BLOCK = 64  # positions per inner step
+L2_FLUSH_BYTES = 128 << 20  # more than any GPU's L2 cache (H100/H200: 50 MB)
 
 
 @triton.jit
@@ -186,9 +189,9 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 # --- weight-only matmuls ------------------------------------------------------------------------------------------
-# Weight storage kinds: FLOAT ([N, K] in the compute dtype), INT8 ([N, K] int8, float32 scale per row) and INT4
-# ([N, K/2] uint8: byte j of a row holds q[j] + 8 in its low nibble and q[j + K/2] + 8 in its high one, so both
-# halves of the input row meet contiguous weight bytes and no shuffling is needed).
+# Weight storage kinds: FLOAT ([N, K] in the compute dtype), INT8 ([N, K] uint8 holding q + 128, float32 scale per
+# row) and INT4 ([N, K/2] uint8: byte j of a row holds q[j] + 8 in its low nibble and q[j + K/2] + 8 in its high
+# one, so both halves of the input row meet contiguous weight bytes and no shuffling is needed).
 FLOAT, INT8, INT4 = 0, 1, 2
 
 
@@ -200,6 +203,8 @@ def _weights_as(w, dtype, WEIGHT: tl.constexpr, HIGH: tl.constexpr):
             values = (w >> 4).to(tl.int8) - 8
         else:
             values = (w & 15).to(tl.int8) - 8
+    elif WEIGHT == 1:
+        values = (w ^ 0x80).to(tl.int8, bitcast=True)
     else:
         values = w
     return values.to(dtype)
@@ -247,6 +252,17 @@ def _gemv_input(x_ptr, kk, k_ok, INNER, SWIGLU: tl.constexpr):
 
 
 @triton.jit
+def _gemv_output(acc, rn, n_ok, scale_ptr, bias_ptr, y_ptr, factor, WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Store the row sums of `acc` × scale (× factor) + bias at rows rn."""
+    y = tl.sum(acc, axis=1)
+    if WEIGHT != 0:
+        y = y * (tl.load(scale_ptr + rn, mask=n_ok, other=0.0) * factor)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def _weights_f32(w, WEIGHT: tl.constexpr, HIGH: tl.constexpr):
     """float32 weight values of a loaded tile without int→float conversion instructions (a Hopper SM
     converts 16 values per clock, too few to keep up with memory): an integer v in 0..2^23 added to the
@@ -254,7 +270,7 @@ def _weights_f32(w, WEIGHT: tl.constexpr, HIGH: tl.constexpr):
     if WEIGHT == 0:
         values = w.to(tl.float32)
     elif WEIGHT == 1:
-        values = (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0  # 2^23 + 128
+        values = (w.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0  # 2^23 + 128
     else:
         nibble = (w.to(tl.int32) >> 4) if HIGH else (w.to(tl.int32) & 15)
         values = (nibble | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # 2^23 + 8
@@ -280,12 +296,138 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K, WEIGHT: tl.cons
         if WEIGHT == 2:
             x_high = _gemv_input(x_ptr, K + kk, k_ok, inner, SWIGLU)
             acc += _weights_f32(w, WEIGHT, True) * x_high[None, :]
-    y = tl.sum(acc, axis=1)
-    if WEIGHT != 0:
-        y = y * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+    _gemv_output(acc, rn, n_ok, scale_ptr, bias_ptr, y_ptr, 1.0, WEIGHT, HAS_BIAS)
+
+
+# The one-row int8/int4 kernel on the GPU works on whole 32-bit words of weights (4 int8 or 8 int4 values) in
+# inline PTX, because per-value integer work bounds the portable kernel above: a byte (or nibble) placed under the
+# exponent of 1024 by one `prmt` (or `lop3`) is the half-precision float 1024 + value, two per register, and one
+# packed subtraction leaves the signed values; packed half-precision multiply-adds with the inputs (scaled by
+# WORD_INPUT_SCALE so that a word's partial sum stays far from half precision's 65504) give one float32 partial sum
+# per word.
+WORD_INPUT_SCALE = tl.constexpr(1.0 / 32)
+_INT8_WORD_DOT = tl.constexpr("""{
+.reg .b32 m, k, p0, p1, acc;
+.reg .b16 h0, h1;
+.reg .f32 f;
+mov.b32 m, 0x64646464;
+mov.b32 k, 0x64806480;
+prmt.b32 p0, $1, m, 0x4140;
+prmt.b32 p1, $1, m, 0x4342;
+sub.f16x2 p0, p0, k;
+sub.f16x2 p1, p1, k;
+mul.f16x2 acc, p0, $2;
+fma.rn.f16x2 acc, p1, $3, acc;
+mov.b32 {h0, h1}, acc;
+add.f16 h0, h0, h1;
+cvt.f32.f16 f, h0;
+mov.b32 $0, f;
+}""")  # bytes 0,1 and 2,3 of the word (stored q + 128) → (1024 + u) pairs − 1152 → q; · input pairs; summed
+_INT4_WORD_DOT = tl.constexpr("""{
+.reg .b32 m, k, t, p0, p1, p2, p3, acc;
+.reg .b16 h0, h1;
+.reg .f32 f;
+mov.b32 m, 0x64006400;
+mov.b32 k, 0x64086408;
+lop3.b32 p0, $1, 0x000F000F, m, 0xEA;
+shr.b32 t, $1, 4;
+lop3.b32 p1, t, 0x000F000F, m, 0xEA;
+shr.b32 t, $1, 8;
+lop3.b32 p2, t, 0x000F000F, m, 0xEA;
+shr.b32 t, $1, 12;
+lop3.b32 p3, t, 0x000F000F, m, 0xEA;
+sub.f16x2 p0, p0, k;
+sub.f16x2 p1, p1, k;
+sub.f16x2 p2, p2, k;
+sub.f16x2 p3, p3, k;
+mul.f16x2 acc, p0, $2;
+fma.rn.f16x2 acc, p1, $3, acc;
+fma.rn.f16x2 acc, p2, $4, acc;
+fma.rn.f16x2 acc, p3, $5, acc;
+mov.b32 {h0, h1}, acc;
+add.f16 h0, h0, h1;
+cvt.f32.f16 f, h0;
+mov.b32 $0, f;
+}""")  # nibbles (0, 4), (1, 5), (2, 6), (3, 7) of the word (stored q + 8) → (1024 + u) pairs − 1032 → q; as above
+
+
+@triton.jit
+def _half_pairs(a, b, shape):
+    """int32 words holding (half(a), half(b)), a in the low 16 bits (one conversion), broadcast to `shape`."""
+    pairs = tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [a, b], dtype=tl.int32,
+                                      is_pure=True, pack=1)
+    return tl.broadcast_to(pairs[None, :], shape)
+
+
+@triton.jit
+def _four_inputs(x_ptr, first, ok, INNER, SWIGLU: tl.constexpr):
+    """Inputs first .. first+3 (`first` a vector), scaled by WORD_INPUT_SCALE."""
+    x0 = _gemv_input(x_ptr, first, ok, INNER, SWIGLU)
+    x1 = _gemv_input(x_ptr, first + 1, ok, INNER, SWIGLU)
+    x2 = _gemv_input(x_ptr, first + 2, ok, INNER, SWIGLU)
+    x3 = _gemv_input(x_ptr, first + 3, ok, INNER, SWIGLU)
+    return x0 * WORD_INPUT_SCALE, x1 * WORD_INPUT_SCALE, x2 * WORD_INPUT_SCALE, x3 * WORD_INPUT_SCALE
+
+
+@triton.jit
+def _gemv_words_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, WORDS, WEIGHT: tl.constexpr,
+                       SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """y[N] = x · Ŵᵀ for one row, INT8/INT4 weights read as `[N, WORDS]` int32 words (GPU only)."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rw = tl.arange(0, BLOCK_W)
+    n_ok = rn < N
+    inner = 8 * WORDS if WEIGHT == 2 else 4 * WORDS  # input features
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * WORDS
+    acc = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
+    shape: tl.constexpr = (BLOCK_N, BLOCK_W)
+    for c0 in range(0, WORDS, BLOCK_W):
+        cw = c0 + rw
+        c_ok = cw < WORDS
+        w = tl.load(w_rows + cw[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0)
+        x0, x1, x2, x3 = _four_inputs(x_ptr, 4 * cw, c_ok, inner, SWIGLU)
+        if WEIGHT == 1:  # word c holds inputs 4c .. 4c+3
+            part = tl.inline_asm_elementwise(_INT8_WORD_DOT, "=r,r,r,r",
+                                             [w, _half_pairs(x0, x1, shape), _half_pairs(x2, x3, shape)],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:  # low nibbles: inputs 4c .. 4c+3; high nibbles: the same in the second half of the row
+            h0, h1, h2, h3 = _four_inputs(x_ptr, 4 * WORDS + 4 * cw, c_ok, inner, SWIGLU)
+            part = tl.inline_asm_elementwise(
+                _INT4_WORD_DOT, "=r,r,r,r,r,r",
+                [w, _half_pairs(x0, x2, shape), _half_pairs(h0, h2, shape), _half_pairs(x1, x3, shape),
+                 _half_pairs(h1, h3, shape)], dtype=tl.int32, is_pure=True, pack=1)
+        acc += part.to(tl.float32, bitcast=True)
+    _gemv_output(acc, rn, n_ok, scale_ptr, bias_ptr, y_ptr, 1.0 / WORD_INPUT_SCALE, WEIGHT, HAS_BIAS)
+
+
+def graph_time_ms(fn, calls: int = 10, replays: int = 5) -> float:
+    """Median time of one call of `fn` on a cold L2 cache, replayed from a CUDA graph as decode steps run
+    (launching from Python would time the host, and repeating one call would read its weights from L2):
+    the graph runs `calls` × (overwrite L2_FLUSH_BYTES, fn), less the same graph without fn."""
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+
+    def per_call(body) -> float:
+        body()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                body()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(replays):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+        return sorted(times)[len(times) // 2]
+
+    return per_call(lambda: (flush.zero_(), fn())) - per_call(flush.zero_)
+
+
+def words_kernel_available() -> bool:
+    """The word-wide kernel needs a real GPU (Triton's interpreter does not run inline PTX)."""
+    return not triton.knobs.runtime.interpret
 
 
 class Config(NamedTuple):
@@ -312,6 +454,10 @@ CANDIDATES: dict[int, list[Config]] = {
                  (128, 128, 8, 4), (256, 64, 8, 4), (64, 128, 4, 6), (128, 64, 4, 6)),
     128: [Config(64, 128, 64, 4, 4), Config(128, 128, 64, 8, 3), Config(128, 256, 64, 8, 3), Config(64, 256, 64, 8, 4)],
 }
+# The word-wide one-row kernel (int8/int4 on the GPU): block_k counts stored bytes, four to a word.
+WORD_CANDIDATES = _configs(0, (16, 512, 4, 4), (32, 512, 4, 3), (64, 512, 4, 3), (8, 512, 2, 4), (16, 512, 2, 4),
+                           (32, 256, 2, 4), (16, 1024, 4, 3), (64, 256, 4, 3), (8, 256, 1, 4), (16, 256, 1, 4),
+                           (32, 1024, 8, 3), (128, 256, 8, 3), (32, 512, 2, 3), (64, 512, 8, 3))
 CUBLAS = Config(-1, 0, 0, 0, 0)
 CHOSEN: dict[tuple, Config] = {}  # (weight kind, row bucket, N, K, swiglu) -> config
 
@@ -336,7 +482,11 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: t
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     scale_arg = scale if scale is not None else w
     bias_arg = bias if bias is not None else w
-    if bm == 0:
+    if bm == 0 and weight != FLOAT and k % 4 == 0 and words_kernel_available():
+        _gemv_words_kernel[(triton.cdiv(n, bn),)](x, w.view(torch.int32), scale_arg, bias_arg, y, n, k // 4,
+                                                  WEIGHT=weight, SWIGLU=swiglu, HAS_BIAS=bias is not None,
+                                                  BLOCK_N=bn, BLOCK_W=bk // 4, num_warps=warps, num_stages=stages)
+    elif bm == 0:
         _gemv_kernel[(triton.cdiv(n, bn),)](x, w, scale_arg, bias_arg, y, n, k, WEIGHT=weight, SWIGLU=swiglu,
                                             HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
                                             num_warps=warps, num_stages=stages)
@@ -347,9 +497,16 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: t
     return y
 
 
+def candidates(weight: int, bucket: int) -> list[Config]:
+    """The block shapes `tune` times for a weight kind and row bucket (cuBLAS is added for float weights)."""
+    if bucket == 1 and weight != FLOAT and words_kernel_available():
+        return WORD_CANDIDATES
+    return CANDIDATES[bucket]
+
+
 def default_config(weight: int, rows: int) -> Config:
     """Untuned: cuBLAS for float weights, else the first candidate of the row bucket."""
-    return CUBLAS if weight == FLOAT else CANDIDATES[row_bucket(rows)][0]
+    return CUBLAS if weight == FLOAT else candidates(weight, row_bucket(rows))[0]
 
 
 def _key(x: torch.Tensor, w: torch.Tensor, weight: int, swiglu: bool) -> tuple:
@@ -363,14 +520,13 @@ def tune(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: tor
     if weight == FLOAT and key[1] == 128:
         CHOSEN[key] = CUBLAS  # prompts: compute-bound, cuBLAS's ground
     if key not in CHOSEN:
-        options = list(CANDIDATES[key[1]]) + ([CUBLAS] if weight == FLOAT else [])
+        options = list(candidates(weight, key[1])) + ([CUBLAS] if weight == FLOAT else [])
         if swiglu and key[1] == 1:  # fused SwiGLU recomputes silu in every program: time it against a kernel of its own
-            options += [c._replace(fuse_swiglu=False) for c in CANDIDATES[1]]
+            options += [c._replace(fuse_swiglu=False) for c in candidates(weight, 1)]
         timings = {}
         for config in options:
             try:
-                timings[config] = triton.testing.do_bench(lambda c=config: matmul(x, w, scale, bias, weight, swiglu, c),
-                                                          warmup=5, rep=25, return_mode="median")
+                timings[config] = graph_time_ms(lambda c=config: matmul(x, w, scale, bias, weight, swiglu, c))
             except OutOfResources:  # too large a tile for this GPU
                 continue
         CHOSEN[key] = min(timings, key=timings.get)

@@ -3,7 +3,8 @@
 The quantization is TensorRT-LLM's (runtime/quant.py: symmetric, one scale per output
 channel); only the storage differs, so that a matmul reads fewer bytes:
 
-- int8: `[N, K]` int8 values and float32 scales;
+- int8: `[N, K]` uint8 holding q + 128 (so a byte becomes a half-precision float by placing it
+  under a fixed exponent: see kernels.py) and float32 scales;
 - int4: `[N, K/2]` uint8, byte j of a row holding q[j] + 8 in its low nibble and q[j + K/2] + 8
   in its high nibble (so each half of the input row meets contiguous bytes).
 
@@ -48,7 +49,7 @@ class Linear:
         if kind == FLOAT:
             return cls(weight.to(dtype).contiguous(), None, bias, kind, use_triton)
         q = quantize(weight, quant_algo)
-        stored = q.values.contiguous() if kind == INT8 else pack_int4(q.values)
+        stored = pack_int8(q.values) if kind == INT8 else pack_int4(q.values)
         return cls(stored, q.scale.contiguous(), bias, kind, use_triton)
 
     @property
@@ -60,7 +61,7 @@ class Linear:
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         if self.kind == FLOAT:
             return self.stored.to(dtype)
-        values = self.stored if self.kind == INT8 else unpack_int4(self.stored)
+        values = unpack_int8(self.stored) if self.kind == INT8 else unpack_int4(self.stored)
         return (values.float() * self.scale[:, None]).to(dtype)
 
     def __call__(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
@@ -78,6 +79,16 @@ class Linear:
                 rows = (F.silu(gate) * up).to(x.dtype)
             y = F.linear(rows, self.dequantized(x.dtype), self.bias)
         return y.reshape(*x.shape[:-1], -1)
+
+
+def pack_int8(values: torch.Tensor) -> torch.Tensor:
+    """int8 values `[N, K]` → `[N, K]` uint8 holding value + 128."""
+    return (values.to(torch.int16) + 128).to(torch.uint8).contiguous()
+
+
+def unpack_int8(stored: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_int8`."""
+    return (stored.to(torch.int16) - 128).to(torch.int8)
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
