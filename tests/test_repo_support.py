@@ -8,6 +8,7 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
+import pytest
 from conftest import REPO, SHARED
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
@@ -144,6 +145,10 @@ def template_copy(root: Path) -> Path:
 
 
 def upstream_copy(root: Path, version: str) -> Path:
+    """A copy of NVIDIA's repository layout of `version` (from ../shared/upstream, beside the checkout)."""
+    if not UPSTREAM[version].is_dir():
+        pytest.skip(f"NVIDIA's {version} repository layout is not at {UPSTREAM[version]} "
+                    "(../shared, beside the checkout)")
     return Path(shutil.copytree(UPSTREAM[version], root / f"upstream-{version}"))
 
 
