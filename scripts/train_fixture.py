@@ -212,7 +212,7 @@ def hf_config(vocab_size: int, torch_dtype: str) -> dict:
     """ChatGLM3-6B's config.json keys, with the tiny shapes."""
     import transformers
 
-    from trtglm.convert.synth import CHATGLM3_6B_CONFIG
+    from trtglm.chatglm.config import CHATGLM3_6B_CONFIG
 
     return {
         **CHATGLM3_6B_CONFIG,

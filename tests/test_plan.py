@@ -8,7 +8,7 @@ from safetensors import safe_open
 
 from conftest import REPO, run_cli
 from trtglm.chatglm.config import ChatGLMConfig
-from trtglm.engine.plan import (SHAPES_6B, ModelShape, footprint, kv_bytes_per_token, memory_plan, parse_memory,
+from trtglm.engine.plan import (SHAPES_6B, footprint, kv_bytes_per_token, memory_plan, parse_memory,
                                 plan, weight_bytes)
 from trtglm.errors import ModelFileError, UsageError
 from trtglm.profile import load_profile
@@ -75,7 +75,7 @@ def test_per_rank_weights_equal_a_converted_checkpoint(tmp_path, tp):
     hf, ckpt = tmp_path / "hf", tmp_path / "ckpt"
     synth_model("tiny", hf)
     convert_checkpoint(hf, ckpt, dtype="float16", tp_size=tp)
-    shape = ModelShape.from_config(ChatGLMConfig.from_model_dir(hf))
+    shape = ChatGLMConfig.from_model_dir(hf)
     for rank in range(tp):
         with safe_open(str(ckpt / f"rank{rank}.safetensors"), framework="pt") as f:
             written = sum(f.get_tensor(name).numel() * 2 for name in f.keys())

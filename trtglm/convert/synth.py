@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from trtglm.chatglm.config import ChatGLMConfig
+from trtglm.chatglm.config import CHATGLM3_6B_CONFIG, ChatGLMConfig
 from trtglm.convert.names import DROPPED, mapped_tensors
 from trtglm.convert.safetensors_file import SafetensorsWriter, tensor_bytes
 from trtglm.convert.staging import check_output, staged_output
@@ -29,49 +29,7 @@ from trtglm.errors import UsageError
 
 log = logging.getLogger(__name__)
 
-# THUDM/chatglm3-6b config.json (every key); presets override some of them.
-CHATGLM3_6B_CONFIG: dict = {
-    "_name_or_path": "THUDM/chatglm3-6b",
-    "model_type": "chatglm",
-    "architectures": ["ChatGLMModel"],
-    "auto_map": {
-        "AutoConfig": "configuration_chatglm.ChatGLMConfig",
-        "AutoModel": "modeling_chatglm.ChatGLMForConditionalGeneration",
-        "AutoModelForCausalLM": "modeling_chatglm.ChatGLMForConditionalGeneration",
-        "AutoModelForSeq2SeqLM": "modeling_chatglm.ChatGLMForConditionalGeneration",
-        "AutoModelForSequenceClassification": "modeling_chatglm.ChatGLMForSequenceClassification",
-    },
-    "add_bias_linear": False,
-    "add_qkv_bias": True,
-    "apply_query_key_layer_scaling": True,
-    "apply_residual_connection_post_layernorm": False,
-    "attention_dropout": 0.0,
-    "attention_softmax_in_fp32": True,
-    "bias_dropout_fusion": True,
-    "ffn_hidden_size": 13696,
-    "fp32_residual_connection": False,
-    "hidden_dropout": 0.0,
-    "hidden_size": 4096,
-    "kv_channels": 128,
-    "layernorm_epsilon": 1e-05,
-    "multi_query_attention": True,
-    "multi_query_group_num": 2,
-    "num_attention_heads": 32,
-    "num_layers": 28,
-    "original_rope": True,
-    "padded_vocab_size": 65024,
-    "post_layer_norm": True,
-    "rmsnorm": True,
-    "seq_length": 8192,
-    "use_cache": True,
-    "torch_dtype": "float16",
-    "transformers_version": "4.30.2",
-    "tie_word_embeddings": False,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-}
-
-# preset -> (config overrides, number of shards as published)
+# preset -> (overrides of CHATGLM3_6B_CONFIG, number of shards as published)
 PRESETS: dict[str, tuple[dict, int]] = {
     "6b": ({}, 7),
     "6b-32k": ({"_name_or_path": "THUDM/chatglm3-6b-32k", "seq_length": 32768, "rope_ratio": 50}, 7),

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trtglm.chatglm.config import ChatGLMConfig
+from trtglm.chatglm.config import CHATGLM3_6B_CONFIG, ChatGLMConfig
 from trtglm.errors import ModelFileError, UsageError
 from trtglm.profile import LONG_CONTEXT_TOKEN_LIMIT, Profile, load_profile, read_model_config
 
@@ -46,38 +46,22 @@ _UNITS = {"": None, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn_hidden_size: int
-    vocab_size: int
-    source: str = ""
-
-    @classmethod
-    def from_config(cls, cfg: ChatGLMConfig, source: str = "") -> "ModelShape":
-        return cls(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                   cfg.ffn_hidden_size, cfg.vocab_size, source)
-
-
-SHAPES_6B = ModelShape(28, 4096, 32, 2, 128, 13696, 65024, "ChatGLM3-6B's published shapes")
+SHAPES_6B = ChatGLMConfig.from_hf_dict(CHATGLM3_6B_CONFIG, "chatglm3")
+SHAPES_6B_SOURCE = "ChatGLM3-6B's published config"
 
 
 # --- the estimate ---------------------------------------------------------------------------------
 
 
-def kv_heads_per_rank(shape: ModelShape, tp: int) -> int:
+def kv_heads_per_rank(shape: ChatGLMConfig, tp: int) -> int:
     return max(1, shape.num_kv_heads // tp)
 
 
-def qkv_rows_per_rank(shape: ModelShape, tp: int) -> int:
+def qkv_rows_per_rank(shape: ChatGLMConfig, tp: int) -> int:
     return (shape.num_heads // tp + 2 * kv_heads_per_rank(shape, tp)) * shape.head_dim
 
 
-def weight_bytes(shape: ModelShape, dtype: str, weight_only: str | None = None, tp: int = 1) -> int:
+def weight_bytes(shape: ChatGLMConfig, dtype: str, weight_only: str | None = None, tp: int = 1) -> int:
     """Bytes of one rank's weights."""
     act = DTYPE_BYTES[dtype]
     h, qkv = shape.hidden_size, qkv_rows_per_rank(shape, tp)
@@ -92,25 +76,25 @@ def weight_bytes(shape: ModelShape, dtype: str, weight_only: str | None = None, 
     return embedding + lm_head + h * act + shape.num_layers * per_layer
 
 
-def kv_bytes_per_token(shape: ModelShape, dtype: str, tp: int = 1) -> int:
+def kv_bytes_per_token(shape: ChatGLMConfig, dtype: str, tp: int = 1) -> int:
     return 2 * shape.num_layers * kv_heads_per_rank(shape, tp) * shape.head_dim * DTYPE_BYTES[dtype]
 
 
-def token_activation_bytes(shape: ModelShape, dtype: str, tp: int = 1) -> int:
+def token_activation_bytes(shape: ChatGLMConfig, dtype: str, tp: int = 1) -> int:
     """Activation bytes per token in flight (see the module docstring)."""
     width = 2 * shape.ffn_hidden_size // tp + qkv_rows_per_rank(shape, tp) + 4 * shape.hidden_size
     return width * DTYPE_BYTES[dtype]
 
 
-def logits_bytes(shape: ModelShape, batch_size: int) -> int:
+def logits_bytes(shape: ChatGLMConfig, batch_size: int) -> int:
     return batch_size * shape.vocab_size * LOGITS_BYTES
 
 
-def activation_bytes(shape: ModelShape, dtype: str, tp: int, num_tokens: int, batch_size: int) -> int:
+def activation_bytes(shape: ChatGLMConfig, dtype: str, tp: int, num_tokens: int, batch_size: int) -> int:
     return num_tokens * token_activation_bytes(shape, dtype, tp) + logits_bytes(shape, batch_size)
 
 
-def footprint(shape: ModelShape, dtype: str, weight_only: str | None, tp: int, tokens: int,
+def footprint(shape: ChatGLMConfig, dtype: str, weight_only: str | None, tp: int, tokens: int,
               batch_size: int = 1) -> int:
     """Bytes one rank needs to run `tokens` tokens at once: weights + their KV + activations + overhead."""
     return (weight_bytes(shape, dtype, weight_only, tp) + tokens * kv_bytes_per_token(shape, dtype, tp)
@@ -120,7 +104,8 @@ def footprint(shape: ModelShape, dtype: str, weight_only: str | None, tp: int, t
 @dataclass(frozen=True)
 class MemoryPlan:
     profile: str
-    shape: ModelShape
+    shape: ChatGLMConfig
+    shape_source: str  # the config.json the shapes come from, or SHAPES_6B_SOURCE
     gpus: int
     gpu_bytes: int
     weights: int
@@ -143,7 +128,7 @@ class MemoryPlan:
         return self.gpu_bytes - self.weights - self.activations - self.overhead
 
 
-def memory_plan(profile: Profile, shape: ModelShape, gpu_bytes: int) -> MemoryPlan:
+def memory_plan(profile: Profile, shape: ChatGLMConfig, gpu_bytes: int, shape_source: str = "") -> MemoryPlan:
     b, c, s = profile.build, profile.convert, profile.serve
     tp, fraction, seq = c.tp_size, s.kv_cache_free_gpu_mem_fraction, b.max_seq_len * b.max_beam_width
     weights = weight_bytes(shape, c.dtype, c.weight_only, tp)
@@ -171,8 +156,8 @@ def memory_plan(profile: Profile, shape: ModelShape, gpu_bytes: int) -> MemoryPl
         warnings.append(f"KV cache holds {kv_tokens:,} tokens, fewer than max_batch_size × max_beam_width × "
                         f"max_seq_len = {needed:,}: at most {kv_tokens // seq} full-length sequences at once "
                         f"(build.max_batch_size ≤ {batch_fit} fits)")
-    return MemoryPlan(profile.name, shape, profile.world_size, gpu_bytes, weights, activations, OVERHEAD_BYTES,
-                      kv, kv_budget, kv_tokens, needed, batch_fit, tokens_fit, tuple(warnings))
+    return MemoryPlan(profile.name, shape, shape_source, profile.world_size, gpu_bytes, weights, activations,
+                      OVERHEAD_BYTES, kv, kv_budget, kv_tokens, needed, batch_fit, tokens_fit, tuple(warnings))
 
 
 # --- the command ----------------------------------------------------------------------------------
@@ -191,7 +176,8 @@ def plan(config: str | Path, gpu_memory: str | int | float = "80GiB", gpus: int 
             raise UsageError(f"--gpus must be a positive integer, not {gpus!r}")
         overrides.update({"convert.tp_size": gpus, "serve.world_size": gpus})
     profile = load_profile(config, overrides)
-    result = memory_plan(profile, model_shape(profile), gpu_bytes)
+    shape, source = model_shape(profile)
+    result = memory_plan(profile, shape, gpu_bytes, source)
     print(format_plan(profile, result))
     for warning in result.warnings:
         log.warning("warning: %s: %s", profile.path, warning)
@@ -200,13 +186,13 @@ def plan(config: str | Path, gpu_memory: str | int | float = "80GiB", gpus: int 
     return result
 
 
-def model_shape(profile: Profile) -> ModelShape:
-    """From the HF config.json when readable, else the variant's published shapes."""
+def model_shape(profile: Profile) -> tuple[ChatGLMConfig, str]:
+    """(shapes, where they come from): the HF config.json when readable, else the variant's published shapes."""
     cfg = read_model_config(profile)
     if cfg is not None:
-        return ModelShape.from_config(cfg, str(Path(profile.model.dir) / "config.json"))
+        return cfg, str(Path(profile.model.dir) / "config.json")
     if profile.variant.six_b_shapes:
-        return SHAPES_6B
+        return SHAPES_6B, SHAPES_6B_SOURCE
     raise ModelFileError(f"{profile.path}: model.variant {profile.model.variant} has no published shapes and "
                          f"{profile.model.dir or 'model.dir'}/config.json is not readable")
 
@@ -236,7 +222,7 @@ def format_plan(profile: Profile, p: MemoryPlan) -> str:
         ("profile", f"{profile.name} ({profile.path})"),
         ("model", f"{profile.model.variant}: {shape.num_layers} layers, hidden {shape.hidden_size}, "
                   f"{shape.num_heads} heads ({shape.num_kv_heads} KV) × {shape.head_dim}, ffn "
-                  f"{shape.ffn_hidden_size}, vocab {shape.vocab_size} (from {shape.source})"),
+                  f"{shape.ffn_hidden_size}, vocab {shape.vocab_size} (from {p.shape_source})"),
         ("precision", f"{precision}; tp {c.tp_size} × pp {c.pp_size} on {p.gpus} GPU(s) of {_gib(p.gpu_bytes)}"),
         ("weights / GPU", _gib(p.weights)),
         ("activations / GPU", f"{_gib(p.activations)} (max_num_tokens {b.max_num_tokens}, "
