@@ -22,6 +22,7 @@ cuBLAS included for float weights.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -402,27 +403,35 @@ def _gemv_words_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, WORDS, WEIGH
 def graph_time_ms(fn, calls: int = 10, replays: int = 5) -> float:
     """Median time of one call of `fn` on a cold L2 cache, replayed from a CUDA graph as decode steps run
     (launching from Python would time the host, and repeating one call would read its weights from L2):
-    the graph runs `calls` × (overwrite L2_FLUSH_BYTES, fn), less the same graph without fn."""
+    a graph of `calls` × (overwrite L2_FLUSH_BYTES, fn), less the same graph without fn."""
+    flush, flush_ms = _l2_flush(calls, replays)
+    return _replay_ms(lambda: (flush.zero_(), fn()), calls, replays) - flush_ms
+
+
+@functools.cache
+def _l2_flush(calls: int, replays: int) -> tuple[torch.Tensor, float]:
+    """The buffer `graph_time_ms` overwrites to empty the L2 cache, and the time of overwriting it."""
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    return flush, _replay_ms(flush.zero_, calls, replays)
 
-    def per_call(body) -> float:
-        body()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                body()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(replays):
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / calls)
-        return sorted(times)[len(times) // 2]
 
-    return per_call(lambda: (flush.zero_(), fn())) - per_call(flush.zero_)
+def _replay_ms(body, calls: int, replays: int) -> float:
+    """Median time of one call of `body`, from `replays` replays of a CUDA graph of `calls` calls."""
+    body()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            body()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
 
 
 def words_kernel_available() -> bool:
