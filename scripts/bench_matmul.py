@@ -3,8 +3,9 @@
 For each weight kind (bf16, int8, int4), shape and candidate block shape: the kernel's median time (replayed
 from a CUDA graph with the L2 cache overwritten before each call, as in a decode step), the bytes it reads per
 second and as a share of the device-to-device copy bandwidth measured in the same run, and its relative error
-against float32 products with the dequantized weights. With --portable, the int8/int4 rows are also timed with
-the portable one-row kernel (per-value unpacking) for comparison.
+against float32 products with the dequantized weights. int8/int4 run the Gluon kernels (gluon_gemv.py: the one-row
+kernel and the tensor-core one); with --portable they are also timed with the plain-Triton one-row kernel on the same
+planar words, for comparison.
 
     python3 scripts/bench_matmul.py [--portable] [--out results.json]
 """
@@ -34,22 +35,23 @@ def time_us(fn) -> float:
     return 1000 * kernels.graph_time_ms(fn, calls=20, replays=9)
 
 
-def bench_shape(name: str, algo: str | None, bandwidth: float, portable: bool, g: torch.Generator) -> list[dict]:
+def bench_shape(name: str, algo: str | None, bandwidth: float, portable: bool, g: torch.Generator, m: int = 1
+                ) -> list[dict]:
     n, k, swiglu = SHAPES[name]
     weight = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
     layer = Linear.from_weight(weight, None, algo, torch.bfloat16, use_triton=True)
-    x = torch.randn(1, 2 * k if swiglu else k, device="cuda", generator=g, dtype=torch.bfloat16)
+    x = torch.randn(m, 2 * k if swiglu else k, device="cuda", generator=g, dtype=torch.bfloat16)
     inputs = kernels.silu_mul(x) if swiglu else x
     exact = fake_quantize(weight, algo) if algo else weight.float()
     expected = inputs.float() @ exact.T
     rows = []
-    variants = [("words" if layer.kind else "portable", True)]
-    if portable and layer.kind:
+    variants = [("gluon" if layer.kind else "portable", True)]
+    if portable and layer.kind and m == 1:
         variants.append(("portable", False))
-    for kernel, words in variants:
-        configs = kernels.candidates(layer.kind, 1) if words else kernels.CANDIDATES[1]
-        available = kernels.words_kernel_available
-        kernels.words_kernel_available = (lambda: True) if words else (lambda: False)
+    for kernel, gluon in variants:
+        configs = kernels.candidates(layer.kind, kernels.row_bucket(m), gluon)
+        available = kernels.gluon_available
+        kernels.gluon_available = available if gluon else (lambda x: False)
         try:
             for config in configs + ([kernels.CUBLAS] if layer.kind == kernels.FLOAT else []):
                 def run(config=config):
@@ -61,12 +63,14 @@ def bench_shape(name: str, algo: str | None, bandwidth: float, portable: bool, g
                     continue
                 err = float((got.float() - expected).norm() / expected.norm())
                 us = time_us(run)
-                rows.append({"shape": name, "kind": algo or "bf16", "kernel": "cublas" if config == kernels.CUBLAS
-                             else kernel, "config": list(config), "us": us, "GB/s": layer.nbytes / us / 1e3,
-                             "of_copy": layer.nbytes / us / 1e3 / bandwidth, "rel_err": err})
+                label = "cublas" if config == kernels.CUBLAS else "tensor-cores" \
+                    if isinstance(config, kernels.MmaConfig) else kernel
+                rows.append({"shape": name, "kind": algo or "bf16", "rows": m, "kernel": label, "config": list(config),
+                             "us": us, "GB/s": layer.nbytes / us / 1e3, "of_copy": layer.nbytes / us / 1e3 / bandwidth,
+                             "rel_err": err})
                 print(json.dumps(rows[-1]), flush=True)
         finally:
-            kernels.words_kernel_available = available
+            kernels.gluon_available = available
     return rows
 
 
@@ -74,21 +78,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--portable", action="store_true", help="also time the portable int8/int4 kernel")
     parser.add_argument("--kinds", default="bf16,int8,int4")
+    parser.add_argument("--rows", default="1", help="input rows (decode batch sizes), comma-separated")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     bandwidth = copy_bandwidth(torch.device("cuda")) / 1e9
     print(f"copy bandwidth {bandwidth:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
-    rows = [row for kind in args.kinds.split(",") for name in SHAPES
-            for row in bench_shape(name, ALGOS[kind], bandwidth, args.portable, g)]
+    rows = [row for m in map(int, args.rows.split(",")) for kind in args.kinds.split(",") for name in SHAPES
+            for row in bench_shape(name, ALGOS[kind], bandwidth, args.portable, g, m)]
     best = {}
     for row in rows:
-        key = (row["shape"], row["kind"], row["kernel"])
+        key = (row["rows"], row["shape"], row["kind"], row["kernel"])
         if key not in best or row["us"] < best[key]["us"]:
             best[key] = row
     print("\nfastest per shape, kind and kernel:")
-    for (shape, kind, kernel), row in sorted(best.items()):
-        print(f"  {kind:5} {shape:12} {kernel:8} {row['us']:8.1f} us {row['GB/s']:7.0f} GB/s "
+    for (m, shape, kind, kernel), row in sorted(best.items()):
+        print(f"  {m} × {kind:5} {shape:12} {kernel:12} {row['us']:8.1f} us {row['GB/s']:7.0f} GB/s "
               f"{100 * row['of_copy']:5.1f}% of copy  rel err {row['rel_err']:.1e}  {row['config']}")
     if args.out:
         args.out.write_text(json.dumps({"copy_GBps": bandwidth, "device": torch.cuda.get_device_name(),

@@ -12,6 +12,7 @@ checked on hand-computed values.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
 import os
 import subprocess
@@ -94,21 +95,26 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 # --- int4 packing and the linear layers ---------------------------------------------------------------------------
 
 def test_int4_pack_layout_and_round_trip():
-    values = torch.randint(-8, 8, (6, 10), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    values = torch.randint(-8, 8, (6, 24), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
     packed = pack_int4(values)
-    assert packed.shape == (6, 5) and packed.dtype == torch.uint8
-    # byte j of a row: q[j] + 8 in the low nibble, q[j + K/2] + 8 in the high one
-    assert int(packed[2, 3]) == (int(values[2, 3]) + 8) | ((int(values[2, 8]) + 8) << 4)
+    assert packed.shape == (6, 12) and packed.dtype == torch.uint8
+    words = packed.view(torch.int32)  # [6, 3]: K/8 words per row
+    # planar order: the nibble at bits 4p + 16h of word c holds feature 2(p·K/8 + c) + h, plus 8
+    for row, c, p, h in itertools.product(range(6), range(3), range(4), range(2)):
+        assert (int(words[row, c]) >> (4 * p + 16 * h)) & 15 == int(values[row, 2 * (p * 3 + c) + h]) + 8
     assert torch.equal(unpack_int4(packed), values)
-    with pytest.raises(ValueError, match="even"):
-        pack_int4(values[:, :9])
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack_int4(values[:, :12])
 
 
-def test_int8_pack_biases_by_128_and_round_trips():
-    values = torch.tensor([[-128, -1, 0, 1, 127]], dtype=torch.int8)
+def test_int8_pack_biases_by_128_in_planar_order_and_round_trips():
+    values = torch.tensor([[-128, -1, 0, 1, 127, 5, -5, 2]], dtype=torch.int8)
     packed = pack_int8(values)
-    assert packed.dtype == torch.uint8 and packed.tolist() == [[0, 127, 128, 129, 255]]
+    # word c: bytes 2p + h hold feature 2(p·K/4 + c) + h: word 0 = features 0, 1, 4, 5; word 1 = 2, 3, 6, 7
+    assert packed.dtype == torch.uint8 and packed.tolist() == [[0, 127, 255, 133, 128, 129, 123, 130]]
     assert torch.equal(unpack_int8(packed), values)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        pack_int8(values[:, :6])
 
 
 @pytest.mark.parametrize("algo", [None, "W8A16", "W4A16"])
@@ -352,17 +358,24 @@ def test_triton_ops_match_their_definitions(triton_ops):
 def test_triton_matmuls_match_dequantized_products(triton_ops, algo):
     _, kernels = triton_ops
     g = torch.Generator().manual_seed(2)
-    weight = (torch.randn(48, 160, generator=g) * 0.02).half().to(KERNEL_DEVICE)
-    bias = torch.randn(48, generator=g).half().to(KERNEL_DEVICE)
-    layer = Linear.from_weight(weight, bias, algo, torch.float16, use_triton=True)
-    exact = fake_quantize(weight, algo) if algo else weight.float()
-    for rows, swiglu, config in ((1, False, kernels.CANDIDATES[1][0]), (1, True, kernels.CANDIDATES[1][-1]),
-                                 (1, False, kernels.WORD_CANDIDATES[0]), (1, True, kernels.WORD_CANDIDATES[-1]),
-                                 (5, False, kernels.CANDIDATES[16][0]), (3, True, kernels.CANDIDATES[16][0])):
-        x = torch.randn(rows, 320 if swiglu else 160, generator=g).half().to(KERNEL_DEVICE)
-        inputs = TorchOps.silu_mul(x) if swiglu else x
-        got = kernels.matmul(x, layer.stored, layer.scale, layer.bias, layer.kind, swiglu, config)
-        assert rel(got, inputs.float() @ exact.T + bias.float()) < 1e-3, (rows, swiglu, config)
+    one_row = [kernels.CANDIDATES[1][0], kernels.CANDIDATES[1][-1]] if algo is None else \
+        [kernels.GEMV_CANDIDATES[0], kernels.GEMV_CANDIDATES[-1], kernels.GemvConfig(1, 2, 2, 1, True, splits=3),
+         kernels.GemvConfig(1, 1, 1, 1, False, splits=2)]
+    several = [kernels.CANDIDATES[16][0], kernels.Config(16, 32, 64, 4, 2)]
+    tensor_cores = [] if algo is None else [kernels.MmaConfig(1), kernels.MmaConfig(2, 2, splits=3)]
+    for n, k in ((48, 160), (40, 1056)):  # one step with masked words; several steps of the loops
+        weight = (torch.randn(n, k, generator=g) * 0.02).half().to(KERNEL_DEVICE)
+        bias = torch.randn(n, generator=g).half().to(KERNEL_DEVICE)
+        layer = Linear.from_weight(weight, bias, algo, torch.float16, use_triton=True)
+        exact = fake_quantize(weight, algo) if algo else weight.float()
+        cases = [(1, swiglu, c) for c in one_row for swiglu in (False, True)] + [(5, False, several[0]),
+                                                                                 (3, True, several[1])] + [
+            (rows, rows == 8, c) for c in tensor_cores for rows in (1, 5, 8)]
+        for rows, swiglu, config in cases:
+            x = torch.randn(rows, 2 * k if swiglu else k, generator=g).half().to(KERNEL_DEVICE)
+            inputs = TorchOps.silu_mul(x) if swiglu else x
+            got = kernels.matmul(x, layer.stored, layer.scale, layer.bias, layer.kind, swiglu, config)
+            assert rel(got, inputs.float() @ exact.T + bias.float()) < 1e-3, (n, k, rows, swiglu, config)
 
 
 @NEEDS_TRITON

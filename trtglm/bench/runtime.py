@@ -536,16 +536,24 @@ def long_ttft_ms(model, prompt_len: int, generator: torch.Generator, repeats: in
 
 
 def profile_decode_step(model, batch: int, top: int = 12) -> dict:
-    """The kernels of one eager decode step of `batch` sequences (what the graph replays), by GPU time."""
+    """The kernels of one eager decode step of `batch` sequences (what the graph replays), by GPU time. Launched
+    without programmatic dependent launch, so that a kernel's time is its own, not partly spent waiting for the
+    kernel before."""
     from torch.profiler import ProfilerActivity, profile
+
+    from trtglm.runtime.fast import kernels
 
     slots = list(range(batch))
     tokens = model.prefill(slots, [[1, 2, 3]] * batch).argmax(-1)
-    tokens = model.decode(slots, tokens, use_graph=False).argmax(-1)  # warm-up
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        model.decode(slots, tokens, use_graph=False)
+    pdl, kernels.PDL_ENABLED = kernels.PDL_ENABLED, False
+    try:
+        tokens = model.decode(slots, tokens, use_graph=False).argmax(-1)  # warm-up
         torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model.decode(slots, tokens, use_graph=False)
+            torch.cuda.synchronize()
+    finally:
+        kernels.PDL_ENABLED = pdl
     for slot in slots:
         model.release(slot)
     events = [e for e in prof.key_averages() if _device_us(e) > 0]
@@ -626,7 +634,7 @@ def _percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q / 100 * (len(ordered) - 1) + 0.5))]
 
 
-def gemv_probe(config: tuple = (0, 16, 512, 8, 3)) -> None:
+def gemv_probe(config: tuple = (0, 16, 512, 8, 3), word_config: tuple = (8, 2, 1, 4, True)) -> None:
     """One launch of the one-row matmul per weight kind on the fc shape, for a profiler to look at
     (scripts/bench_gpu.sh runs it under Nsight Compute: compute- or memory-bound?)."""
     from trtglm.chatglm.config import ChatGLMConfig
@@ -643,9 +651,10 @@ def gemv_probe(config: tuple = (0, 16, 512, 8, 3)) -> None:
     x = torch.randn(1, cfg.hidden_size, device=device, dtype=torch.bfloat16)
     for algo in MODES.values():
         layer = Linear.from_weight(weight, None, algo, torch.bfloat16, use_triton=True)
-        kernels.matmul(x, layer.stored, layer.scale, None, layer.kind, config=kernels.Config(*config))
+        chosen = kernels.GemvConfig(*word_config) if algo else kernels.Config(*config)
+        kernels.matmul(x, layer.stored, layer.scale, None, layer.kind, config=chosen)
         torch.cuda.synchronize()
-        log.info("gemv probe: %s, %s", algo or "bf16", config)
+        log.info("gemv probe: %s, %s", algo or "bf16", chosen)
 
 
 # --- reporting ---------------------------------------------------------------------------------------------------

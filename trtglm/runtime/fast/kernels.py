@@ -12,33 +12,69 @@ in one `[GROUP, head]` tile so the tensor cores do the dot products; a second ke
 the chunks through their log-sum-exp. Chunks past a sequence's end exit at once, so one
 launch shape (fixed by the cache length) serves every length, as CUDA graphs need.
 
-The matmuls: a one-row kernel for decoding one sequence (weights converted to float32 in
-registers, products summed elementwise and reduced once; memory-bound for bf16 weights), on
-the GPU a word-wide one-row kernel for int8/int4 weights (inline PTX, see below), and a
-tensor-core kernel for several rows. Block shapes are chosen per (weight kind, row bucket,
-shape) by timing the candidates at start-up (`tune`, CUDA-graph replays on a cold L2 cache),
-cuBLAS included for float weights.
+The matmuls: for decoding one sequence, a one-row kernel for float weights (products summed
+elementwise and reduced once; memory-bound) and one for int8/int4 weights stored as planar
+words (below; on the GPU the Gluon kernel of gluon_gemv.py, whose layout is explicit); for
+several rows, tensor-core kernels for float and for int8/int4 words. Block shapes are chosen
+per (weight kind, row bucket, shape) by timing the candidates at start-up (`tune`, CUDA-graph
+replays on a cold L2 cache), cuBLAS included for float weights.
+
+On Hopper and later every kernel here is launched with programmatic dependent launch (`pdl`): it
+may start while the kernel before it finishes, and the matmuls start reading their weights before
+they wait for that kernel's results (`_start`), which hides most of the gap between kernels.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.errors import OutOfResources
 
+if importlib.util.find_spec("triton.experimental.gluon"):  # Gluon (Triton with explicit layouts): Triton 3.5 on
+    from trtglm.runtime.fast import gluon_gemv
+else:
+    gluon_gemv = None
+
 DECODE_CHUNK = 256  # positions per decode-attention program
+PDL_ENABLED = True  # programmatic dependent launch on GPUs that have it (Hopper on): see `pdl`
 DECODE_BLOCK = 64  # positions per inner step
 L2_FLUSH_BYTES = 128 << 20  # more than any GPU's L2 cache (H100/H200: 50 MB)
 
 
+def pdl(device: torch.device) -> dict:
+    """Launch options for programmatic dependent launch: a kernel may start (and read its weights) while the one
+    before it finishes, and waits (`_start`) before it touches that kernel's results. Needs a Hopper GPU or later
+    and a real one (not Triton's interpreter)."""
+    on = PDL_ENABLED and device.type == "cuda" and _has_pdl(device.index)
+    return {"PDL": on, "launch_pdl": on}
+
+
+@functools.cache
+def _has_pdl(index: int | None) -> bool:
+    return not triton.knobs.runtime.interpret and torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+@triton.jit
+def _start(PDL: tl.constexpr):
+    """With programmatic dependent launch: wait until the previous kernel is done and its writes are visible (the
+    first global access to anything but weights must come after this), then let the next kernel launch (only one
+    kernel ahead waits on the GPU at a time)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, n_cols, eps,
-                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -61,14 +97,16 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     out = torch.empty_like(x)
     block = triton.next_power_of_2(cols)
     _add_rms_norm_kernel[(rows,)](x, delta if delta is not None else x, weight, total, out, cols, eps,
-                                  HAS_DELTA=delta is not None, BLOCK=block, num_warps=min(16, max(4, block // 512)))
+                                  HAS_DELTA=delta is not None, BLOCK=block, num_warps=min(16, max(4, block // 512)),
+                                  **pdl(x.device))
     return total, out
 
 
 @triton.jit
 def _rope_cache_kernel(qkv_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, qkv_stride,
                        slot_stride, head_stride, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
-                       ROT: tl.constexpr):
+                       ROT: tl.constexpr, PDL: tl.constexpr):
+    _start(PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # 0..H-1 query, H..H+KVH-1 key, then value
     d = tl.arange(0, D)
@@ -98,14 +136,16 @@ def rope_cache(qkv: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, 
     q = torch.empty(tokens, num_heads, head, dtype=qkv.dtype, device=qkv.device)
     _rope_cache_kernel[(tokens, num_heads + 2 * kv_heads)](
         qkv, slots, positions, cos, sin, q, k_cache, v_cache, qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
-        H=num_heads, KVH=kv_heads, D=head, ROT=2 * cos.shape[1], num_warps=1)
+        H=num_heads, KVH=kv_heads, D=head, ROT=2 * cos.shape[1], num_warps=1, **pdl(qkv.device))
     return q
 
 
 @triton.jit
 def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, o_ptr, lse_ptr, scale, slot_stride,
                              head_stride, H: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                             D: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr):
+                             D: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+                             PDL: tl.constexpr):
+    _start(PDL)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -140,7 +180,8 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, o_ptr, lse_
 
 
 @triton.jit
-def _merge_splits_kernel(o_ptr, lse_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr):
+def _merge_splits_kernel(o_ptr, lse_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+    _start(PDL)
     row = tl.program_id(0).to(tl.int64)  # sequence × query head
     s = tl.arange(0, SPLITS)
     d = tl.arange(0, D)
@@ -163,14 +204,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, slots, positions, parts, lse, head ** -0.5, k_cache.stride(0), k_cache.stride(1),
         H=num_heads, GROUP=num_heads // kv_heads, GROUP_PAD=max(16, triton.next_power_of_2(num_heads // kv_heads)),
         D=head, CHUNK=DECODE_CHUNK, BLOCK=DECODE_BLOCK, SPLITS=splits,
-        num_warps=4, num_stages=2)
+        num_warps=4, num_stages=2, **pdl(q.device))
     out = torch.empty(batch, num_heads * head, dtype=q.dtype, device=q.device)
-    _merge_splits_kernel[(batch * num_heads,)](parts, lse, out, D=head, SPLITS=splits, num_warps=2)
+    _merge_splits_kernel[(batch * num_heads,)](parts, lse, out, D=head, SPLITS=splits, num_warps=2, **pdl(q.device))
     return out
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, F, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, F, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _start(PDL)
     t = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = i < F
@@ -185,41 +227,43 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     inner = width // 2
     out = torch.empty(tokens, inner, dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_mul_kernel[(tokens, triton.cdiv(inner, block))](x, out, inner, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(tokens, triton.cdiv(inner, block))](x, out, inner, BLOCK=block, num_warps=4, **pdl(x.device))
     return out
 
 
 # --- weight-only matmuls ------------------------------------------------------------------------------------------
-# Weight storage kinds: FLOAT ([N, K] in the compute dtype), INT8 ([N, K] uint8 holding q + 128, float32 scale per
-# row) and INT4 ([N, K/2] uint8: byte j of a row holds q[j] + 8 in its low nibble and q[j + K/2] + 8 in its high
-# one, so both halves of the input row meet contiguous weight bytes and no shuffling is needed).
+# Weight storage kinds: FLOAT ([N, K] in the compute dtype) and, with a float32 scale per row, INT8 and INT4 as rows
+# of 32-bit words in a planar order. The input row is read as pairs of features (2i, 2i + 1) and the pairs as PLANES
+# runs of WORDS pairs each (INT8: 2 planes, WORDS = K/4; INT4: 4 planes, WORDS = K/8); word c of a weight row holds,
+# for every plane p, the two weights of pair p·WORDS + c (stored as value + 128 or value + 8):
+#   INT8: bytes 0, 1 ← plane 0, bytes 2, 3 ← plane 1 (the weight of feature 2i + h at bits 16p + 8h);
+#   INT4: the nibbles at bits 4p and 16 + 4p ← plane p (feature 2i + h at bits 4p + 16h).
+# So each plane of the input is one contiguous run, which a kernel reads with one vector load and reuses for every
+# row it holds, and one `prmt` (INT8) or `lop3` (INT4) turns a word's pair into two half-precision values that meet
+# their input pair as it lies in memory.
 FLOAT, INT8, INT4 = 0, 1, 2
+PLANES = {INT8: 2, INT4: 4}
 
 
 @triton.jit
-def _weights_as(w, dtype, WEIGHT: tl.constexpr, HIGH: tl.constexpr):
-    """The weight values of a loaded tile (one nibble of it for INT4), in `dtype`."""
+def _plane_weights(w, p: tl.constexpr, h: tl.constexpr, WEIGHT: tl.constexpr):
+    """The int32 weight values of feature 2i + h of plane p's pairs in words `w` (INT8 or INT4)."""
     if WEIGHT == 2:
-        if HIGH:
-            values = (w >> 4).to(tl.int8) - 8
-        else:
-            values = (w & 15).to(tl.int8) - 8
-    elif WEIGHT == 1:
-        values = (w ^ 0x80).to(tl.int8, bitcast=True)
+        values = ((w >> (4 * p + 16 * h)) & 15) - 8
     else:
-        values = w
-    return values.to(dtype)
+        values = ((w >> (16 * p + 8 * h)) & 255) - 128
+    return values
 
 
 @triton.jit
-def _matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[M, N] = x[M, K] · Ŵᵀ (tensor cores, several rows); K counts stored columns (K/2 bytes for INT4)."""
+def _matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, HAS_BIAS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """y[M, N] = x[M, K] · Wᵀ for FLOAT weights (tensor cores, several rows)."""
+    _start(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
-    x_cols = 2 * K if WEIGHT == 2 else K
-    x_rows = x_ptr + rm.to(tl.int64)[:, None] * x_cols
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * K
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
     m_ok, n_ok = rm < M, rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -227,13 +271,38 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, WEIGHT: tl
         kk = k0 + rk
         k_ok = kk < K
         x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-        acc += tl.dot(x, tl.trans(_weights_as(w, x.dtype, WEIGHT, False)))
-        if WEIGHT == 2:
-            x_high = tl.load(x_rows + K + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += tl.dot(x_high, tl.trans(_weights_as(w, x.dtype, WEIGHT, True)))
-    if WEIGHT != 0:
-        acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _matmul_words_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, WORDS, WEIGHT: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                         PDL: tl.constexpr):
+    """y[M, N] = x · Ŵᵀ for planar INT8/INT4 words (tensor cores, several rows): each plane's weight pairs are
+    interleaved back into feature order and meet one contiguous tile of the input."""
+    _start(PDL)
+    PAIRS: tl.constexpr = 4 if WEIGHT == 2 else 2  # planes
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rw = tl.arange(0, BLOCK_W)
+    rf = tl.arange(0, 2 * BLOCK_W)
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * (2 * PAIRS * WORDS)
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * WORDS
+    m_ok, n_ok = rm < M, rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for c0 in range(0, WORDS, BLOCK_W):
+        w = tl.load(w_rows + (c0 + rw)[None, :], mask=n_ok[:, None] & (c0 + rw < WORDS)[None, :], other=0)
+        f_ok = rf < 2 * (WORDS - c0)
+        for p in tl.static_range(PAIRS):
+            x = tl.load(x_rows + (2 * (p * WORDS + c0) + rf)[None, :], mask=m_ok[:, None] & f_ok[None, :], other=0.0)
+            pairs = tl.join(_plane_weights(w, p, 0, WEIGHT), _plane_weights(w, p, 1, WEIGHT))
+            acc += tl.dot(x, tl.trans(tl.reshape(pairs, (BLOCK_N, 2 * BLOCK_W)).to(x.dtype)))
+    acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -253,199 +322,135 @@ def _gemv_input(x_ptr, kk, k_ok, INNER, SWIGLU: tl.constexpr):
 
 
 @triton.jit
-def _gemv_output(acc, rn, n_ok, scale_ptr, bias_ptr, y_ptr, factor, WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Store the row sums of `acc` × scale (× factor) + bias at rows rn."""
+def _gemv_output(acc, rn, n_ok, scale_ptr, bias_ptr, y_ptr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Store the row sums of `acc` × scale + bias at rows rn."""
     y = tl.sum(acc, axis=1)
-    if WEIGHT != 0:
-        y = y * (tl.load(scale_ptr + rn, mask=n_ok, other=0.0) * factor)
+    if HAS_SCALE:
+        y = y * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
-def _weights_f32(w, WEIGHT: tl.constexpr, HIGH: tl.constexpr):
-    """float32 weight values of a loaded tile without int→float conversion instructions (a Hopper SM
-    converts 16 values per clock, too few to keep up with memory): an integer v in 0..2^23 added to the
-    bits of 2^23 gives the float 2^23 + v exactly, and one float subtraction leaves v (minus the bias)."""
-    if WEIGHT == 0:
-        values = w.to(tl.float32)
-    elif WEIGHT == 1:
-        values = (w.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0  # 2^23 + 128
-    else:
-        nibble = (w.to(tl.int32) >> 4) if HIGH else (w.to(tl.int32) & 15)
-        values = (nibble | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # 2^23 + 8
-    return values
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K, WEIGHT: tl.constexpr, SWIGLU: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[N] = x[K_in] · Ŵᵀ for one row: products accumulate elementwise, one reduction at the end."""
+def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """y[N] = x[K_in] · Wᵀ for one row and FLOAT weights: products accumulate elementwise, one reduction at the end."""
+    _start(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
-    inner = 2 * K if WEIGHT == 2 else K
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
         k_ok = kk < K
-        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-        x = _gemv_input(x_ptr, kk, k_ok, inner, SWIGLU)
-        acc += _weights_f32(w, WEIGHT, False) * x[None, :]
-        if WEIGHT == 2:
-            x_high = _gemv_input(x_ptr, K + kk, k_ok, inner, SWIGLU)
-            acc += _weights_f32(w, WEIGHT, True) * x_high[None, :]
-    _gemv_output(acc, rn, n_ok, scale_ptr, bias_ptr, y_ptr, 1.0, WEIGHT, HAS_BIAS)
-
-
-# The one-row int8/int4 kernel on the GPU works on whole 32-bit words of weights (4 int8 or 8 int4 values) in
-# inline PTX, because per-value integer work bounds the portable kernel above: a byte (or nibble) placed under the
-# exponent of 1024 by one `prmt` (or `lop3`) is the half-precision float 1024 + value, two per register, and one
-# packed subtraction leaves the signed values; packed half-precision multiply-adds with the inputs (scaled by
-# WORD_INPUT_SCALE so that a word's partial sum stays far from half precision's 65504) give one float32 partial sum
-# per word.
-WORD_INPUT_SCALE = tl.constexpr(1.0 / 32)
-_INT8_WORD_DOT = tl.constexpr("""{
-.reg .b32 m, k, p0, p1, acc;
-.reg .b16 h0, h1;
-.reg .f32 f;
-mov.b32 m, 0x64646464;
-mov.b32 k, 0x64806480;
-prmt.b32 p0, $1, m, 0x4140;
-prmt.b32 p1, $1, m, 0x4342;
-sub.f16x2 p0, p0, k;
-sub.f16x2 p1, p1, k;
-mul.f16x2 acc, p0, $2;
-fma.rn.f16x2 acc, p1, $3, acc;
-mov.b32 {h0, h1}, acc;
-add.f16 h0, h0, h1;
-cvt.f32.f16 f, h0;
-mov.b32 $0, f;
-}""")  # bytes 0,1 and 2,3 of the word (stored q + 128) → (1024 + u) pairs − 1152 → q; · input pairs; summed
-_INT4_WORD_DOT = tl.constexpr("""{
-.reg .b32 m, k, t, p0, p1, p2, p3, acc;
-.reg .b16 h0, h1;
-.reg .f32 f;
-mov.b32 m, 0x64006400;
-mov.b32 k, 0x64086408;
-lop3.b32 p0, $1, 0x000F000F, m, 0xEA;
-shr.b32 t, $1, 4;
-lop3.b32 p1, t, 0x000F000F, m, 0xEA;
-shr.b32 t, $1, 8;
-lop3.b32 p2, t, 0x000F000F, m, 0xEA;
-shr.b32 t, $1, 12;
-lop3.b32 p3, t, 0x000F000F, m, 0xEA;
-sub.f16x2 p0, p0, k;
-sub.f16x2 p1, p1, k;
-sub.f16x2 p2, p2, k;
-sub.f16x2 p3, p3, k;
-mul.f16x2 acc, p0, $2;
-fma.rn.f16x2 acc, p1, $3, acc;
-fma.rn.f16x2 acc, p2, $4, acc;
-fma.rn.f16x2 acc, p3, $5, acc;
-mov.b32 {h0, h1}, acc;
-add.f16 h0, h0, h1;
-cvt.f32.f16 f, h0;
-mov.b32 $0, f;
-}""")  # nibbles (0, 4), (1, 5), (2, 6), (3, 7) of the word (stored q + 8) → (1024 + u) pairs − 1032 → q; as above
-
-
-@triton.jit
-def _half_pairs(a, b, shape):
-    """int32 words holding (half(a), half(b)), a in the low 16 bits (one conversion), broadcast to `shape`."""
-    pairs = tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [a, b], dtype=tl.int32,
-                                      is_pure=True, pack=1)
-    return tl.broadcast_to(pairs[None, :], shape)
-
-
-@triton.jit
-def _four_inputs(x_ptr, first, ok, INNER, SWIGLU: tl.constexpr):
-    """Inputs first .. first+3 (`first` a vector), scaled by WORD_INPUT_SCALE."""
-    x0 = _gemv_input(x_ptr, first, ok, INNER, SWIGLU)
-    x1 = _gemv_input(x_ptr, first + 1, ok, INNER, SWIGLU)
-    x2 = _gemv_input(x_ptr, first + 2, ok, INNER, SWIGLU)
-    x3 = _gemv_input(x_ptr, first + 3, ok, INNER, SWIGLU)
-    return x0 * WORD_INPUT_SCALE, x1 * WORD_INPUT_SCALE, x2 * WORD_INPUT_SCALE, x3 * WORD_INPUT_SCALE
+        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * _gemv_input(x_ptr, kk, k_ok, K, SWIGLU)[None, :]
+    _gemv_output(acc, rn, n_ok, scale_ptr, bias_ptr, y_ptr, False, HAS_BIAS)
 
 
 @triton.jit
 def _gemv_words_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, WORDS, WEIGHT: tl.constexpr,
-                       SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
-    """y[N] = x · Ŵᵀ for one row, INT8/INT4 weights read as `[N, WORDS]` int32 words (GPU only)."""
+                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+    """y[N] = x · Ŵᵀ for one row of planar INT8/INT4 words, in float32 (Triton's interpreter, float32 inputs; on the
+    GPU gluon_gemv.py does this for 16-bit inputs)."""
+    _start(PDL)
+    PAIRS: tl.constexpr = 4 if WEIGHT == 2 else 2
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rw = tl.arange(0, BLOCK_W)
     n_ok = rn < N
-    inner = 8 * WORDS if WEIGHT == 2 else 4 * WORDS  # input features
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * WORDS
     acc = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
-    shape: tl.constexpr = (BLOCK_N, BLOCK_W)
     for c0 in range(0, WORDS, BLOCK_W):
         cw = c0 + rw
         c_ok = cw < WORDS
         w = tl.load(w_rows + cw[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0)
-        x0, x1, x2, x3 = _four_inputs(x_ptr, 4 * cw, c_ok, inner, SWIGLU)
-        if WEIGHT == 1:  # word c holds inputs 4c .. 4c+3
-            part = tl.inline_asm_elementwise(_INT8_WORD_DOT, "=r,r,r,r",
-                                             [w, _half_pairs(x0, x1, shape), _half_pairs(x2, x3, shape)],
-                                             dtype=tl.int32, is_pure=True, pack=1)
-        else:  # low nibbles: inputs 4c .. 4c+3; high nibbles: the same in the second half of the row
-            h0, h1, h2, h3 = _four_inputs(x_ptr, 4 * WORDS + 4 * cw, c_ok, inner, SWIGLU)
-            part = tl.inline_asm_elementwise(
-                _INT4_WORD_DOT, "=r,r,r,r,r,r",
-                [w, _half_pairs(x0, x2, shape), _half_pairs(h0, h2, shape), _half_pairs(x1, x3, shape),
-                 _half_pairs(h1, h3, shape)], dtype=tl.int32, is_pure=True, pack=1)
-        acc += part.to(tl.float32, bitcast=True)
-    _gemv_output(acc, rn, n_ok, scale_ptr, bias_ptr, y_ptr, 1.0 / WORD_INPUT_SCALE, WEIGHT, HAS_BIAS)
+        for p in tl.static_range(PAIRS):
+            for h in tl.static_range(2):
+                x = tl.load(x_ptr + 2 * (p * WORDS + cw) + h, mask=c_ok, other=0.0).to(tl.float32)
+                acc += _plane_weights(w, p, h, WEIGHT).to(tl.float32) * x[None, :]
+    _gemv_output(acc, rn, n_ok, scale_ptr, bias_ptr, y_ptr, True, HAS_BIAS)
 
 
 def graph_time_ms(fn, calls: int = 10, replays: int = 5) -> float:
     """Median time of one call of `fn` on a cold L2 cache, replayed from a CUDA graph as decode steps run
     (launching from Python would time the host, and repeating one call would read its weights from L2):
-    a graph of `calls` × (overwrite L2_FLUSH_BYTES, fn), less the same graph without fn."""
-    flush, flush_ms = _l2_flush(calls, replays)
-    return _replay_ms(lambda: (flush.zero_(), fn()), calls, replays) - flush_ms
+    a graph of `calls` × (overwrite L2_FLUSH_BYTES, fn) less a graph of the overwrites alone, replayed in
+    alternation so that both see the same clocks; the median of the differences."""
+    flush = _l2_flush_buffer()
+    with_fn = _graph(lambda: (flush.zero_(), fn()), calls)
+    alone = _graph(flush.zero_, calls)
+    differences = [_replay_ms(with_fn) - _replay_ms(alone) for _ in range(replays)]
+    return sorted(differences)[len(differences) // 2] / calls
 
 
 @functools.cache
-def _l2_flush(calls: int, replays: int) -> tuple[torch.Tensor, float]:
-    """The buffer `graph_time_ms` overwrites to empty the L2 cache, and the time of overwriting it."""
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    return flush, _replay_ms(flush.zero_, calls, replays)
+def _l2_flush_buffer() -> torch.Tensor:
+    return torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
 
 
-def _replay_ms(body, calls: int, replays: int) -> float:
-    """Median time of one call of `body`, from `replays` replays of a CUDA graph of `calls` calls."""
+def _graph(body, calls: int) -> torch.cuda.CUDAGraph:
     body()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
             body()
+    return graph
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return sorted(times)[len(times) // 2]
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
-def words_kernel_available() -> bool:
-    """The word-wide kernel needs a real GPU (Triton's interpreter does not run inline PTX)."""
-    return not triton.knobs.runtime.interpret
+def gluon_available(x: torch.Tensor) -> bool:
+    """The Gluon one-row kernel takes 16-bit inputs on a real GPU (not Triton's interpreter)."""
+    return gluon_gemv is not None and not triton.knobs.runtime.interpret and x.is_cuda \
+        and x.dtype in (torch.bfloat16, torch.float16)
 
 
 class Config(NamedTuple):
-    block_m: int  # 0: the one-row kernel; -1: cuBLAS (float weights)
+    """Block shape of the Triton kernels: one-row (block_m 0), tensor-core (block_m > 0) or cuBLAS (CUBLAS)."""
+    block_m: int
     block_n: int
-    block_k: int  # stored columns (bytes for INT8/INT4); the tensor-core kernel takes half as many INT4 bytes
+    block_k: int  # one-row kernels: stored columns (bytes) per step; tensor-core kernels: input features per step
     warps: int
     stages: int
     fuse_swiglu: bool = True  # the one-row kernel applies SwiGLU to its input (else a separate kernel does)
+
+
+class GemvConfig(NamedTuple):
+    """Layout of the one-row INT8/INT4 kernel: each thread holds `rows` rows × `vec` words; warps_n × warps_w warps;
+    `prefetch`: load the next tile before working on this one; each row's words cut into `splits` runs (Gluon)."""
+    rows: int
+    vec: int
+    warps_n: int
+    warps_w: int
+    prefetch: bool
+    splits: int = 1
+    fuse_swiglu: bool = True
+
+    @property
+    def block_n(self) -> int:
+        return self.rows * self.warps_n
+
+    @property
+    def block_w(self) -> int:
+        return self.vec * 32 * self.warps_w
+
+
+class MmaConfig(NamedTuple):
+    """The tensor-core kernel for 1 to 8 rows and INT8/INT4 words (Gluon only): warps_n warps of 16 weight rows each,
+    each lane taking `lane_words` words of two rows per step, each row's words cut into `splits` runs."""
+    warps_n: int
+    lane_words: int = 4
+    splits: int = 1
 
 
 def _configs(block_m: int, *shapes: tuple[int, int, int, int]) -> list[Config]:
@@ -463,59 +468,95 @@ CANDIDATES: dict[int, list[Config]] = {
                  (128, 128, 8, 4), (256, 64, 8, 4), (64, 128, 4, 6), (128, 64, 4, 6)),
     128: [Config(64, 128, 64, 4, 4), Config(128, 128, 64, 8, 3), Config(128, 256, 64, 8, 3), Config(64, 256, 64, 8, 4)],
 }
-# The word-wide one-row kernel (int8/int4 on the GPU): block_k counts stored bytes, four to a word.
-WORD_CANDIDATES = _configs(0, (16, 512, 4, 4), (32, 512, 4, 3), (64, 512, 4, 3), (8, 512, 2, 4), (16, 512, 2, 4),
-                           (32, 256, 2, 4), (16, 1024, 4, 3), (64, 256, 4, 3), (8, 256, 1, 4), (16, 256, 1, 4),
-                           (32, 1024, 8, 3), (128, 256, 8, 3), (32, 512, 2, 3), (64, 512, 8, 3))
+# The one-row INT8/INT4 kernels: the layouts that were fastest for some 6B matrix on an H200 (bench_matmul, docs/
+# benchmarks.md), and their neighbours.
+GEMV_CANDIDATES = [GemvConfig(*shape) for shape in (
+    (8, 2, 1, 4, True), (8, 2, 1, 4, False), (4, 4, 1, 4, True), (4, 4, 1, 4, False), (4, 4, 4, 1, True),
+    (2, 4, 2, 2, True), (4, 2, 1, 4, False), (4, 2, 1, 4, True), (4, 4, 2, 4, False), (8, 4, 1, 4, True),
+    (4, 4, 2, 2, True), (2, 2, 1, 4, False), (4, 2, 1, 8, False), (8, 2, 1, 2, False), (4, 2, 1, 2, False),
+    (8, 2, 1, 4, False, 2))]
+MMA_CANDIDATES = [MmaConfig(*shape) for shape in ((4, 8, 8), (1, 8, 8), (2, 8, 8), (4, 8, 4), (1, 8, 4), (4, 8, 2))]
 CUBLAS = Config(-1, 0, 0, 0, 0)
-CHOSEN: dict[tuple, Config] = {}  # (weight kind, row bucket, N, K, swiglu) -> config
+AnyConfig = Config | GemvConfig | MmaConfig
+CHOSEN: dict[tuple, AnyConfig] = {}  # (weight kind, row bucket, N, K, swiglu) -> config
 
 
 def row_bucket(m: int) -> int:
-    return 1 if m == 1 else 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    return 1 if m == 1 else 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, weight: int,
-           swiglu: bool = False, config: Config | None = None) -> torch.Tensor:
+           swiglu: bool = False, config: AnyConfig | None = None) -> torch.Tensor:
     """x `[M, K_in]` · Ŵᵀ + bias, Ŵ = stored weight × per-row scale, accumulated in float32; `[M, N]`.
 
-    `swiglu`: x rows are [up; gate] and the input is silu(gate)·up (one-row kernel only).
+    `swiglu`: x rows are [up; gate] and the input is silu(gate)·up (fused by the one-row kernels).
     """
-    m, n, k = x.shape[0], w.shape[0], w.shape[1]
-    config = config or CHOSEN.get(_key(x, w, weight, swiglu)) or default_config(weight, m)
+    m, n = x.shape[0], w.shape[0]
+    config = config or CHOSEN.get(_key(x, w, weight, swiglu)) or default_config(weight, m, gluon_available(x))
+    if isinstance(config, MmaConfig) and not (gluon_available(x) and m <= 8):
+        config = CANDIDATES[16][0]
     if config == CUBLAS:
         return F.linear(silu_mul(x) if swiglu else x, w, bias)
-    bm, bn, bk, warps, stages, fuse_swiglu = config
-    if swiglu and (bm or not fuse_swiglu):
+    fused = isinstance(config, GemvConfig) and gluon_available(x) or isinstance(config, Config) and \
+        config.block_m == 0 and weight == FLOAT
+    if swiglu and not (fused and config.fuse_swiglu):
         x, swiglu = silu_mul(x), False
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     scale_arg = scale if scale is not None else w
     bias_arg = bias if bias is not None else w
-    if bm == 0 and weight != FLOAT and k % 4 == 0 and words_kernel_available():
-        _gemv_words_kernel[(triton.cdiv(n, bn),)](x, w.view(torch.int32), scale_arg, bias_arg, y, n, k // 4,
-                                                  WEIGHT=weight, SWIGLU=swiglu, HAS_BIAS=bias is not None,
-                                                  BLOCK_N=bn, BLOCK_W=bk // 4, num_warps=warps, num_stages=stages)
-    elif bm == 0:
-        _gemv_kernel[(triton.cdiv(n, bn),)](x, w, scale_arg, bias_arg, y, n, k, WEIGHT=weight, SWIGLU=swiglu,
-                                            HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
-                                            num_warps=warps, num_stages=stages)
+    if weight != FLOAT:
+        _matmul_words(x, w.view(torch.int32), scale, bias, y, weight, swiglu, config)
+    elif config.block_m == 0:
+        _gemv_kernel[(triton.cdiv(n, config.block_n),)](x, w, scale_arg, bias_arg, y, n, w.shape[1], SWIGLU=swiglu,
+                                                        HAS_BIAS=bias is not None, BLOCK_N=config.block_n,
+                                                        BLOCK_K=config.block_k, num_warps=config.warps,
+                                                        num_stages=config.stages, **pdl(x.device))
     else:
-        _matmul_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
-            x, w, scale_arg, bias_arg, y, m, n, k, WEIGHT=weight, HAS_BIAS=bias is not None,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk // 2 if weight == INT4 else bk, num_warps=warps, num_stages=stages)
+        _matmul_kernel[(triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m))](
+            x, w, scale_arg, bias_arg, y, m, n, w.shape[1], HAS_BIAS=bias is not None, BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.warps, num_stages=config.stages,
+            **pdl(x.device))
     return y
 
 
-def candidates(weight: int, bucket: int) -> list[Config]:
-    """The block shapes `tune` times for a weight kind and row bucket (cuBLAS is added for float weights)."""
-    if bucket == 1 and weight != FLOAT and words_kernel_available():
-        return WORD_CANDIDATES
+def _matmul_words(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                  y: torch.Tensor, weight: int, swiglu: bool, config: Config | GemvConfig) -> None:
+    m, (n, count) = x.shape[0], words.shape
+    bias_arg = bias if bias is not None else scale
+    if isinstance(config, MmaConfig):
+        gluon_gemv.gemv_mma(x, words, scale, bias, y, weight, *config, **pdl(x.device))
+    elif isinstance(config, GemvConfig) and gluon_available(x):
+        gluon_gemv.gemv_words(x, words, scale, bias, y, weight, swiglu, *config[:6], **pdl(x.device))
+    elif isinstance(config, GemvConfig):
+        _gemv_words_kernel[(triton.cdiv(n, config.block_n),)](
+            x, words, scale, bias_arg, y, n, count, WEIGHT=weight, HAS_BIAS=bias is not None,
+            BLOCK_N=config.block_n, BLOCK_W=config.block_w, num_warps=config.warps_n * config.warps_w, **pdl(x.device))
+    elif config.block_m == 0:
+        raise ValueError("the one-row INT8/INT4 kernel takes a GemvConfig")
+    else:
+        features_per_word = 8 if weight == INT4 else 4
+        _matmul_words_kernel[(triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m))](
+            x, words, scale, bias_arg, y, m, n, count, WEIGHT=weight, HAS_BIAS=bias is not None,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_W=config.block_k // features_per_word,
+            num_warps=config.warps, num_stages=config.stages, **pdl(x.device))
+
+
+def candidates(weight: int, bucket: int, gluon: bool = False) -> list[AnyConfig]:
+    """The block shapes `tune` times for a weight kind and row bucket (cuBLAS is added for float weights); `gluon`:
+    the input can go to the Gluon kernels (gluon_available)."""
+    if weight == FLOAT:
+        return CANDIDATES[bucket if bucket != 8 else 16]
+    tensor_cores = MMA_CANDIDATES if gluon else []
+    if bucket == 1:
+        return GEMV_CANDIDATES + tensor_cores
+    if bucket == 8:
+        return tensor_cores + CANDIDATES[16]
     return CANDIDATES[bucket]
 
 
-def default_config(weight: int, rows: int) -> Config:
+def default_config(weight: int, rows: int, gluon: bool = False) -> AnyConfig:
     """Untuned: cuBLAS for float weights, else the first candidate of the row bucket."""
-    return CUBLAS if weight == FLOAT else candidates(weight, row_bucket(rows))[0]
+    return CUBLAS if weight == FLOAT else candidates(weight, row_bucket(rows), gluon)[0]
 
 
 def _key(x: torch.Tensor, w: torch.Tensor, weight: int, swiglu: bool) -> tuple:
@@ -523,15 +564,16 @@ def _key(x: torch.Tensor, w: torch.Tensor, weight: int, swiglu: bool) -> tuple:
 
 
 def tune(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, weight: int,
-         swiglu: bool = False) -> Config:
+         swiglu: bool = False) -> AnyConfig:
     """Time the candidates (and cuBLAS, for float weights) on this shape; remember and return the fastest."""
     key = _key(x, w, weight, swiglu)
     if weight == FLOAT and key[1] == 128:
         CHOSEN[key] = CUBLAS  # prompts: compute-bound, cuBLAS's ground
     if key not in CHOSEN:
-        options = list(candidates(weight, key[1])) + ([CUBLAS] if weight == FLOAT else [])
-        if swiglu and key[1] == 1:  # fused SwiGLU recomputes silu in every program: time it against a kernel of its own
-            options += [c._replace(fuse_swiglu=False) for c in candidates(weight, 1)]
+        options = list(candidates(weight, key[1], gluon_available(x))) + ([CUBLAS] if weight == FLOAT else [])
+        if swiglu:  # fused SwiGLU recomputes silu in every program: time it against a kernel of its own
+            options += [c._replace(fuse_swiglu=False) for c in options if getattr(c, "fuse_swiglu", False)
+                        and (isinstance(c, GemvConfig) or c.block_m == 0)]
         timings = {}
         for config in options:
             try:

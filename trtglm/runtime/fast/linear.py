@@ -5,8 +5,9 @@ channel); only the storage differs, so that a matmul reads fewer bytes:
 
 - int8: `[N, K]` uint8 holding q + 128 (so a byte becomes a half-precision float by placing it
   under a fixed exponent: see kernels.py) and float32 scales;
-- int4: `[N, K/2]` uint8, byte j of a row holding q[j] + 8 in its low nibble and q[j + K/2] + 8
-  in its high nibble (so each half of the input row meets contiguous bytes).
+- int4: `[N, K/2]` uint8 holding q + 8, two to a byte;
+- both in kernels.py's planar word order, in which each 32-bit word holds weights of every
+  plane of input pairs, so that a kernel reads each plane of the input as one contiguous run.
 
 On CUDA the Triton kernels of kernels.py do the products, converting weights in registers
 and applying the scale to the float32 accumulator: a one-row kernel for batch-1 decoding
@@ -82,26 +83,38 @@ class Linear:
 
 
 def pack_int8(values: torch.Tensor) -> torch.Tensor:
-    """int8 values `[N, K]` → `[N, K]` uint8 holding value + 128."""
-    return (values.to(torch.int16) + 128).to(torch.uint8).contiguous()
+    """int8 values `[N, K]` → `[N, K]` uint8 holding value + 128 in kernels.py's planar word order: byte 2p + h of
+    word c holds feature 2(p·K/4 + c) + h."""
+    rows, features = values.shape
+    if features % 4:
+        raise ValueError(f"int8 packing needs a multiple of 4 input features, not {features}")
+    biased = (values.to(torch.int16) + 128).to(torch.uint8)
+    return biased.view(rows, 2, features // 4, 2).permute(0, 2, 1, 3).reshape(rows, features).contiguous()
 
 
 def unpack_int8(stored: torch.Tensor) -> torch.Tensor:
     """The inverse of `pack_int8`."""
-    return (stored.to(torch.int16) - 128).to(torch.int8)
+    rows, features = stored.shape
+    biased = stored.view(rows, features // 4, 2, 2).permute(0, 2, 1, 3).reshape(rows, features)
+    return (biased.to(torch.int16) - 128).to(torch.int8)
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
-    """int4 values `[N, K]` (−8..7 in int8 storage) → `[N, K/2]` uint8 (the layout described above)."""
-    if values.shape[-1] % 2:
-        raise ValueError(f"int4 packing needs an even number of input features, not {values.shape[-1]}")
-    biased = (values.to(torch.int16) + 8).to(torch.uint8)
-    low, high = biased.chunk(2, dim=-1)
-    return (low | (high << 4)).contiguous()
+    """int4 values `[N, K]` (−8..7 in int8 storage) → `[N, K/2]` uint8 holding value + 8 in kernels.py's planar word
+    order: the nibble at bits 4p + 16h of word c holds feature 2(p·K/8 + c) + h, so byte 2h + p//2 of the word
+    holds planes 2·(p//2) (low nibble) and 2·(p//2) + 1 (high nibble)."""
+    rows, features = values.shape
+    if features % 8:
+        raise ValueError(f"int4 packing needs a multiple of 8 input features, not {features}")
+    biased = (values.to(torch.int16) + 8).to(torch.uint8).view(rows, 2, 2, features // 8, 2)  # [row, p//2, p%2, c, h]
+    packed = biased[:, :, 0] | (biased[:, :, 1] << 4)  # [row, p//2, c, h]
+    return packed.permute(0, 2, 3, 1).reshape(rows, features // 2).contiguous()
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of `pack_int4`: `[N, K]` int8 values."""
-    low = (packed & 15).to(torch.int8) - 8
-    high = (packed >> 4).to(torch.int8) - 8
-    return torch.cat((low, high), dim=-1)
+    rows, features = packed.shape[0], 2 * packed.shape[1]
+    pairs = packed.view(rows, features // 8, 2, 2)  # [row, c, h, p//2]
+    nibbles = torch.stack((pairs & 15, pairs >> 4), dim=-1)  # [row, c, h, p//2, p%2]
+    values = nibbles.permute(0, 3, 4, 1, 2).reshape(rows, features)
+    return values.to(torch.int8) - 8
