@@ -1,6 +1,7 @@
-"""The one-row INT8/INT4 matmul on the GPU, in Gluon (Triton with explicit layouts).
+"""The INT8/INT4 decode matmuls on the GPU, in Gluon (Triton with explicit layouts): a one-row kernel
+(`gemv_words_kernel`) and a tensor-core kernel for 1 to 8 rows (`gemv_mma_kernel`, described below it).
 
-Weights are kernels.py's planar words. Each thread holds ROWS rows × VEC words of a tile; the
+Weights are kernels.py's planar words. In the one-row kernel each thread holds ROWS rows × VEC words of a tile; the
 input pairs those words need are loaded once per plane (one vector load, in the layout of the
 words), converted once to half precision and reused for every row the thread holds. Plain
 Triton chose its own layout for the inputs and moved them through shared memory with a barrier

@@ -410,7 +410,7 @@ def _replay_ms(graph: torch.cuda.CUDAGraph) -> float:
 
 
 def gluon_available(x: torch.Tensor) -> bool:
-    """The Gluon one-row kernel takes 16-bit inputs on a real GPU (not Triton's interpreter)."""
+    """The Gluon kernels (gluon_gemv.py) take 16-bit inputs on a real GPU (not Triton's interpreter)."""
     return gluon_gemv is not None and not triton.knobs.runtime.interpret and x.is_cuda \
         and x.dtype in (torch.bfloat16, torch.float16)
 
@@ -520,7 +520,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: t
 
 
 def _matmul_words(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                  y: torch.Tensor, weight: int, swiglu: bool, config: Config | GemvConfig) -> None:
+                  y: torch.Tensor, weight: int, swiglu: bool, config: AnyConfig) -> None:
     m, (n, count) = x.shape[0], words.shape
     bias_arg = bias if bias is not None else scale
     if isinstance(config, MmaConfig):
