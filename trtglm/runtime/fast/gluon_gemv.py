@@ -366,7 +366,8 @@ _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per device, never reallocated (CUDA graphs keep its addresses): float32 partial sums and zeroed counters."""
+    """Per device, never reallocated (CUDA graphs keep its addresses): float32 partial sums and zeroed counters.
+    Split matmuls on one device must therefore run one at a time (one stream: each waits for the one before)."""
     if device not in _workspaces:
         _workspaces[device] = (torch.empty(_PARTIAL_FLOATS, dtype=torch.float32, device=device),
                                torch.zeros(_PARTIAL_FLOATS // MAX_SPLITS, dtype=torch.int32, device=device))
