@@ -43,8 +43,7 @@ def bench_kind(mode: str, ckpt_cfg, tensors: dict, generator: torch.Generator) -
     runs, logits = [], {}
     for pdl in (True, False, True):
         kernels.PDL_ENABLED = pdl
-        model._graphs.clear()
-        model.capture_graphs()
+        model.capture_graphs()  # replaces every bucket's graph: launches take the setting as they are captured
         logits.setdefault(pdl, greedy_logits(model, prompt))
         steps = {batch: fast_timing(model, batch, 128, 128, generator).decode_ms for batch in (1, 8)}
         runs.append({"pdl": pdl, "ms_per_step": steps})

@@ -23,8 +23,8 @@ def runtime(preset: str = "6b", dtype: str = "bf16", weight_only: str | list | t
     sizes, --prompt-len/--new-tokens: forced lengths (EOS ignored), --baseline hf|none,
     --long-prompt N: TTFT of one N-token prompt, --requests/--concurrency: the in-flight run
     (0 requests skips it), --prefill-chunk N: prompt tokens its executor prefills per step (longer
-    prompts go in chunks, between decode steps), --layers N: fewer layers, --no-check / --no-profile skip those parts,
-    --no-tune skips timing the matmul kernels' block shapes at start-up (and
+    prompts go in chunks, between decode steps), --layers N: fewer layers, --no-check / --no-profile
+    skip those parts, --no-tune skips timing the matmul kernels' block shapes at start-up (and
     cuBLAS against the one-row kernel for float weights). Writes OUT/runtime.json and
     OUT/runtime.png and prints a table.
     """
@@ -32,8 +32,8 @@ def runtime(preset: str = "6b", dtype: str = "bf16", weight_only: str | list | t
 
     bench_runtime(preset=preset, dtype=dtype, weight_only=weight_only, batch=batch, prompt_len=prompt_len,
                   new_tokens=new_tokens, baseline=baseline, out=out, layers=layers, long_prompt=long_prompt,
-                  requests=requests, concurrency=concurrency, prefill_chunk=prefill_chunk, check=check, profile=profile, tune=tune,
-                  seed=seed)
+                  requests=requests, concurrency=concurrency, prefill_chunk=prefill_chunk, check=check,
+                  profile=profile, tune=tune, seed=seed)
 
 
 def bench(kind: str, **flags):

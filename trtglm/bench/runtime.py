@@ -75,8 +75,7 @@ def bench_runtime(preset: str = "6b", dtype: str = "bf16", weight_only: Sequence
                   batch: Sequence[int] | int = (1, 8, 32, 64), prompt_len: int = 128, new_tokens: int = 128,
                   baseline: str = "hf", out: str | Path = "out/bench-runtime", layers: int | None = None,
                   long_prompt: int = 512, requests: int = 256, concurrency: int = 64, prefill_chunk: int = 1024,
-                  check: bool = True,
-                  profile: bool = True, tune: bool | None = None, seed: int = 0) -> dict:
+                  check: bool = True, profile: bool = True, tune: bool | None = None, seed: int = 0) -> dict:
     """Run the benchmark (see the module docstring); returns the results written to OUT/runtime.json."""
     modes, batches = _as_list(weight_only, str), _as_list(batch, int)
     dtype_name = _check_options(preset, dtype, modes, batches, prompt_len, new_tokens, baseline, requests,

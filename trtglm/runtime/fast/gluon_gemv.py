@@ -150,17 +150,9 @@ def gemv_words_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, partial_ptr, arr
             w = gl.load(ahead, mask=ahead_ok, other=0)
     y = gl.sum(acc, axis=1) * (gl.load(scale_ptr + rn, mask=rows_ok, other=0.0) / WORD_INPUT_SCALE)
     if SPLIT:
-        gl.store(partial_ptr + gl.program_id(1) * N + rn, y, mask=rows_ok)
-        _fence(WARPS_N * WARPS_W)  # each thread's partial sums visible GPU-wide before the count that announces them
-        gl.thread_barrier()
-        arrived = gl.atomic_add(arrived_ptr + gl.program_id(0), 1, sem="acq_rel", scope="gpu")
-        if arrived == gl.num_programs(1) - 1:
-            _fence(WARPS_N * WARPS_W)
-            y = gl.zeros_like(y)
-            for split in range(gl.num_programs(1)):  # L2, not L1, holds the other programs' sums
-                y += gl.load(partial_ptr + split * N + rn, mask=rows_ok, other=0.0, cache_modifier=".cg")
-            _store_rows(y, rn, rows_ok, bias_ptr, y_ptr, HAS_BIAS)
-            gl.store(arrived_ptr + gl.program_id(0), 0)
+        _store_partial(y, partial_ptr, gl.program_id(1), rn, 0, 1, N)
+        if _arrived_last(arrived_ptr, WARPS_N * WARPS_W):
+            _store_rows(_sum_partials(y, partial_ptr, rn, 0, 1, N), rn, rows_ok, bias_ptr, y_ptr, HAS_BIAS)
     else:
         _store_rows(y, rn, rows_ok, bias_ptr, y_ptr, HAS_BIAS)
 
@@ -309,24 +301,34 @@ def gemv_mma_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, partial_ptr, arriv
         _store_partial(d1, partial_ptr, base, row, col + 1, M, N)
         _store_partial(d2, partial_ptr, base, row + 8, col, M, N)
         _store_partial(d3, partial_ptr, base, row + 8, col + 1, M, N)
-        _fence(WARPS_N)
-        gl.thread_barrier()
-        arrived = gl.atomic_add(arrived_ptr + gl.program_id(0), 1, sem="acq_rel", scope="gpu")
-        if arrived == gl.num_programs(1) - 1:
-            _fence(WARPS_N)
+        if _arrived_last(arrived_ptr, WARPS_N):
             d0 = _sum_partials(d0, partial_ptr, row, col, M, N)
             d1 = _sum_partials(d1, partial_ptr, row, col + 1, M, N)
             d2 = _sum_partials(d2, partial_ptr, row + 8, col, M, N)
             d3 = _sum_partials(d3, partial_ptr, row + 8, col + 1, M, N)
             _store_mma(d0, d1, d2, d3, row, col, M, N, scale_ptr, bias_ptr, y_ptr, WEIGHT, HAS_BIAS)
-            gl.store(arrived_ptr + gl.program_id(0), 0)
     else:
         _store_mma(d0, d1, d2, d3, row, col, M, N, scale_ptr, bias_ptr, y_ptr, WEIGHT, HAS_BIAS)
 
 
 @gluon.jit
 def _store_partial(d, partial_ptr, base, r, b, M, N):
+    """partial_ptr[split, b, r] ← d, `base` = split · M."""
     gl.store(partial_ptr + (base + b) * N + r, d, mask=(r < N) & (b < M))
+
+
+@gluon.jit
+def _arrived_last(arrived_ptr, WARPS: gl.constexpr):
+    """After this program stored its partial sums: count it in arrived_ptr[row block]; True for the last program of
+    its row block, which then sees every program's sums and has reset the count to 0 for the next launch."""
+    _fence(WARPS)  # each thread's partial sums visible GPU-wide before the count that announces them
+    gl.thread_barrier()
+    arrived = gl.atomic_add(arrived_ptr + gl.program_id(0), 1, sem="acq_rel", scope="gpu")
+    last = arrived == gl.num_programs(1) - 1
+    if last:
+        _fence(WARPS)
+        gl.store(arrived_ptr + gl.program_id(0), 0)
+    return last
 
 
 @gluon.jit

@@ -8,14 +8,16 @@
   lengths, so a steady decode loop uploads nothing but changed slot lists.
 - Between the matmuls, one Triton kernel per step (ops.py / kernels.py): residual add +
   RMSNorm, rotary + KV-cache write, split-K decode attention over the two KV heads; SwiGLU
-  is applied by the `proj` matmul as it reads its input (linear.py).
+  either by the one-row `proj` matmul as it reads its input or by a kernel of its own,
+  whichever the start-up tuning timed faster (kernels.tune).
 - Prefill runs eagerly: prompts of similar length are right-padded into one batch (the
   padding's cache entries lie past each prompt's end, where the prompt's own next tokens
   overwrite them before anything reads them) and attend with PyTorch's SDPA (flash attention
   on the GPU, never cuDNN's, which builds a plan of about 40 ms for every new shape: every
   prompt length). Chunks that continue their slots from one start position share a batch
   too and attend to the cached positions before them through a lower-right causal bias.
-- Weight-only int8 / int4 (linear.py) for the qkv, dense, fc and proj weights; Triton matmuls.
+- Weight-only int8 / int4 (linear.py) for the qkv, dense, fc and proj weights; Triton and Gluon
+  matmuls (kernels.py, gluon_gemv.py).
 
 The computation is `ShardedModel`'s at tp 1 (model.py): same RMSNorm, rotary, SwiGLU and
 checkpoint layout ([Q; K; V] rows, fc rows [up; gate]).
