@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The GPU benchmark set: trtglm's fast runtime (bf16, int8, int4) against Hugging Face generate() and
 # the bandwidth floor, on random ChatGLM3-6B-shaped weights, then the decode matmuls on their own,
-# decode with and without programmatic dependent launch, and Nsight Compute on the one-row kernels
+# decode with and without programmatic dependent launch, what each kind of small kernel costs a
+# step, and Nsight Compute on the one-row kernels
 # (docs/benchmarks.md, "Runtime on GPU", records its results).
 #
 #   [PARTS="runtime kernels"] scripts/bench_gpu.sh [DEST] [extra `bench runtime` flags]
 #
-# PARTS picks the halves (each takes about five minutes on an H200): `runtime` (bench runtime) and
-# `kernels` (bench_matmul, bench_pdl, Nsight Compute). DEST defaults to $OUT when set (the lent GPU
-# machine's result folder), else out/bench-gpu. Needs python3 with torch (CUDA), triton,
+# PARTS picks the halves (each takes five to seven minutes on an H200): `runtime` (bench runtime)
+# and `kernels` (bench_matmul, bench_pdl, bench_step_parts, Nsight Compute). DEST defaults to $OUT
+# when set (the lent GPU machine's result folder), else out/bench-gpu. Needs python3 with torch (CUDA), triton,
 # transformers and matplotlib; `fire` comes from .whl/ when python3 lacks it (the GPU machine's
 # image has no fire: see docs/benchmarks.md).
 set -euo pipefail
@@ -35,6 +36,9 @@ if [[ " $PARTS " == *" kernels "* ]]; then
         | tee "$DEST/matmul.txt"
     # Decode steps with and without programmatic dependent launch, in one process.
     python3 scripts/bench_pdl.py --out "$DEST/pdl.json" 2>&1 | tee "$DEST/pdl.txt"
+    # What each kind of small kernel costs a batch-1 step (the step captured without it; timing only).
+    python3 scripts/bench_step_parts.py --kinds none,int4 --out "$DEST/step-parts.json" 2>&1 \
+        | grep -v Warning | tee "$DEST/step-parts.txt"
     # Where the one-row matmuls spend their time (Nsight Compute; skipped where ncu is missing).
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1 || true)
     if [ -n "$NCU" ]; then

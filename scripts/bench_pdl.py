@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trtglm.bench.runtime import checkpoint_tensors, fast_timing, synth_tensors
+from trtglm.bench.runtime import fast_timing, random_checkpoint
 from trtglm.runtime.fast import FastModel, kernels
 
 STEPS_COMPARED = 5
@@ -61,9 +61,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     device = torch.device("cuda")
-    cfg, hf_tensors = synth_tensors("6b", None, "bfloat16", 0, device)
-    ckpt_cfg, tensors = checkpoint_tensors(cfg, hf_tensors, "bfloat16")
-    del hf_tensors
+    ckpt_cfg, tensors = random_checkpoint("6b", device)
     generator = torch.Generator(device=device).manual_seed(0)
     results = {"device": torch.cuda.get_device_name(),
                "kinds": {mode: bench_kind(mode, ckpt_cfg, tensors, generator) for mode in args.kinds.split(",")}}

@@ -196,6 +196,12 @@ def checkpoint_tensors(cfg, hf_tensors: dict[str, torch.Tensor], dtype: str):
     return ckpt_cfg, tensors
 
 
+def random_checkpoint(preset: str, device: torch.device):
+    """(CheckpointConfig, rank-0 tensors) of a random-weight bf16 preset on `device`, as `convert` would write it."""
+    cfg, hf_tensors = synth_tensors(preset, None, "bfloat16", 0, device)
+    return checkpoint_tensors(cfg, hf_tensors, "bfloat16")
+
+
 def _rank_tensor(selection, tensor: torch.Tensor) -> torch.Tensor:
     """The rank's tensor; the source itself (no copy) when the selection keeps every row in order."""
     rows, full_width = selection.rows, selection.cols in (None, (0, tensor.shape[-1]))

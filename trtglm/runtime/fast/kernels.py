@@ -8,9 +8,11 @@ model: activations are `[tokens, features]` row-major, the KV cache of one layer
 
 Decode attention is split-K ("flash decoding"): every (sequence, KV head, chunk of
 `CHUNK` positions) is one program, which puts the `GROUP` query heads sharing that KV head
-in one `[GROUP, head]` tile so the tensor cores do the dot products; a second kernel merges
-the chunks through their log-sum-exp. Chunks past a sequence's end exit at once, so one
-launch shape (fixed by the cache length) serves every length, as CUDA graphs need.
+in one `[GROUP, head]` tile so the tensor cores do the dot products. A sequence within one
+chunk is written out by that chunk's program; otherwise the last of its chunks' programs to
+finish (an atomic count) merges them through their log-sum-exp, so no second kernel is
+launched. Chunks past a sequence's end exit at once, so one launch shape (fixed by the cache
+length) serves every length, as CUDA graphs need.
 
 The matmuls: for decoding one sequence, a one-row kernel for float weights (products summed
 elementwise and reduced once; memory-bound) and one for int8/int4 weights stored as planar
@@ -45,6 +47,7 @@ else:
 DECODE_CHUNK = 256  # positions per decode-attention program
 PDL_ENABLED = True  # programmatic dependent launch on GPUs that have it (Hopper on): see `pdl`
 DECODE_BLOCK = 64  # positions per inner step
+ARRIVAL_COUNTERS = 1 << 16  # decode attention: sequences × KV heads per launch, at most
 L2_FLUSH_BYTES = 128 << 20  # more than any GPU's L2 cache (H100/H200: 50 MB)
 
 
@@ -74,18 +77,24 @@ def _start(PDL: tl.constexpr):
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, n_cols, eps,
                          HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    _start(PDL)
+    """With a delta, only the delta comes from the kernel just before; x (the residual stream) was written earlier.
+    So x and the norm weight are read before waiting for that kernel (`_start`): a kernel starts only after the one
+    before it has waited for its own predecessor, so everything older is complete."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_DELTA:
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        _start(PDL)
         delta = tl.load(delta_ptr + row * n_cols + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + delta.to(tl.float32)).to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * n_cols + cols, x, mask=mask)
+    else:
+        _start(PDL)
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
     xf = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * n_cols + cols, (xf * inv_rms * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -141,55 +150,83 @@ def rope_cache(qkv: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, 
 
 
 @triton.jit
-def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, o_ptr, lse_ptr, scale, slot_stride,
-                             head_stride, H: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, o_ptr, lse_ptr, out_ptr, arrived_ptr, scale,
+                             slot_stride, head_stride, H: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                              D: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
                              PDL: tl.constexpr):
     _start(PDL)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    end = tl.minimum(split * CHUNK + CHUNK, tl.load(pos_ptr + b) + 1)
-    g = tl.arange(0, GROUP_PAD)  # query heads of this KV head, padded to a tensor-core tile
-    head_ok = g < GROUP
-    d = tl.arange(0, D)
-    heads = kv_head * GROUP + g
-    q = tl.load(q_ptr + (b * H + heads)[:, None] * D + d[None, :], mask=head_ok[:, None], other=0.0)
-    base = slot * slot_stride + kv_head * head_stride
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    total = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D], tl.float32)
-    for start in range(split * CHUNK, end, BLOCK):
-        idx = start + tl.arange(0, BLOCK)
-        valid = idx < end
-        k = tl.load(k_ptr + base + idx[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
-        scores = tl.where(valid[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        total = total * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + base + idx[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
-    row = (b * H + heads) * SPLITS + split
-    filled = total > 0
-    tl.store(o_ptr + row[:, None] * D + d[None, :], acc / tl.where(filled, total, 1.0)[:, None],
-             mask=head_ok[:, None])
-    tl.store(lse_ptr + row, tl.where(filled, m + tl.log(total), float("-inf")), mask=head_ok)
+    pos = tl.load(pos_ptr + b)
+    used = pos // CHUNK + 1  # chunks holding positions 0..pos; the programs of the others have nothing to do
+    if split < used:
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        end = tl.minimum(split * CHUNK + CHUNK, pos + 1)
+        g = tl.arange(0, GROUP_PAD)  # query heads of this KV head, padded to a tensor-core tile
+        head_ok = g < GROUP
+        d = tl.arange(0, D)
+        heads = b * H + kv_head * GROUP + g
+        q = tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=head_ok[:, None], other=0.0)
+        base = slot * slot_stride + kv_head * head_stride
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, D], tl.float32)
+        for start in range(split * CHUNK, end, BLOCK):
+            idx = start + tl.arange(0, BLOCK)
+            valid = idx < end
+            k = tl.load(k_ptr + base + idx[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+            scores = tl.where(valid[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            total = total * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + base + idx[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        out = out_ptr + heads[:, None] * D + d[None, :]
+        if used == 1:
+            tl.store(out, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+        else:
+            rows = heads * SPLITS
+            tl.store(o_ptr + (rows + split)[:, None] * D + d[None, :], acc / total[:, None], mask=head_ok[:, None])
+            tl.store(lse_ptr + rows + split, m + tl.log(total), mask=head_ok)
+            tl.debug_barrier()  # every thread's partials stored before the count that announces them
+            counter = arrived_ptr + b * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:
+                tl.store(counter, 0)  # the last to arrive: reset for the next launch, merge every chunk's part
+                _merge_chunks(o_ptr, lse_ptr, rows, used, head_ok, d, out, GROUP_PAD, D)
 
 
 @triton.jit
-def _merge_splits_kernel(o_ptr, lse_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
-    _start(PDL)
-    row = tl.program_id(0).to(tl.int64)  # sequence × query head
-    s = tl.arange(0, SPLITS)
-    d = tl.arange(0, D)
-    lse = tl.load(lse_ptr + row * SPLITS + s)
-    weight = tl.exp(lse - tl.max(lse, axis=0))
-    parts = tl.load(o_ptr + (row * SPLITS + s)[:, None] * D + d[None, :])
-    out = tl.sum(weight[:, None] * parts, axis=0) / tl.sum(weight, axis=0)
-    tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty))
+def _merge_chunks(o_ptr, lse_ptr, rows, used, head_ok, d, out, GROUP_PAD: tl.constexpr, D: tl.constexpr):
+    """out ← the chunks' attention outputs weighted by their softmax mass (from L2: other programs wrote them)."""
+    top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    for s in range(used):
+        top = tl.maximum(top, tl.load(lse_ptr + rows + s, mask=head_ok, other=0.0, cache_modifier=".cg"))
+    mass = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D], tl.float32)
+    for s in range(used):
+        weight = tl.exp(tl.load(lse_ptr + rows + s, mask=head_ok, other=0.0, cache_modifier=".cg") - top)
+        part = tl.load(o_ptr + (rows + s)[:, None] * D + d[None, :], mask=head_ok[:, None], other=0.0,
+                       cache_modifier=".cg")
+        acc += weight[:, None] * part
+        mass += weight
+    tl.store(out, (acc / mass[:, None]).to(out.dtype.element_ty), mask=head_ok[:, None])
+
+
+_arrival_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrivals(device: torch.device, count: int) -> torch.Tensor:
+    """Zeroed int32 counters (one per sequence × KV head) that each decode-attention launch leaves zeroed; never
+    reallocated, since CUDA graphs keep their address. Launches on one device must therefore run one at a time (one
+    stream: each waits for the one before)."""
+    if device not in _arrival_counters:
+        _arrival_counters[device] = torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
+    if count > ARRIVAL_COUNTERS:
+        raise ValueError(f"decode attention takes at most {ARRIVAL_COUNTERS} sequences × KV heads, not {count}")
+    return _arrival_counters[device]
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -200,13 +237,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     splits = triton.next_power_of_2(triton.cdiv(max_len, DECODE_CHUNK))
     parts = torch.empty(batch, num_heads, splits, head, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
-    _decode_attention_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, slots, positions, parts, lse, head ** -0.5, k_cache.stride(0), k_cache.stride(1),
-        H=num_heads, GROUP=num_heads // kv_heads, GROUP_PAD=max(16, triton.next_power_of_2(num_heads // kv_heads)),
-        D=head, CHUNK=DECODE_CHUNK, BLOCK=DECODE_BLOCK, SPLITS=splits,
-        num_warps=4, num_stages=2, **pdl(q.device))
     out = torch.empty(batch, num_heads * head, dtype=q.dtype, device=q.device)
-    _merge_splits_kernel[(batch * num_heads,)](parts, lse, out, D=head, SPLITS=splits, num_warps=2, **pdl(q.device))
+    _decode_attention_kernel[(batch, kv_heads, splits)](
+        q, k_cache, v_cache, slots, positions, parts, lse, out, _arrivals(q.device, batch * kv_heads), head ** -0.5,
+        k_cache.stride(0), k_cache.stride(1), H=num_heads, GROUP=num_heads // kv_heads,
+        GROUP_PAD=max(16, triton.next_power_of_2(num_heads // kv_heads)), D=head, CHUNK=DECODE_CHUNK,
+        BLOCK=DECODE_BLOCK, SPLITS=splits, num_warps=4, num_stages=2, **pdl(q.device))
     return out
 
 
@@ -335,14 +371,16 @@ def _gemv_output(acc, rn, n_ok, scale_ptr, bias_ptr, y_ptr, HAS_SCALE: tl.conste
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """y[N] = x[K_in] · Wᵀ for one row and FLOAT weights: products accumulate elementwise, one reduction at the end."""
-    _start(PDL)
+    """y[N] = x[K_in] · Wᵀ for one row and FLOAT weights: products accumulate elementwise, one reduction at the end.
+    The first tile of weights is loaded before waiting for the kernel before (the rest are pipelined by Triton)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    first = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
+    _start(PDL)
+    acc = first.to(tl.float32) * _gemv_input(x_ptr, rk, rk < K, K, SWIGLU)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + rk
         k_ok = kk < K
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)

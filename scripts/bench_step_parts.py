@@ -1,0 +1,88 @@
+"""What each kind of small kernel costs a batch-1 decode step of the fast runtime, on the GPU.
+
+For each weight kind, one FastModel on random ChatGLM3-6B-shaped weights (as `bench runtime` makes them) has its
+decode graphs captured as they are, then without one kind of kernel at a time, and the step is timed as `bench
+runtime` times it (128-token prompt, 127 steps). A removed kernel's output is replaced by one of its inputs, so the
+numbers such a step computes are wrong: this is for timing only. The difference to the full step is what that
+kind of kernel costs, its wait for the kernel before included.
+
+    python3 scripts/bench_step_parts.py [--kinds int4] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trtglm.bench.runtime import fast_timing, random_checkpoint
+from trtglm.runtime.fast import FastModel, kernels
+
+
+def without_norm(x, delta, weight, eps):
+    return x, x
+
+
+def without_rope(qkv, slots, positions, cos, sin, k_cache, v_cache, num_heads):
+    return qkv[:, : num_heads * k_cache.shape[3]].unflatten(-1, (num_heads, k_cache.shape[3]))
+
+
+def without_attention(q, k_cache, v_cache, slots, positions):
+    return q.flatten(1)
+
+
+def without_swiglu(x):
+    return x[:, : x.shape[1] // 2]
+
+
+REMOVED = {"RMSNorm": {"add_rms_norm": without_norm}, "rotary + KV cache": {"rope_cache": without_rope},
+           "decode attention": {"decode_attention": without_attention}, "SwiGLU": {"silu_mul": without_swiglu}}
+REMOVED["all four"] = {name: fn for parts in REMOVED.values() for name, fn in parts.items()}
+
+
+def step_ms(model: FastModel, generator: torch.Generator, replaced: dict) -> float:
+    originals = {name: getattr(model.ops, name) for name in replaced}
+    swiglu = kernels.silu_mul
+    try:
+        for name, fn in replaced.items():
+            setattr(model.ops, name, fn)
+        kernels.silu_mul = replaced.get("silu_mul", swiglu)  # the matmuls call it when SwiGLU is not fused
+        model.capture_graphs()
+        return min(fast_timing(model, 1, 128, 128, generator).decode_ms for _ in range(2))
+    finally:
+        for name, fn in originals.items():
+            setattr(model.ops, name, fn)
+        kernels.silu_mul = swiglu
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kinds", default="int4")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    ckpt_cfg, tensors = random_checkpoint("6b", device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    results = {"device": torch.cuda.get_device_name(), "kinds": {}}
+    for mode in args.kinds.split(","):
+        model = FastModel(ckpt_cfg, tensors, max_batch=8, max_seq_len=1280, weight_only=mode)
+        full = step_ms(model, generator, {})
+        costs = {}
+        for part, replaced in REMOVED.items():
+            costs[part] = full - step_ms(model, generator, replaced)
+            print(f"{mode:5} {part:18} {costs[part]:6.3f} ms of a {full:.3f} ms step", flush=True)
+        results["kinds"][mode] = {"step_ms": full, "cost_ms": costs}
+        model.capture_graphs()
+        del model
+        torch.cuda.empty_cache()
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
