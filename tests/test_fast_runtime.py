@@ -352,6 +352,9 @@ def test_triton_ops_match_their_definitions(triton_ops):
     # The last chunk program of each sequence merged and reset its arrival count: a second launch agrees.
     assert torch.equal(ops.decode_attention(q, *caches, slots3, positions3), attended)
     assert not kernels._arrivals(q.device, 1).any()
+    many = [t.repeat(6, *[1] * (t.dim() - 1)) for t in (q, slots3, positions3)]  # 18 sequences: shorter steps
+    assert kernels.decode_block(18) != kernels.decode_block(3)
+    assert rel(ops.decode_attention(many[0], *caches, *many[1:]), attended.repeat(6, 1)) < 1e-2
     y = rnd(4, 200)
     assert rel(ops.silu_mul(y), TorchOps.silu_mul(y)) < 1e-3
 

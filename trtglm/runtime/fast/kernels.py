@@ -46,7 +46,6 @@ else:
 
 DECODE_CHUNK = 256  # positions per decode-attention program
 PDL_ENABLED = True  # programmatic dependent launch on GPUs that have it (Hopper on): see `pdl`
-DECODE_BLOCK = 64  # positions per inner step
 ARRIVAL_COUNTERS = 1 << 16  # decode attention: sequences × KV heads per launch, at most
 L2_FLUSH_BYTES = 128 << 20  # more than any GPU's L2 cache (H100/H200: 50 MB)
 
@@ -229,6 +228,12 @@ def _arrivals(device: torch.device, count: int) -> torch.Tensor:
     return _arrival_counters[device]
 
 
+def decode_block(batch: int) -> int:
+    """Positions per inner step of decode attention: few sequences (few programs) take longer steps, so fewer of
+    them, each waiting on memory; many take shorter ones, which let more programs share an SM."""
+    return 128 if batch <= 16 else 64
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                      positions: torch.Tensor) -> torch.Tensor:
     """One query per sequence `q` `[B, H, D]` over cache positions 0..position of its slot; `[B, H·D]`."""
@@ -242,7 +247,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, slots, positions, parts, lse, out, _arrivals(q.device, batch * kv_heads), head ** -0.5,
         k_cache.stride(0), k_cache.stride(1), H=num_heads, GROUP=num_heads // kv_heads,
         GROUP_PAD=max(16, triton.next_power_of_2(num_heads // kv_heads)), D=head, CHUNK=DECODE_CHUNK,
-        BLOCK=DECODE_BLOCK, SPLITS=splits, num_warps=4, num_stages=2, **pdl(q.device))
+        BLOCK=decode_block(batch), SPLITS=splits, num_warps=4, num_stages=2, **pdl(q.device))
     return out
 
 
