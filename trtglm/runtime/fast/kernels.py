@@ -518,6 +518,10 @@ GEMV_CANDIDATES = [GemvConfig(*shape) for shape in (
     (2, 4, 2, 2, True), (4, 2, 1, 4, False), (4, 2, 1, 4, True), (4, 4, 2, 4, False), (8, 4, 1, 4, True),
     (4, 4, 2, 2, True), (2, 2, 1, 4, False), (4, 2, 1, 8, False), (8, 2, 1, 2, False), (4, 2, 1, 2, False),
     (8, 2, 1, 4, False, 2))]
+# More block shapes the INT8/INT4 words kernel gains from at 32 and 64 rows (fewer pipeline stages, longer steps:
+# int4 batch 32 5.88 → 5.34 ms a step, int8 batch 64 5.57 → 5.39 on an H200); the float kernel keeps its own.
+WORDS_EXTRA: dict[int, list[Config]] = {32: _configs(32, (64, 256, 4, 3), (64, 512, 4, 3)),
+                                        64: _configs(64, (128, 128, 4, 3), (32, 128, 4, 4))}
 MMA_CANDIDATES = [MmaConfig(*shape) for shape in ((4, 8, 8), (1, 8, 8), (2, 8, 8), (4, 8, 4), (1, 8, 4), (4, 8, 2))]
 CUBLAS = Config(-1, 0, 0, 0, 0)
 AnyConfig = Config | GemvConfig | MmaConfig
@@ -594,7 +598,7 @@ def candidates(weight: int, bucket: int, gluon: bool = False) -> list[AnyConfig]
         return GEMV_CANDIDATES + tensor_cores
     if bucket == 8:
         return tensor_cores + CANDIDATES[16]
-    return CANDIDATES[bucket]
+    return CANDIDATES[bucket] + WORDS_EXTRA.get(bucket, [])
 
 
 def default_config(weight: int, rows: int, gluon: bool = False) -> AnyConfig:
