@@ -332,18 +332,26 @@ def test_bad_requests_get_4xx_with_a_message_and_the_server_goes_on(server, conv
 def test_a_cancelled_request_stops_generating(server, tok):
     if server.world != 1:
         pytest.skip("cancellation is the executor's, the same for every world size")
-    before = server.metrics()["trtglm_generated_tokens_total"]
+    before = settled_metrics(server)["trtglm_generated_tokens_total"]
     prompt = np.array([tok.build_chat_input("hi")], np.int32)
     inputs = {"input_ids": prompt, "input_lengths": np.array([[prompt.shape[1]]], np.int32),
               "request_output_len": np.array([[400]], np.int32), "streaming": np.array([[True]]),
               "bad_words_list": stack_word_lists([word_list([[tok.special_ids["<|user|>"]], [tok.eos_id]])])}
     assert len(server.grpc_stream("tensorrt_llm", inputs, read=3)) == 3  # then the client cancels
-    deadline = time.monotonic() + 10
+    after = settled_metrics(server)
+    assert after["trtglm_active_sequences"] == 0
+    assert after["trtglm_generated_tokens_total"] - before < 200  # far from the 400 asked for
+
+
+def settled_metrics(server, timeout: float = 10) -> dict[str, float]:
+    """The server's metrics once nothing is running and the counters have caught up (they refresh every 0.5 s,
+    so a reading right after a request may miss its last tokens)."""
+    deadline = time.monotonic() + timeout
+    time.sleep(1.1)
     while server.metrics()["trtglm_active_sequences"] and time.monotonic() < deadline:
         time.sleep(0.1)
-    time.sleep(1)
-    assert server.metrics()["trtglm_active_sequences"] == 0
-    assert server.metrics()["trtglm_generated_tokens_total"] - before < 200  # far from the 400 asked for
+    time.sleep(1.1)
+    return server.metrics()
 
 
 @pytest.mark.slow
