@@ -10,8 +10,6 @@ one sequence are compared between on and off (the launch mode must not change a 
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trtglm.bench.runtime import fast_timing, random_checkpoint
+from trtglm.bench.runtime import fast_timing, run_kinds
 from trtglm.runtime.fast import FastModel, kernels
 
 STEPS_COMPARED = 5
@@ -56,17 +54,7 @@ def bench_kind(mode: str, ckpt_cfg, tensors: dict, generator: torch.Generator) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kinds", default="none,int8,int4")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    device = torch.device("cuda")
-    ckpt_cfg, tensors = random_checkpoint("6b", device)
-    generator = torch.Generator(device=device).manual_seed(0)
-    results = {"device": torch.cuda.get_device_name(),
-               "kinds": {mode: bench_kind(mode, ckpt_cfg, tensors, generator) for mode in args.kinds.split(",")}}
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1))
+    run_kinds(__doc__.splitlines()[0], "none,int8,int4", bench_kind)
 
 
 if __name__ == "__main__":

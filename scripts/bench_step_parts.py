@@ -11,8 +11,6 @@ kind of kernel costs, its wait for the kernel before included.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trtglm.bench.runtime import fast_timing, random_checkpoint
+from trtglm.bench.runtime import fast_timing, run_kinds
 from trtglm.runtime.fast import FastModel, kernels
 
 
@@ -60,28 +58,18 @@ def step_ms(model: FastModel, generator: torch.Generator, replaced: dict) -> flo
         kernels.silu_mul = swiglu
 
 
+def bench_kind(mode: str, ckpt_cfg, tensors: dict, generator: torch.Generator) -> dict:
+    model = FastModel(ckpt_cfg, tensors, max_batch=8, max_seq_len=1280, weight_only=mode)
+    full = step_ms(model, generator, {})
+    costs = {}
+    for part, replaced in REMOVED.items():
+        costs[part] = full - step_ms(model, generator, replaced)
+        print(f"{mode:5} {part:18} {costs[part]:6.3f} ms of a {full:.3f} ms step", flush=True)
+    return {"step_ms": full, "cost_ms": costs}
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kinds", default="int4")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    device = torch.device("cuda")
-    ckpt_cfg, tensors = random_checkpoint("6b", device)
-    generator = torch.Generator(device=device).manual_seed(0)
-    results = {"device": torch.cuda.get_device_name(), "kinds": {}}
-    for mode in args.kinds.split(","):
-        model = FastModel(ckpt_cfg, tensors, max_batch=8, max_seq_len=1280, weight_only=mode)
-        full = step_ms(model, generator, {})
-        costs = {}
-        for part, replaced in REMOVED.items():
-            costs[part] = full - step_ms(model, generator, replaced)
-            print(f"{mode:5} {part:18} {costs[part]:6.3f} ms of a {full:.3f} ms step", flush=True)
-        results["kinds"][mode] = {"step_ms": full, "cost_ms": costs}
-        model.capture_graphs()
-        del model
-        torch.cuda.empty_cache()
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1))
+    run_kinds(__doc__.splitlines()[0], "int4", bench_kind)
 
 
 if __name__ == "__main__":

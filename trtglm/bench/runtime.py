@@ -202,6 +202,28 @@ def random_checkpoint(preset: str, device: torch.device):
     return checkpoint_tensors(cfg, hf_tensors, "bfloat16")
 
 
+def run_kinds(description: str, default_kinds: str, bench_kind) -> None:
+    """The command line of a GPU script that measures weight kinds one by one: `--kinds` (weight-only modes) and
+    `--out` (JSON); `bench_kind(mode, checkpoint config, tensors, generator)` gets the random 6B checkpoint and
+    returns that kind's results."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--kinds", default=default_kinds)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    ckpt_cfg, tensors = random_checkpoint("6b", device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    results = {"device": torch.cuda.get_device_name(), "kinds": {}}
+    for mode in args.kinds.split(","):
+        results["kinds"][mode] = bench_kind(mode, ckpt_cfg, tensors, generator)
+        gc.collect()
+        torch.cuda.empty_cache()
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
 def _rank_tensor(selection, tensor: torch.Tensor) -> torch.Tensor:
     """The rank's tensor; the source itself (no copy) when the selection keeps every row in order."""
     rows, full_width = selection.rows, selection.cols in (None, (0, tensor.shape[-1]))

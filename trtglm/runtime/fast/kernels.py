@@ -274,7 +274,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 # --- weight-only matmuls ------------------------------------------------------------------------------------------
 # Weight storage kinds: FLOAT ([N, K] in the compute dtype) and, with a float32 scale per row, INT8 and INT4 as rows
-# of 32-bit words in a planar order. The input row is read as pairs of features (2i, 2i + 1) and the pairs as PLANES
+# of 32-bit words in a planar order. The input row is read as pairs of features (2i, 2i + 1) and the pairs as planes,
 # runs of WORDS pairs each (INT8: 2 planes, WORDS = K/4; INT4: 4 planes, WORDS = K/8); word c of a weight row holds,
 # for every plane p, the two weights of pair p·WORDS + c (stored as value + 128 or value + 8):
 #   INT8: bytes 0, 1 ← plane 0, bytes 2, 3 ← plane 1 (the weight of feature 2i + h at bits 16p + 8h);
@@ -283,7 +283,6 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 # row it holds, and one `prmt` (INT8) or `lop3` (INT4) turns a word's pair into two half-precision values that meet
 # their input pair as it lies in memory.
 FLOAT, INT8, INT4 = 0, 1, 2
-PLANES = {INT8: 2, INT4: 4}
 
 
 @triton.jit
@@ -314,6 +313,12 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, HAS_BIAS: 
         x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w))
+    _store_tile(acc, rm, rn, m_ok, n_ok, bias_ptr, y_ptr, N, HAS_BIAS)
+
+
+@triton.jit
+def _store_tile(acc, rm, rn, m_ok, n_ok, bias_ptr, y_ptr, N, HAS_BIAS: tl.constexpr):
+    """y[rm, rn] ← acc (+ bias), for the tensor-core kernels."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -327,27 +332,24 @@ def _matmul_words_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, WORDS, 
     """y[M, N] = x · Ŵᵀ for planar INT8/INT4 words (tensor cores, several rows): each plane's weight pairs are
     interleaved back into feature order and meet one contiguous tile of the input."""
     _start(PDL)
-    PAIRS: tl.constexpr = 4 if WEIGHT == 2 else 2  # planes
+    PLANES: tl.constexpr = 4 if WEIGHT == 2 else 2
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rw = tl.arange(0, BLOCK_W)
     rf = tl.arange(0, 2 * BLOCK_W)
-    x_rows = x_ptr + rm.to(tl.int64)[:, None] * (2 * PAIRS * WORDS)
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * (2 * PLANES * WORDS)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * WORDS
     m_ok, n_ok = rm < M, rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for c0 in range(0, WORDS, BLOCK_W):
         w = tl.load(w_rows + (c0 + rw)[None, :], mask=n_ok[:, None] & (c0 + rw < WORDS)[None, :], other=0)
         f_ok = rf < 2 * (WORDS - c0)
-        for p in tl.static_range(PAIRS):
+        for p in tl.static_range(PLANES):
             x = tl.load(x_rows + (2 * (p * WORDS + c0) + rf)[None, :], mask=m_ok[:, None] & f_ok[None, :], other=0.0)
             pairs = tl.join(_plane_weights(w, p, 0, WEIGHT), _plane_weights(w, p, 1, WEIGHT))
             acc += tl.dot(x, tl.trans(tl.reshape(pairs, (BLOCK_N, 2 * BLOCK_W)).to(x.dtype)))
     acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    _store_tile(acc, rm, rn, m_ok, n_ok, bias_ptr, y_ptr, N, HAS_BIAS)
 
 
 @triton.jit
@@ -399,7 +401,7 @@ def _gemv_words_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, WORDS, WEIGH
     """y[N] = x · Ŵᵀ for one row of planar INT8/INT4 words, in float32 (Triton's interpreter, float32 inputs; on the
     GPU gluon_gemv.py does this for 16-bit inputs)."""
     _start(PDL)
-    PAIRS: tl.constexpr = 4 if WEIGHT == 2 else 2
+    PLANES: tl.constexpr = 4 if WEIGHT == 2 else 2
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rw = tl.arange(0, BLOCK_W)
     n_ok = rn < N
@@ -409,7 +411,7 @@ def _gemv_words_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, WORDS, WEIGH
         cw = c0 + rw
         c_ok = cw < WORDS
         w = tl.load(w_rows + cw[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0)
-        for p in tl.static_range(PAIRS):
+        for p in tl.static_range(PLANES):
             for h in tl.static_range(2):
                 x = tl.load(x_ptr + 2 * (p * WORDS + cw) + h, mask=c_ok, other=0.0).to(tl.float32)
                 acc += _plane_weights(w, p, h, WEIGHT).to(tl.float32) * x[None, :]
