@@ -368,8 +368,12 @@ def test_triton_matmuls_match_dequantized_products(triton_ops, algo):
         [kernels.GEMV_CANDIDATES[0], kernels.GEMV_CANDIDATES[-1], kernels.GemvConfig(1, 2, 2, 1, True, splits=3),
          kernels.GemvConfig(1, 1, 1, 1, False, splits=2)]
     several = [kernels.CANDIDATES[16][0], kernels.Config(16, 32, 64, 4, 2)]
+    if algo == "W4A16":  # the INT4 one-row kernel on a GPU (elsewhere `matmul` falls back to another kernel)
+        one_row += [kernels.PairConfig(1, 1, 1, 1), kernels.PairConfig(4, 1, 2, 2), kernels.PAIR_CANDIDATES[0]]
     tensor_cores = [] if algo is None else [kernels.MmaConfig(1), kernels.MmaConfig(2, 2, splits=3)]
-    for n, k in ((48, 160), (40, 1056)):  # one step with masked words; several steps of the loops
+    # One step with masked words; several steps of the loops; rows of 128 INT4 words (the PairConfigs above step
+    # over 64 or 128 of them without masks, and 8 rows a program leave the last one short).
+    for n, k in ((48, 160), (40, 1056), (36, 1024)):
         weight = (torch.randn(n, k, generator=g) * 0.02).half().to(KERNEL_DEVICE)
         bias = torch.randn(n, generator=g).half().to(KERNEL_DEVICE)
         layer = Linear.from_weight(weight, bias, algo, torch.float16, use_triton=True)

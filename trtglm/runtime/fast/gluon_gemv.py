@@ -1,17 +1,19 @@
-"""The INT8/INT4 decode matmuls on the GPU, in Gluon (Triton with explicit layouts): a one-row kernel
-(`gemv_words_kernel`) and a tensor-core kernel for 1 to 8 rows (`gemv_mma_kernel`, described below it).
+"""The INT8/INT4 decode matmuls on the GPU, in Gluon (Triton with explicit layouts): one-row kernels for INT8
+(`gemv_words_kernel`) and INT4 (`gemv_pairs_kernel`), and a tensor-core kernel for 1 to 8 rows
+(`gemv_mma_kernel`, described below them).
 
-Weights are kernels.py's planar words. In the one-row kernel each thread holds ROWS rows × VEC words of a tile; the
-input pairs those words need are loaded once per plane (one vector load, in the layout of the
-words), converted once to half precision and reused for every row the thread holds. Plain
-Triton chose its own layout for the inputs and moved them through shared memory with a barrier
-per plane, which made the L1 pipe, not DRAM, the limit (docs/benchmarks.md).
+Weights are kernels.py's planar words. In the one-row kernels each thread holds ROWS rows × VEC words of a tile;
+the input pairs those words need are loaded once per plane (one vector load, in the layout of the words),
+converted once to half precision and reused for every row the thread holds. Plain Triton chose its own layout for
+the inputs and moved them through shared memory with a barrier per plane, which made the L1 pipe, not DRAM, the
+limit (docs/benchmarks.md).
 
-A word's pair placed under the exponent of 1024 by one `prmt` (INT8) or `lop3` (INT4) is the
-half-precision pair 1024 + stored value; one packed subtraction leaves the signed values, and
-packed half-precision multiply-adds with the input pairs (scaled by WORD_INPUT_SCALE so that a
-word's partial sum stays far from half precision's 65504) give one float32 partial sum per word.
-With SWIGLU the input row is [up; gate] and the kernel applies silu(gate) · up as it converts it.
+A word's pair placed under the exponent of 1024 by one `prmt` (INT8) or `lop3` (INT4) is the half-precision pair
+1024 + stored value; one packed subtraction or multiply-add leaves the signed values, and packed half-precision
+multiply-adds with the input pairs give one float32 partial sum per word (INT8, inputs scaled by
+WORD_INPUT_SCALE so that a word's partial sum stays far from half precision's 65504) or per two words (INT4,
+weights scaled by 1/32 instead, so the input is only converted). With SWIGLU (INT8) the input row is [up; gate] and
+the kernel applies silu(gate) · up as it converts it.
 """
 
 from __future__ import annotations
@@ -40,33 +42,48 @@ add.f16 h0, h0, h1;
 cvt.f32.f16 f, h0;
 mov.b32 $0, f;
 }""")  # bytes (0, 1) and (2, 3): planes 0 and 1, stored q + 128 → (1024 + u) pairs − 1152 → q; · input pairs; summed
-INT4_WORD_DOT = gl.constexpr("""{
-.reg .b32 m, k, s, n, t, p0, p1, p2, p3, acc;
+INT4_PAIR_DOT = gl.constexpr("""{
+.reg .b32 m, s0, k0, s1, k1, ta, tb, a0, a1, a2, a3, b0, b1, b2, b3, acc;
 .reg .b16 h0, h1;
 .reg .f32 f;
 mov.b32 m, 0x64006400;
-mov.b32 k, 0x64086408;
-mov.b32 s, 0x2C002C00;
-mov.b32 n, 0xD480D480;
-shr.b32 t, $1, 8;
-lop3.b32 p0, $1, 0x000F000F, m, 0xEA;
-lop3.b32 p1, $1, 0x00F000F0, m, 0xEA;
-lop3.b32 p2, t, 0x000F000F, m, 0xEA;
-lop3.b32 p3, t, 0x00F000F0, m, 0xEA;
-sub.f16x2 p0, p0, k;
-fma.rn.f16x2 p1, p1, s, n;
-sub.f16x2 p2, p2, k;
-fma.rn.f16x2 p3, p3, s, n;
-mul.f16x2 acc, p0, $2;
-fma.rn.f16x2 acc, p1, $3, acc;
-fma.rn.f16x2 acc, p2, $4, acc;
-fma.rn.f16x2 acc, p3, $5, acc;
+mov.b32 s0, 0x28002800;
+mov.b32 k0, 0xD008D008;
+mov.b32 s1, 0x18001800;
+mov.b32 k1, 0xC080C080;
+shr.b32 ta, $1, 8;
+shr.b32 tb, $2, 8;
+lop3.b32 a0, $1, 0x000F000F, m, 0xEA;
+lop3.b32 a1, $1, 0x00F000F0, m, 0xEA;
+lop3.b32 a2, ta, 0x000F000F, m, 0xEA;
+lop3.b32 a3, ta, 0x00F000F0, m, 0xEA;
+lop3.b32 b0, $2, 0x000F000F, m, 0xEA;
+lop3.b32 b1, $2, 0x00F000F0, m, 0xEA;
+lop3.b32 b2, tb, 0x000F000F, m, 0xEA;
+lop3.b32 b3, tb, 0x00F000F0, m, 0xEA;
+fma.rn.f16x2 a0, a0, s0, k0;
+fma.rn.f16x2 a1, a1, s1, k1;
+fma.rn.f16x2 a2, a2, s0, k0;
+fma.rn.f16x2 a3, a3, s1, k1;
+fma.rn.f16x2 b0, b0, s0, k0;
+fma.rn.f16x2 b1, b1, s1, k1;
+fma.rn.f16x2 b2, b2, s0, k0;
+fma.rn.f16x2 b3, b3, s1, k1;
+mul.f16x2 acc, a0, $3;
+fma.rn.f16x2 acc, a1, $4, acc;
+fma.rn.f16x2 acc, a2, $5, acc;
+fma.rn.f16x2 acc, a3, $6, acc;
+fma.rn.f16x2 acc, b0, $7, acc;
+fma.rn.f16x2 acc, b1, $8, acc;
+fma.rn.f16x2 acc, b2, $9, acc;
+fma.rn.f16x2 acc, b3, $10, acc;
 mov.b32 {h0, h1}, acc;
 add.f16 h0, h0, h1;
 cvt.f32.f16 f, h0;
 mov.b32 $0, f;
-}""")  # planes 0, 2: nibbles at bits 0-3 (of the word and of it >> 8) → 1024 + u − 1032 = q; planes 1, 3: nibbles
-# at bits 4-7 → 1024 + 16u, × 1/16 − 72 = q in one fma (no shift); then as for INT8
+}""")  # words $1, $2 with input pairs $3-$6 and $7-$10 (planes 0-3). Planes 0, 2: nibbles at bits 0-3 (of the word
+# and of it >> 8) → (1024 + u) / 32 − 32.25 = q / 32; planes 1, 3: nibbles at bits 4-7 → (1024 + 16u) / 512 − 2.25 =
+# q / 32 (each one exact fma); then 16 products summed in half precision, once into float32
 
 HALF_PAIR = gl.constexpr("cvt.rn.f16x2.f32 $0, $2, $1;")  # (low, high) float32 → one word of two halves
 
@@ -112,10 +129,10 @@ def _input_pairs(pairs_ptr, offsets, ok, gate_offset, X_BF16: gl.constexpr, SWIG
 
 @gluon.jit
 def gemv_words_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, partial_ptr, arrived_ptr, N, WORDS, CHUNK,
-                      WEIGHT: gl.constexpr, X_BF16: gl.constexpr, SWIGLU: gl.constexpr, HAS_BIAS: gl.constexpr,
+                      X_BF16: gl.constexpr, SWIGLU: gl.constexpr, HAS_BIAS: gl.constexpr,
                       ROWS: gl.constexpr, VEC: gl.constexpr, WARPS_N: gl.constexpr, WARPS_W: gl.constexpr,
                       PREFETCH: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr):
-    """y[N] = x · Ŵᵀ for one 16-bit input row and `[N, WORDS]` planar INT8 (WEIGHT 1) / INT4 (WEIGHT 2) words.
+    """y[N] = x · Ŵᵀ for one 16-bit input row and `[N, WORDS]` planar INT8 words.
 
     Program (i, s) takes rows i·BLOCK_N… and words s·CHUNK…; with SPLIT (more than one s), each writes its
     float32 partial sums to `partial_ptr[s, N]` and counts itself in `arrived_ptr[i]`, and the last of a row block
@@ -124,7 +141,7 @@ def gemv_words_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, partial_ptr, arr
     layout: gl.constexpr = gl.BlockedLayout([ROWS, VEC], [1, 32], [WARPS_N, WARPS_W], [1, 0])
     BLOCK_N: gl.constexpr = ROWS * WARPS_N
     BLOCK_W: gl.constexpr = VEC * 32 * WARPS_W
-    PLANES: gl.constexpr = 4 if WEIGHT == 2 else 2
+    PLANES: gl.constexpr = 2
     rn = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
     rw = gl.arange(0, BLOCK_W, layout=gl.SliceLayout(0, layout))
     start = gl.program_id(1) * CHUNK
@@ -143,7 +160,7 @@ def gemv_words_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, partial_ptr, arr
         ahead_ok = n_ok & gl.expand_dims(cw + BLOCK_W < stop, 0)
         if PREFETCH:
             w_next = gl.load(ahead, mask=ahead_ok, other=0)
-        acc += _tile_dot(w, cw, cw < stop, pairs_ptr, WORDS, gate, WEIGHT, X_BF16, SWIGLU)
+        acc += _tile_dot(w, cw, cw < stop, pairs_ptr, WORDS, gate, X_BF16, SWIGLU)
         if PREFETCH:
             w = w_next
         else:
@@ -158,18 +175,82 @@ def gemv_words_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, partial_ptr, arr
 
 
 @gluon.jit
-def _tile_dot(w, cw, c_ok, pairs_ptr, WORDS, gate, WEIGHT: gl.constexpr, X_BF16: gl.constexpr, SWIGLU: gl.constexpr):
-    """float32 partial sums, one per word of the tile `w` (words cw of each row)."""
+def _tile_dot(w, cw, c_ok, pairs_ptr, WORDS, gate, X_BF16: gl.constexpr, SWIGLU: gl.constexpr):
+    """float32 partial sums, one per INT8 word of the tile `w` (words cw of each row)."""
     x0 = _input_pairs(pairs_ptr, cw, c_ok, gate, X_BF16, SWIGLU)
     x1 = _input_pairs(pairs_ptr, WORDS + cw, c_ok, gate, X_BF16, SWIGLU)
-    if WEIGHT == 2:
-        x2 = _input_pairs(pairs_ptr, 2 * WORDS + cw, c_ok, gate, X_BF16, SWIGLU)
-        x3 = _input_pairs(pairs_ptr, 3 * WORDS + cw, c_ok, gate, X_BF16, SWIGLU)
-        part = gl.inline_asm_elementwise(INT4_WORD_DOT, "=r,r,r,r,r,r", [w, x0, x1, x2, x3], dtype=gl.int32,
-                                         is_pure=True, pack=1)
-    else:
-        part = gl.inline_asm_elementwise(INT8_WORD_DOT, "=r,r,r,r", [w, x0, x1], dtype=gl.int32, is_pure=True, pack=1)
+    part = gl.inline_asm_elementwise(INT8_WORD_DOT, "=r,r,r,r", [w, x0, x1], dtype=gl.int32, is_pure=True, pack=1)
     return part.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def gemv_pairs_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, WORDS: gl.constexpr, X_BF16: gl.constexpr,
+                      HAS_BIAS: gl.constexpr, EVEN_N: gl.constexpr, ROWS: gl.constexpr, VEC: gl.constexpr,
+                      WARPS_N: gl.constexpr, WARPS_W: gl.constexpr, PDL: gl.constexpr):
+    """y[N] = x · Ŵᵀ for one 16-bit input row and `[N, WORDS]` planar INT4 words, two words per partial sum.
+
+    A step takes two half tiles of BLOCK_N rows × HALF words (words c0… and c0 + HALF…) and pairs their words
+    position by position in INT4_PAIR_DOT, so a float32 conversion and addition serve 16 weights. Both half tiles
+    of the next step are loaded before working on this one; the first step's before waiting for the kernel before.
+    WORDS is a compile-time constant, so each row's words lie at a fixed offset from the first row's."""
+    layout: gl.constexpr = gl.BlockedLayout([ROWS, VEC], [1, 32], [WARPS_N, WARPS_W], [1, 0])
+    BLOCK_N: gl.constexpr = ROWS * WARPS_N
+    HALF: gl.constexpr = VEC * 32 * WARPS_W
+    EVEN_W: gl.constexpr = WORDS % (2 * HALF) == 0  # no step runs past the end of a row
+    rn = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    rw = gl.expand_dims(gl.arange(0, HALF, layout=gl.SliceLayout(0, layout)), 0)
+    n_ok = gl.expand_dims(rn < N, 1)
+    pairs_ptr = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    w_rows = w_ptr + gl.expand_dims(rn.to(gl.int64) * WORDS, 1) + rw
+    acc = gl.zeros([BLOCK_N, HALF], gl.float32, layout)
+    a = _half_tile(w_rows, rw, n_ok, 0, True, WORDS, EVEN_N, EVEN_W)
+    b = _half_tile(w_rows, rw, n_ok, HALF, True, WORDS, EVEN_N, EVEN_W)
+    _start(PDL)  # the first weights are in flight; the input comes from the kernel before
+    for c0 in range(0, WORDS, 2 * HALF):
+        more = c0 + 2 * HALF < WORDS
+        a_next = _half_tile(w_rows, rw, n_ok, c0 + 2 * HALF, more, WORDS, EVEN_N, EVEN_W)
+        b_next = _half_tile(w_rows, rw, n_ok, c0 + 3 * HALF, more, WORDS, EVEN_N, EVEN_W)
+        xa = rw + c0
+        xb = xa + HALF
+        a0 = _half_pairs(pairs_ptr, xa, xa < WORDS, EVEN_W, X_BF16)  # planes 0-3 of half tile a, then of b
+        a1 = _half_pairs(pairs_ptr, xa + WORDS, xa < WORDS, EVEN_W, X_BF16)
+        a2 = _half_pairs(pairs_ptr, xa + 2 * WORDS, xa < WORDS, EVEN_W, X_BF16)
+        a3 = _half_pairs(pairs_ptr, xa + 3 * WORDS, xa < WORDS, EVEN_W, X_BF16)
+        b0 = _half_pairs(pairs_ptr, xb, xb < WORDS, EVEN_W, X_BF16)
+        b1 = _half_pairs(pairs_ptr, xb + WORDS, xb < WORDS, EVEN_W, X_BF16)
+        b2 = _half_pairs(pairs_ptr, xb + 2 * WORDS, xb < WORDS, EVEN_W, X_BF16)
+        b3 = _half_pairs(pairs_ptr, xb + 3 * WORDS, xb < WORDS, EVEN_W, X_BF16)
+        part = gl.inline_asm_elementwise(INT4_PAIR_DOT, "=r,r,r,r,r,r,r,r,r,r,r",
+                                         [a, b, a0, a1, a2, a3, b0, b1, b2, b3], dtype=gl.int32, is_pure=True, pack=1)
+        acc += part.to(gl.float32, bitcast=True)
+        a = a_next
+        b = b_next
+    rows_ok = rn < N
+    y = gl.sum(acc, axis=1) * (gl.load(scale_ptr + rn, mask=rows_ok, other=0.0) * 32.0)  # the words hold q / 32
+    _store_rows(y, rn, rows_ok, bias_ptr, y_ptr, HAS_BIAS)
+
+
+@gluon.jit
+def _half_tile(w_rows, rw, n_ok, c, more, WORDS: gl.constexpr, EVEN_N: gl.constexpr, EVEN_W: gl.constexpr):
+    """Words c… of the rows `w_rows` (`[BLOCK_N, HALF]`; 0 past a row's end or the last row, and where not `more`)."""
+    if EVEN_N and EVEN_W:
+        words = gl.load(w_rows + c, mask=more)
+    else:
+        words = gl.load(w_rows + c, mask=n_ok & (rw + c < WORDS) & more, other=0)
+    return words
+
+
+@gluon.jit
+def _half_pairs(pairs_ptr, offsets, ok, EVEN_W: gl.constexpr, X_BF16: gl.constexpr):
+    """Input pairs `offsets` (`[1, HALF]`) as half-precision pairs in int32 words (0 past the row unless EVEN_W)."""
+    if EVEN_W:
+        u = gl.load(pairs_ptr + offsets)
+    else:
+        u = gl.load(pairs_ptr + offsets, mask=ok, other=0)
+    if X_BF16:
+        low, high = _features(u, True)
+        u = gl.inline_asm_elementwise(HALF_PAIR, "=r,f,f", [low, high], dtype=gl.int32, is_pure=True, pack=1)
+    return u
 
 
 @gluon.jit
@@ -377,11 +458,11 @@ def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def gemv_words(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
-               weight: int, swiglu: bool, rows: int, vec: int, warps_n: int, warps_w: int, prefetch: bool,
-               splits: int = 1, **launch) -> None:
-    """y[0] = x[0] · Ŵᵀ (+ bias) for a bf16/fp16 row x (`[1, K]`, or `[1, 2K]` [up; gate] with swiglu); the words
-    of each row are cut into `splits` runs that programs of their own reduce (fewer where N · splits would not fit
-    the workspace). `launch`: kernels.pdl's options."""
+               swiglu: bool, rows: int, vec: int, warps_n: int, warps_w: int, prefetch: bool, splits: int = 1,
+               **launch) -> None:
+    """y[0] = x[0] · Ŵᵀ (+ bias) for a bf16/fp16 row x (`[1, K]`, or `[1, 2K]` [up; gate] with swiglu) and INT8
+    words; the words of each row are cut into `splits` runs that programs of their own reduce (fewer where
+    N · splits would not fit the workspace). `launch`: kernels.pdl's options."""
     n, count = words.shape
     block_n, block_w = rows * warps_n, vec * 32 * warps_w
     splits = min(splits, MAX_SPLITS, max(1, _PARTIAL_FLOATS // n))
@@ -390,8 +471,20 @@ def gemv_words(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, bias: 
     partial, arrived = _workspace(x.device)
     gemv_words_kernel[(triton.cdiv(n, block_n), splits)](
         x, words, scale, bias if bias is not None else scale, y, partial, arrived, n, count, chunk,
-        WEIGHT=weight, X_BF16=x.dtype == torch.bfloat16, SWIGLU=swiglu, HAS_BIAS=bias is not None, ROWS=rows,
-        VEC=vec, WARPS_N=warps_n, WARPS_W=warps_w, PREFETCH=prefetch, SPLIT=splits > 1,
+        X_BF16=x.dtype == torch.bfloat16, SWIGLU=swiglu, HAS_BIAS=bias is not None, ROWS=rows, VEC=vec,
+        WARPS_N=warps_n, WARPS_W=warps_w, PREFETCH=prefetch, SPLIT=splits > 1, num_warps=warps_n * warps_w, **launch)
+
+
+def gemv_pairs(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+               rows: int, vec: int, warps_n: int, warps_w: int, **launch) -> None:
+    """y[0] = x[0] · Ŵᵀ (+ bias) for a bf16/fp16 row x `[1, K]` and INT4 words (`gemv_pairs_kernel`). Inputs are
+    converted to half precision unscaled: |x| must stay below 16,384 (a partial sum of 16 products may reach
+    4 · |x|)."""
+    n, count = words.shape
+    block_n = rows * warps_n
+    gemv_pairs_kernel[(triton.cdiv(n, block_n),)](
+        x, words, scale, bias if bias is not None else scale, y, n, count, X_BF16=x.dtype == torch.bfloat16,
+        HAS_BIAS=bias is not None, EVEN_N=n % block_n == 0, ROWS=rows, VEC=vec, WARPS_N=warps_n, WARPS_W=warps_w,
         num_warps=warps_n * warps_w, **launch)
 
 

@@ -471,8 +471,9 @@ class Config(NamedTuple):
 
 
 class GemvConfig(NamedTuple):
-    """Layout of the one-row INT8/INT4 kernel: each thread holds `rows` rows × `vec` words; warps_n × warps_w warps;
-    `prefetch`: load the next tile before working on this one; each row's words cut into `splits` runs (Gluon)."""
+    """Layout of the one-row INT8 kernel (Gluon's `gemv_words_kernel`; INT8 and INT4 in the portable one): each thread
+    holds `rows` rows × `vec` words; warps_n × warps_w warps; `prefetch`: load the next tile before working on this
+    one; each row's words cut into `splits` runs (Gluon)."""
     rows: int
     vec: int
     warps_n: int
@@ -488,6 +489,15 @@ class GemvConfig(NamedTuple):
     @property
     def block_w(self) -> int:
         return self.vec * 32 * self.warps_w
+
+
+class PairConfig(NamedTuple):
+    """Layout of the one-row INT4 kernel (Gluon's `gemv_pairs_kernel`): each thread holds `rows` rows × `vec` words of
+    each of a step's two half tiles; warps_n × warps_w warps."""
+    rows: int
+    vec: int
+    warps_n: int
+    warps_w: int
 
 
 class MmaConfig(NamedTuple):
@@ -513,8 +523,8 @@ CANDIDATES: dict[int, list[Config]] = {
                  (128, 128, 8, 4), (256, 64, 8, 4), (64, 128, 4, 6), (128, 64, 4, 6)),
     128: [Config(64, 128, 64, 4, 4), Config(128, 128, 64, 8, 3), Config(128, 256, 64, 8, 3), Config(64, 256, 64, 8, 4)],
 }
-# The one-row INT8/INT4 kernels: the layouts that were fastest for some 6B matrix on an H200 (bench_matmul, docs/
-# benchmarks.md), and their neighbours.
+# The one-row INT8 kernel (and the portable one for INT8/INT4): the layouts that were fastest for some 6B matrix on
+# an H200 (bench_matmul, docs/benchmarks.md), and their neighbours.
 GEMV_CANDIDATES = [GemvConfig(*shape) for shape in (
     (8, 2, 1, 4, True), (8, 2, 1, 4, False), (4, 4, 1, 4, True), (4, 4, 1, 4, False), (4, 4, 4, 1, True),
     (2, 4, 2, 2, True), (4, 2, 1, 4, False), (4, 2, 1, 4, True), (4, 4, 2, 4, False), (8, 4, 1, 4, True),
@@ -524,9 +534,12 @@ GEMV_CANDIDATES = [GemvConfig(*shape) for shape in (
 # int4 batch 32 5.88 → 5.34 ms a step, int8 batch 64 5.57 → 5.39 on an H200); the float kernel keeps its own.
 WORDS_EXTRA: dict[int, list[Config]] = {32: _configs(32, (64, 256, 4, 3), (64, 512, 4, 3)),
                                         64: _configs(64, (128, 128, 4, 3), (32, 128, 4, 4))}
+# The one-row INT4 kernel: the layouts that were fastest for some 6B matrix on an H200, and their neighbours.
+PAIR_CANDIDATES = [PairConfig(*shape) for shape in ((4, 2, 1, 4), (4, 1, 1, 8), (4, 2, 2, 4), (2, 2, 1, 4),
+                                                    (8, 2, 1, 4))]
 MMA_CANDIDATES = [MmaConfig(*shape) for shape in ((4, 8, 8), (1, 8, 8), (2, 8, 8), (4, 8, 4), (1, 8, 4), (4, 8, 2))]
 CUBLAS = Config(-1, 0, 0, 0, 0)
-AnyConfig = Config | GemvConfig | MmaConfig
+AnyConfig = Config | GemvConfig | PairConfig | MmaConfig
 CHOSEN: dict[tuple, AnyConfig] = {}  # (weight kind, row bucket, N, K, swiglu) -> config
 
 
@@ -542,12 +555,13 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: t
     """
     m, n = x.shape[0], w.shape[0]
     config = config or CHOSEN.get(_key(x, w, weight, swiglu)) or default_config(weight, m, gluon_available(x))
-    if isinstance(config, MmaConfig) and not (gluon_available(x) and m <= 8):
+    if isinstance(config, MmaConfig) and not (gluon_available(x) and m <= 8) or \
+            isinstance(config, PairConfig) and not (gluon_available(x) and m == 1 and weight == INT4):
         config = CANDIDATES[16][0]
     if config == CUBLAS:
         return F.linear(silu_mul(x) if swiglu else x, w, bias)
-    fused = isinstance(config, GemvConfig) and gluon_available(x) or isinstance(config, Config) and \
-        config.block_m == 0 and weight == FLOAT
+    fused = isinstance(config, GemvConfig) and gluon_available(x) and weight == INT8 or isinstance(config, Config) \
+        and config.block_m == 0 and weight == FLOAT
     if swiglu and not (fused and config.fuse_swiglu):
         x, swiglu = silu_mul(x), False
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -574,8 +588,10 @@ def _matmul_words(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, bia
     bias_arg = bias if bias is not None else scale
     if isinstance(config, MmaConfig):
         gluon_gemv.gemv_mma(x, words, scale, bias, y, weight, *config, **pdl(x.device))
-    elif isinstance(config, GemvConfig) and gluon_available(x):
-        gluon_gemv.gemv_words(x, words, scale, bias, y, weight, swiglu, *config[:6], **pdl(x.device))
+    elif isinstance(config, PairConfig):
+        gluon_gemv.gemv_pairs(x, words, scale, bias, y, *config, **pdl(x.device))
+    elif isinstance(config, GemvConfig) and gluon_available(x) and weight == INT8:
+        gluon_gemv.gemv_words(x, words, scale, bias, y, swiglu, *config[:6], **pdl(x.device))
     elif isinstance(config, GemvConfig):
         _gemv_words_kernel[(triton.cdiv(n, config.block_n),)](
             x, words, scale, bias_arg, y, n, count, WEIGHT=weight, HAS_BIAS=bias is not None,
@@ -597,7 +613,7 @@ def candidates(weight: int, bucket: int, gluon: bool = False) -> list[AnyConfig]
         return CANDIDATES[bucket if bucket != 8 else 16]
     tensor_cores = MMA_CANDIDATES if gluon else []
     if bucket == 1:
-        return GEMV_CANDIDATES + tensor_cores
+        return (PAIR_CANDIDATES if gluon and weight == INT4 else GEMV_CANDIDATES) + tensor_cores
     if bucket == 8:
         return tensor_cores + CANDIDATES[16]
     return CANDIDATES[bucket] + WORDS_EXTRA.get(bucket, [])
