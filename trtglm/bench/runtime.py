@@ -661,7 +661,8 @@ def _percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q / 100 * (len(ordered) - 1) + 0.5))]
 
 
-def gemv_probe(config: tuple = (0, 16, 512, 8, 3), word_config: tuple = (8, 2, 1, 4, True)) -> None:
+def gemv_probe(config: tuple = (0, 16, 512, 8, 3), word_config: tuple = (8, 2, 1, 4, True),
+               pair_config: tuple = (4, 2, 1, 4)) -> None:
     """One launch of the one-row matmul per weight kind on the fc shape, for a profiler to look at
     (scripts/bench_gpu.sh runs it under Nsight Compute: compute- or memory-bound?)."""
     from trtglm.chatglm.config import ChatGLMConfig
@@ -678,7 +679,8 @@ def gemv_probe(config: tuple = (0, 16, 512, 8, 3), word_config: tuple = (8, 2, 1
     x = torch.randn(1, cfg.hidden_size, device=device, dtype=torch.bfloat16)
     for algo in MODES.values():
         layer = Linear.from_weight(weight, None, algo, torch.bfloat16, use_triton=True)
-        chosen = kernels.GemvConfig(*word_config) if algo else kernels.Config(*config)
+        chosen = kernels.PairConfig(*pair_config) if algo == "W4A16" else \
+            kernels.GemvConfig(*word_config) if algo else kernels.Config(*config)
         kernels.matmul(x, layer.stored, layer.scale, None, layer.kind, config=chosen)
         torch.cuda.synchronize()
         log.info("gemv probe: %s, %s", algo or "bf16", chosen)
