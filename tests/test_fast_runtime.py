@@ -379,7 +379,8 @@ def test_triton_matmuls_match_dequantized_products(triton_ops, algo):
         layer = Linear.from_weight(weight, bias, algo, torch.float16, use_triton=True)
         exact = fake_quantize(weight, algo) if algo else weight.float()
         cases = [(1, swiglu, c) for c in one_row for swiglu in (False, True)] + [(5, False, several[0]),
-                                                                                 (3, True, several[1])] + [
+                                                                                 (3, True, several[1]),
+                                                                                 (6, True, kernels.CUBLAS)] + [
             (rows, rows == 8, c) for c in tensor_cores for rows in (1, 5, 8)]
         for rows, swiglu, config in cases:
             x = torch.randn(rows, 2 * k if swiglu else k, generator=g).half().to(KERNEL_DEVICE)

@@ -461,7 +461,8 @@ def matmul_checks(cfg, rnd: Callable[..., torch.Tensor], rel: Callable[..., floa
                 x = rnd(m, 2 * cols if swiglu else cols)
                 inputs = kernels.silu_mul(x) if swiglu else x
                 expected = inputs.float() @ exact.T + (b.float() if bias else 0)
-                configs = {"": None} if algo or m > 1 else {"": kernels.CANDIDATES[1][0], "_cublas": kernels.CUBLAS}
+                configs = {"": kernels.CANDIDATES[1][0], "_cublas": kernels.CUBLAS} if not algo and m == 1 else \
+                    {"": None, "_cublas": kernels.CUBLAS} if algo and m == 512 else {"": None}
                 for suffix, config in configs.items():
                     got = kernels.matmul(x, layer.stored, layer.scale, layer.bias, layer.kind, swiglu, config)
                     out[f"{mode}_{name}_m{m}{suffix}"] = rel(got, expected)

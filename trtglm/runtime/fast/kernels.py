@@ -418,6 +418,46 @@ def _gemv_words_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, WORDS, WEIGH
     _gemv_output(acc, rn, n_ok, scale_ptr, bias_ptr, y_ptr, True, HAS_BIAS)
 
 
+@triton.jit
+def _dequantize_kernel(w_ptr, scale_ptr, out_ptr, N, WORDS, WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_W: tl.constexpr):
+    """out `[N, K]` = Ŵ in feature order and out's dtype, from planar INT8/INT4 words (each plane's pairs
+    interleaved back, as in `_matmul_words_kernel`)."""
+    PLANES: tl.constexpr = 4 if WEIGHT == 2 else 2
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rw = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    rf = 2 * tl.program_id(1) * BLOCK_W + tl.arange(0, 2 * BLOCK_W)
+    n_ok = rn < N
+    w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * WORDS + rw[None, :], mask=n_ok[:, None] & (rw < WORDS)[None, :],
+                other=0)
+    scale = tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[:, None]
+    out_rows = out_ptr + rn.to(tl.int64)[:, None] * (2 * PLANES * WORDS)
+    for p in tl.static_range(PLANES):
+        pairs = tl.join(_plane_weights(w, p, 0, WEIGHT), _plane_weights(w, p, 1, WEIGHT))
+        values = tl.reshape(pairs, (BLOCK_N, 2 * BLOCK_W)).to(tl.float32) * scale
+        tl.store(out_rows + (2 * p * WORDS + rf)[None, :], values.to(out_ptr.dtype.element_ty),
+                 mask=n_ok[:, None] & (rf < 2 * WORDS)[None, :])
+
+
+_dequantized_buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def dequantize(words: torch.Tensor, scale: torch.Tensor, weight: int, dtype: torch.dtype) -> torch.Tensor:
+    """Ŵ `[N, K]` in `dtype` from planar INT8/INT4 words `[N, WORDS]`, in a buffer per device and dtype that the
+    next call overwrites (it grows to the largest weight seen; prompts then multiply with cuBLAS)."""
+    (n, count), planes = words.shape, 4 if weight == INT4 else 2
+    size = n * 2 * planes * count
+    key = (words.device, dtype)
+    if key not in _dequantized_buffers or _dequantized_buffers[key].numel() < size:
+        _dequantized_buffers.pop(key, None)
+        _dequantized_buffers[key] = torch.empty(size, dtype=dtype, device=words.device)
+    out = _dequantized_buffers[key][:size].view(n, 2 * planes * count)
+    block_n, block_w = 32, 64
+    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(count, block_w))](
+        words, scale, out, n, count, WEIGHT=weight, BLOCK_N=block_n, BLOCK_W=block_w, num_warps=4)
+    return out
+
+
 def graph_time_ms(fn, calls: int = 10, replays: int = 5) -> float:
     """Median time of one call of `fn` on a cold L2 cache, replayed from a CUDA graph as decode steps run
     (launching from Python would time the host, and repeating one call would read its weights from L2):
@@ -461,7 +501,8 @@ def gluon_available(x: torch.Tensor) -> bool:
 
 
 class Config(NamedTuple):
-    """Block shape of the Triton kernels: one-row (block_m 0), tensor-core (block_m > 0) or cuBLAS (CUBLAS)."""
+    """Block shape of the Triton kernels: one-row (block_m 0), tensor-core (block_m > 0) or cuBLAS (CUBLAS; INT8/INT4
+    weights are dequantized into a buffer first)."""
     block_m: int
     block_n: int
     block_k: int  # one-row kernels: stored columns (bytes) per step; tensor-core kernels: input features per step
@@ -558,7 +599,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: t
     if isinstance(config, MmaConfig) and not (gluon_available(x) and m <= 8) or \
             isinstance(config, PairConfig) and not (gluon_available(x) and m == 1 and weight == INT4):
         config = CANDIDATES[16][0]
-    if config == CUBLAS:
+    if config == CUBLAS:  # INT8/INT4: the weights dequantized first (prompts: many rows, compute-bound)
+        w = w if weight == FLOAT else dequantize(w.view(torch.int32), scale, weight, x.dtype)
         return F.linear(silu_mul(x) if swiglu else x, w, bias)
     fused = isinstance(config, GemvConfig) and gluon_available(x) and weight == INT8 or isinstance(config, Config) \
         and config.block_m == 0 and weight == FLOAT
@@ -630,12 +672,14 @@ def _key(x: torch.Tensor, w: torch.Tensor, weight: int, swiglu: bool) -> tuple:
 
 def tune(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, weight: int,
          swiglu: bool = False) -> AnyConfig:
-    """Time the candidates (and cuBLAS, for float weights) on this shape; remember and return the fastest."""
+    """Time the candidates on this shape, and cuBLAS for float weights and for prompts (after dequantizing INT8/INT4
+    weights); remember and return the fastest."""
     key = _key(x, w, weight, swiglu)
     if weight == FLOAT and key[1] == 128:
         CHOSEN[key] = CUBLAS  # prompts: compute-bound, cuBLAS's ground
     if key not in CHOSEN:
-        options = list(candidates(weight, key[1], gluon_available(x))) + ([CUBLAS] if weight == FLOAT else [])
+        options = list(candidates(weight, key[1], gluon_available(x))) + \
+            ([CUBLAS] if weight == FLOAT or key[1] == 128 else [])
         if swiglu:  # fused SwiGLU recomputes silu in every program: time it against a kernel of its own
             options += [c._replace(fuse_swiglu=False) for c in options if getattr(c, "fuse_swiglu", False)
                         and (isinstance(c, GemvConfig) or c.block_m == 0)]
