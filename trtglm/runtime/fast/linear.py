@@ -9,11 +9,13 @@ channel); only the storage differs, so that a matmul reads fewer bytes:
 - both in kernels.py's planar word order, in which each 32-bit word holds weights of every
   plane of input pairs, so that a kernel reads each plane of the input as one contiguous run.
 
-On CUDA the Triton kernels of kernels.py do the products, converting weights in registers
-and applying the scale to the float32 accumulator: a one-row kernel for batch-1 decoding
-(which can also apply SwiGLU to its input) and a tensor-core kernel for more rows. Float
-weights use cuBLAS except where the one-row kernel was timed faster (`tune`). Elsewhere the
-weights are dequantized and multiplied by PyTorch.
+On CUDA the Triton and Gluon kernels of kernels.py and gluon_gemv.py do the products,
+converting weights in registers and applying the scale to the float32 accumulator: one-row
+kernels for batch-1 decoding (the bf16 and int8 ones can also apply SwiGLU to their input) and
+tensor-core kernels for more rows; prompts may instead dequantize the weights into a buffer
+and use cuBLAS, whichever `tune` timed faster. Float weights use cuBLAS except where the
+one-row kernel was timed faster. Elsewhere the weights are dequantized and multiplied by
+PyTorch.
 
 PyTorch's own weight-only ops were measured on an H200 and not used (docs/benchmarks.md):
 `_weight_int8pack_mm` is many times slower than bf16 on CUDA; `_weight_int4pack_mm`
