@@ -210,16 +210,8 @@ def gemv_pairs_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, WORDS: gl.con
         more = c0 + 2 * HALF < WORDS
         a_next = _half_tile(w_rows, rw, n_ok, c0 + 2 * HALF, more, WORDS, EVEN_N, EVEN_W)
         b_next = _half_tile(w_rows, rw, n_ok, c0 + 3 * HALF, more, WORDS, EVEN_N, EVEN_W)
-        xa = rw + c0
-        xb = xa + HALF
-        a0 = _half_pairs(pairs_ptr, xa, xa < WORDS, EVEN_W, X_BF16)  # planes 0-3 of half tile a, then of b
-        a1 = _half_pairs(pairs_ptr, xa + WORDS, xa < WORDS, EVEN_W, X_BF16)
-        a2 = _half_pairs(pairs_ptr, xa + 2 * WORDS, xa < WORDS, EVEN_W, X_BF16)
-        a3 = _half_pairs(pairs_ptr, xa + 3 * WORDS, xa < WORDS, EVEN_W, X_BF16)
-        b0 = _half_pairs(pairs_ptr, xb, xb < WORDS, EVEN_W, X_BF16)
-        b1 = _half_pairs(pairs_ptr, xb + WORDS, xb < WORDS, EVEN_W, X_BF16)
-        b2 = _half_pairs(pairs_ptr, xb + 2 * WORDS, xb < WORDS, EVEN_W, X_BF16)
-        b3 = _half_pairs(pairs_ptr, xb + 3 * WORDS, xb < WORDS, EVEN_W, X_BF16)
+        a0, a1, a2, a3 = _planes(pairs_ptr, rw + c0, WORDS, EVEN_W, X_BF16)
+        b0, b1, b2, b3 = _planes(pairs_ptr, rw + c0 + HALF, WORDS, EVEN_W, X_BF16)
         part = gl.inline_asm_elementwise(INT4_PAIR_DOT, "=r,r,r,r,r,r,r,r,r,r,r",
                                          [a, b, a0, a1, a2, a3, b0, b1, b2, b3], dtype=gl.int32, is_pure=True, pack=1)
         acc += part.to(gl.float32, bitcast=True)
@@ -238,6 +230,16 @@ def _half_tile(w_rows, rw, n_ok, c, more, WORDS: gl.constexpr, EVEN_N: gl.conste
     else:
         words = gl.load(w_rows + c, mask=n_ok & (rw + c < WORDS) & more, other=0)
     return words
+
+
+@gluon.jit
+def _planes(pairs_ptr, words, WORDS: gl.constexpr, EVEN_W: gl.constexpr, X_BF16: gl.constexpr):
+    """The input pairs of words `words` (`[1, HALF]`) in each of the 4 planes, as half-precision pairs."""
+    ok = words < WORDS
+    return (_half_pairs(pairs_ptr, words, ok, EVEN_W, X_BF16),
+            _half_pairs(pairs_ptr, words + WORDS, ok, EVEN_W, X_BF16),
+            _half_pairs(pairs_ptr, words + 2 * WORDS, ok, EVEN_W, X_BF16),
+            _half_pairs(pairs_ptr, words + 3 * WORDS, ok, EVEN_W, X_BF16))
 
 
 @gluon.jit

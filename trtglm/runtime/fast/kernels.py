@@ -296,6 +296,13 @@ def _plane_weights(w, p: tl.constexpr, h: tl.constexpr, WEIGHT: tl.constexpr):
 
 
 @triton.jit
+def _plane_pairs(w, p: tl.constexpr, WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Plane p's weight pairs of the words `w` `[BLOCK_N, BLOCK_W]`, interleaved back into feature order:
+    `[BLOCK_N, 2·BLOCK_W]` int32 values."""
+    return tl.reshape(tl.join(_plane_weights(w, p, 0, WEIGHT), _plane_weights(w, p, 1, WEIGHT)), (BLOCK_N, 2 * BLOCK_W))
+
+
+@triton.jit
 def _matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, HAS_BIAS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """y[M, N] = x[M, K] · Wᵀ for FLOAT weights (tensor cores, several rows)."""
@@ -346,8 +353,7 @@ def _matmul_words_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, WORDS, 
         f_ok = rf < 2 * (WORDS - c0)
         for p in tl.static_range(PLANES):
             x = tl.load(x_rows + (2 * (p * WORDS + c0) + rf)[None, :], mask=m_ok[:, None] & f_ok[None, :], other=0.0)
-            pairs = tl.join(_plane_weights(w, p, 0, WEIGHT), _plane_weights(w, p, 1, WEIGHT))
-            acc += tl.dot(x, tl.trans(tl.reshape(pairs, (BLOCK_N, 2 * BLOCK_W)).to(x.dtype)))
+            acc += tl.dot(x, tl.trans(_plane_pairs(w, p, WEIGHT, BLOCK_N, BLOCK_W).to(x.dtype)))
     acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
     _store_tile(acc, rm, rn, m_ok, n_ok, bias_ptr, y_ptr, N, HAS_BIAS)
 
@@ -421,8 +427,7 @@ def _gemv_words_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, WORDS, WEIGH
 @triton.jit
 def _dequantize_kernel(w_ptr, scale_ptr, out_ptr, N, WORDS, WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_W: tl.constexpr):
-    """out `[N, K]` = Ŵ in feature order and out's dtype, from planar INT8/INT4 words (each plane's pairs
-    interleaved back, as in `_matmul_words_kernel`)."""
+    """out `[N, K]` = Ŵ in feature order and out's dtype, from planar INT8/INT4 words."""
     PLANES: tl.constexpr = 4 if WEIGHT == 2 else 2
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rw = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -433,8 +438,7 @@ def _dequantize_kernel(w_ptr, scale_ptr, out_ptr, N, WORDS, WEIGHT: tl.constexpr
     scale = tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[:, None]
     out_rows = out_ptr + rn.to(tl.int64)[:, None] * (2 * PLANES * WORDS)
     for p in tl.static_range(PLANES):
-        pairs = tl.join(_plane_weights(w, p, 0, WEIGHT), _plane_weights(w, p, 1, WEIGHT))
-        values = tl.reshape(pairs, (BLOCK_N, 2 * BLOCK_W)).to(tl.float32) * scale
+        values = _plane_pairs(w, p, WEIGHT, BLOCK_N, BLOCK_W).to(tl.float32) * scale
         tl.store(out_rows + (2 * p * WORDS + rf)[None, :], values.to(out_ptr.dtype.element_ty),
                  mask=n_ok[:, None] & (rf < 2 * WORDS)[None, :])
 
@@ -449,7 +453,7 @@ def dequantize(words: torch.Tensor, scale: torch.Tensor, weight: int, dtype: tor
     size = n * 2 * planes * count
     key = (words.device, dtype)
     if key not in _dequantized_buffers or _dequantized_buffers[key].numel() < size:
-        _dequantized_buffers.pop(key, None)
+        _dequantized_buffers.pop(key, None)  # the smaller buffer's memory may serve the larger
         _dequantized_buffers[key] = torch.empty(size, dtype=dtype, device=words.device)
     out = _dequantized_buffers[key][:size].view(n, 2 * planes * count)
     block_n, block_w = 32, 64
