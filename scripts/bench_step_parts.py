@@ -26,36 +26,33 @@ def without_norm(x, delta, weight, eps):
     return x, x
 
 
-def without_rope(qkv, slots, positions, cos, sin, k_cache, v_cache, num_heads):
-    return qkv[:, : num_heads * k_cache.shape[3]].unflatten(-1, (num_heads, k_cache.shape[3]))
-
-
-def without_attention(q, k_cache, v_cache, slots, positions):
-    return q.flatten(1)
+def without_attention(qkv, slots, positions, cos, sin, k_cache, v_cache, num_heads):
+    return qkv[:, : num_heads * k_cache.shape[3]]
 
 
 def without_swiglu(x):
     return x[:, : x.shape[1] // 2]
 
 
-REMOVED = {"RMSNorm": {"add_rms_norm": without_norm}, "rotary + KV cache": {"rope_cache": without_rope},
-           "decode attention": {"decode_attention": without_attention}, "SwiGLU": {"silu_mul": without_swiglu}}
-REMOVED["all four"] = {name: fn for parts in REMOVED.values() for name, fn in parts.items()}
+REMOVED = {"RMSNorm": {"add_rms_norm": without_norm},
+           "rotary, KV cache, attention": {"decode_qkv_attention": without_attention},
+           "SwiGLU": {"silu_mul": without_swiglu}}
+REMOVED["all three"] = {name: fn for parts in REMOVED.values() for name, fn in parts.items()}
 
 
 def step_ms(model: FastModel, generator: torch.Generator, replaced: dict) -> float:
-    originals = {name: getattr(model.ops, name) for name in replaced}
-    swiglu = kernels.silu_mul
+    """The step with the kernels `replaced` names swapped for their stand-ins, in the model's ops and in the kernels
+    module (where the matmuls call silu_mul when they do not apply SwiGLU themselves)."""
+    saved = [(owner, name, getattr(owner, name)) for name in replaced for owner in (model.ops, kernels)
+             if hasattr(owner, name)]
     try:
-        for name, fn in replaced.items():
-            setattr(model.ops, name, fn)
-        kernels.silu_mul = replaced.get("silu_mul", swiglu)  # the matmuls call it when SwiGLU is not fused
+        for owner, name, _ in saved:
+            setattr(owner, name, replaced[name])
         model.capture_graphs()
         return min(fast_timing(model, 1, 128, 128, generator).decode_ms for _ in range(2))
     finally:
-        for name, fn in originals.items():
-            setattr(model.ops, name, fn)
-        kernels.silu_mul = swiglu
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
 
 
 def bench_kind(mode: str, ckpt_cfg, tensors: dict, generator: torch.Generator) -> dict:
@@ -64,7 +61,7 @@ def bench_kind(mode: str, ckpt_cfg, tensors: dict, generator: torch.Generator) -
     costs = {}
     for part, replaced in REMOVED.items():
         costs[part] = full - step_ms(model, generator, replaced)
-        print(f"{mode:5} {part:18} {costs[part]:6.3f} ms of a {full:.3f} ms step", flush=True)
+        print(f"{mode:5} {part:27} {costs[part]:6.3f} ms of a {full:.3f} ms step", flush=True)
     return {"step_ms": full, "cost_ms": costs}
 
 

@@ -357,6 +357,43 @@ def test_triton_ops_match_their_definitions(triton_ops):
     assert rel(ops.decode_attention(many[0], *caches, *many[1:]), attended.repeat(6, 1)) < 1e-2
     y = rnd(4, 200)
     assert rel(ops.silu_mul(y), TorchOps.silu_mul(y)) < 1e-3
+    seq_len = torch.tensor([7, 0, 3, 9, 0], dtype=torch.int32, device=KERNEL_DEVICE)  # slot 4: scratch
+    tokens, slots = torch.tensor([5, 1, 5, 2], device=KERNEL_DEVICE), torch.tensor([2, 0, 4, 4], device=KERNEL_DEVICE)
+    embedding, lengths = rnd(6, 96), seq_len.clone()
+    x, positions = ops.decode_inputs(tokens, slots, seq_len, embedding, 4)
+    assert torch.equal(x, embedding[tokens]) and positions.tolist() == [3, 7, 0, 0]
+    assert seq_len.tolist() == [8, 0, 4, 9, 0]
+    assert [t.tolist() for t in TorchOps.decode_inputs(tokens, slots, lengths, embedding, 4)[1:]] + [lengths.tolist()] \
+        == [[3, 7, 0, 0], [8, 0, 4, 9, 0]]
+
+
+# (slots, positions) of one decode step: one sequence (one program per query head: rope_attention) within the first
+# chunk, over two chunks and over three; several (rope_cache + decode_attention).
+QKV_ATTENTION_STEPS = [([2], [0]), ([1], [300]), ([3], [599]), ([0, 3, 1], [5, 599, 256])]
+
+
+@NEEDS_TRITON
+@pytest.mark.parametrize("slots, positions", QKV_ATTENTION_STEPS)
+def test_decode_attention_from_qkv_matches_its_definition(triton_ops, slots, positions):
+    ops, kernels = triton_ops
+    g = torch.Generator().manual_seed(1)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=g).half().to(KERNEL_DEVICE)
+
+    heads, kv_heads, head, length = 8, 2, 16, 600  # chunks of 256 positions: 3 in use, one empty
+    angles = torch.arange(length)[:, None].float() * 0.1 ** torch.arange(4).float()
+    cos, sin = angles.cos().to(KERNEL_DEVICE), angles.sin().to(KERNEL_DEVICE)
+    caches = [rnd(4, kv_heads, length, head) for _ in range(2)]
+    copies = [c.clone() for c in caches]
+    qkv = rnd(len(slots), (heads + 2 * kv_heads) * head)
+    slots = torch.tensor(slots, device=KERNEL_DEVICE)
+    positions = torch.tensor(positions, dtype=torch.int32, device=KERNEL_DEVICE)
+    got = ops.decode_qkv_attention(qkv, slots, positions, cos, sin, *caches, heads)
+    want = TorchOps.decode_qkv_attention(qkv, slots, positions, cos, sin, *copies, heads)
+    assert rel(got, want) < 1e-2
+    assert torch.equal(caches[0], copies[0]) and torch.equal(caches[1], copies[1])  # this position's k and v
+    assert not kernels._arrivals(qkv.device, 1).any()  # the merging programs reset their arrival counts
 
 
 @NEEDS_TRITON

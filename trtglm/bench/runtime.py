@@ -433,6 +433,12 @@ def kernel_checks(cfg, device: torch.device, dtype: torch.dtype) -> dict:
     positions8 = torch.randint(0, length, (8,), device=device, generator=g, dtype=torch.int32)
     out["decode_attention"] = rel(fast.decode_attention(q, caches[0], caches[1], slots8, positions8),
                                   ref.decode_attention(q, caches[0], caches[1], slots8, positions8))
+    for position in (100, 1000):  # one sequence (rope_attention): one chunk of positions, and four merged
+        one = slots8[:1], torch.tensor([position], dtype=torch.int32, device=device)
+        attended = fast.decode_qkv_attention(qkv[:1], *one, cos, sin, caches[0], caches[1], heads)
+        out[f"decode_qkv_attention_{position}"] = max(
+            rel(attended, ref.decode_qkv_attention(qkv[:1], *one, cos, sin, copies[0], copies[1], heads)),
+            rel(caches[0], copies[0]), rel(caches[1], copies[1]))
     y = rnd(64, 2 * inner)
     out["silu_mul"] = rel(fast.silu_mul(y), ref.silu_mul(y))
     out.update(matmul_checks(cfg, rnd, rel))

@@ -224,11 +224,12 @@ def gemv_pairs_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, WORDS: gl.con
 
 @gluon.jit
 def _half_tile(w_rows, rw, n_ok, c, more, WORDS: gl.constexpr, EVEN_N: gl.constexpr, EVEN_W: gl.constexpr):
-    """Words c… of the rows `w_rows` (`[BLOCK_N, HALF]`; 0 past a row's end or the last row, and where not `more`)."""
+    """Words c… of the rows `w_rows` (`[BLOCK_N, HALF]`; 0 past a row's end or the last row, and where not `more`).
+    Read once per step, they are marked first to leave L2, which keeps the activations and the KV cache there."""
     if EVEN_N and EVEN_W:
-        words = gl.load(w_rows + c, mask=more)
+        words = gl.load(w_rows + c, mask=more, eviction_policy="evict_first")
     else:
-        words = gl.load(w_rows + c, mask=n_ok & (rw + c < WORDS) & more, other=0)
+        words = gl.load(w_rows + c, mask=n_ok & (rw + c < WORDS) & more, other=0, eviction_policy="evict_first")
     return words
 
 

@@ -12,7 +12,13 @@ in one `[GROUP, head]` tile so the tensor cores do the dot products. A sequence 
 chunk is written out by that chunk's program; otherwise the last of its chunks' programs to
 finish (an atomic count) merges them through their log-sum-exp, so no second kernel is
 launched. Chunks past a sequence's end exit at once, so one launch shape (fixed by the cache
-length) serves every length, as CUDA graphs need.
+length) serves every length, as CUDA graphs need. A step of one sequence instead runs
+`rope_attention`: one program per (query head, chunk), which also rotates q and k and writes
+the new key and value into the cache, and loads the older keys before it waits for `qkv`: one
+launch fewer on the path through a layer and 32 programs instead of 2, which pays where the
+step is a chain of latencies (batch 1) and not where many sequences fill the GPU. Its dot
+products also run on tensor cores (the one query padded to 16 rows): on CUDA cores the float32
+products of a 256-position tile spilled registers and the step took 0.012 ms longer.
 
 The matmuls: for decoding one sequence, a one-row kernel for float weights (products summed
 elementwise and reduced once; memory-bound) and one for int8/int4 weights stored as planar
@@ -45,6 +51,8 @@ else:
     gluon_gemv = None
 
 DECODE_CHUNK = 256  # positions per decode-attention program
+ROPE_ATTENTION_CHUNK = 256  # positions per program of the one-head decode attention (rope_attention)
+ROPE_ATTENTION_BATCH = 1  # decode steps of at most this many sequences use rope_attention
 PDL_ENABLED = True  # programmatic dependent launch on GPUs that have it (Hopper on): see `pdl`
 ARRIVAL_COUNTERS = 1 << 16  # decode attention: sequences × KV heads per launch, at most
 L2_FLUSH_BYTES = 128 << 20  # more than any GPU's L2 cache (H100/H200: 50 MB)
@@ -71,6 +79,33 @@ def _start(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def _decode_inputs_kernel(token_ptr, slot_ptr, seq_len_ptr, embedding_ptr, x_ptr, pos_ptr, scratch, hidden,
+                          BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _start(PDL)
+    b = tl.program_id(0)
+    slot = tl.load(slot_ptr + b)
+    pos = tl.load(seq_len_ptr + slot)
+    tl.store(pos_ptr + b, pos)
+    if slot != scratch:  # a sequence's slot appears once in a step; the scratch slot's length stays 0
+        tl.store(seq_len_ptr + slot, pos + 1)
+    token = tl.load(token_ptr + b).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    row = tl.load(embedding_ptr + token * hidden + cols, mask=cols < hidden)
+    tl.store(x_ptr + b.to(tl.int64) * hidden + cols, row, mask=cols < hidden)
+
+
+def decode_inputs(tokens: torch.Tensor, slots: torch.Tensor, seq_len: torch.Tensor, embedding: torch.Tensor,
+                  scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embedding rows of `tokens`, each slot's position) of a decode step, and each slot's length advanced."""
+    batch, hidden = tokens.shape[0], embedding.shape[1]
+    x = torch.empty(batch, hidden, dtype=embedding.dtype, device=embedding.device)
+    positions = torch.empty(batch, dtype=seq_len.dtype, device=seq_len.device)
+    _decode_inputs_kernel[(batch,)](tokens, slots, seq_len, embedding, x, positions, scratch, hidden,
+                                    BLOCK=triton.next_power_of_2(hidden), num_warps=4, **pdl(embedding.device))
+    return x, positions
 
 
 @triton.jit
@@ -234,21 +269,137 @@ def decode_block(batch: int) -> int:
     return 128 if batch <= 16 else 64
 
 
+def _split_outputs(batch: int, num_heads: int, k_cache: torch.Tensor, chunk: int, dtype: torch.dtype
+                   ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(chunks of the cache length, each chunk's float32 output and log-sum-exp per head, the output `[B, H·D]`)
+    for a split-K decode attention launch."""
+    _, _, max_len, head = k_cache.shape
+    splits = triton.next_power_of_2(triton.cdiv(max_len, chunk))
+    parts = torch.empty(batch, num_heads, splits, head, dtype=torch.float32, device=k_cache.device)
+    lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=k_cache.device)
+    return splits, parts, lse, torch.empty(batch, num_heads * head, dtype=dtype, device=k_cache.device)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                      positions: torch.Tensor) -> torch.Tensor:
     """One query per sequence `q` `[B, H, D]` over cache positions 0..position of its slot; `[B, H·D]`."""
     batch, num_heads, head = q.shape
-    _, kv_heads, max_len, _ = k_cache.shape
-    splits = triton.next_power_of_2(triton.cdiv(max_len, DECODE_CHUNK))
-    parts = torch.empty(batch, num_heads, splits, head, dtype=torch.float32, device=q.device)
-    lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
-    out = torch.empty(batch, num_heads * head, dtype=q.dtype, device=q.device)
+    kv_heads = k_cache.shape[1]
+    splits, parts, lse, out = _split_outputs(batch, num_heads, k_cache, DECODE_CHUNK, q.dtype)
     _decode_attention_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, slots, positions, parts, lse, out, _arrivals(q.device, batch * kv_heads), head ** -0.5,
         k_cache.stride(0), k_cache.stride(1), H=num_heads, GROUP=num_heads // kv_heads,
         GROUP_PAD=max(16, triton.next_power_of_2(num_heads // kv_heads)), D=head, CHUNK=DECODE_CHUNK,
         BLOCK=decode_block(batch), SPLITS=splits, num_warps=4, num_stages=2, **pdl(q.device))
     return out
+
+
+@triton.jit
+def _rotary(src, d, cos, sin):
+    """GPT-J rotary of one head (`d` = 0..D-1; cos 1 and sin 0 past the rotated features), float32."""
+    x = tl.load(src + d).to(tl.float32)
+    partner = tl.load(src + (d ^ 1)).to(tl.float32)  # the other element of the (even, odd) pair
+    return x * cos + tl.where(d % 2 == 0, -partner, partner) * sin
+
+
+@triton.jit
+def _rope_attention_kernel(qkv_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, out_ptr,
+                           arrived_ptr, scale, qkv_stride, slot_stride, head_stride, H: tl.constexpr,
+                           KVH: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, CHUNK: tl.constexpr,
+                           SPLITS: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
+    """rope_cache and decode attention of one query head over one chunk of positions. Before waiting for `qkv`, the
+    keys of earlier steps are loaded and their values fetched into L2 (LINE > 0: values per 128-byte line;
+    registers would not hold both);
+    the new key and value come from `qkv` itself (the first query head of each KV head stores them in the cache)."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    group = H // KVH
+    kv_head = h // group
+    pos = tl.load(pos_ptr + b)
+    used = pos // CHUNK + 1
+    if split < used:
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        idx = split * CHUNK + tl.arange(0, CHUNK)
+        d = tl.arange(0, D)
+        base = slot * slot_stride + kv_head * head_stride
+        cached = base + idx[:, None] * D + d[None, :]
+        older = (idx < pos)[:, None]  # written by earlier steps, complete before this kernel starts
+        k = tl.load(k_ptr + cached, mask=older, other=0.0)
+        if LINE > 0:  # one address per line
+            lines = v_ptr + base + idx[:, None] * D + (tl.arange(0, D // LINE) * LINE)[None, :]
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+        rotated = d < ROT
+        cos = tl.load(cos_ptr + pos * (ROT // 2) + d // 2, mask=rotated, other=1.0)
+        sin = tl.load(sin_ptr + pos * (ROT // 2) + d // 2, mask=rotated, other=0.0)
+        _start(PDL)
+        v = tl.load(v_ptr + cached, mask=older, other=0.0)
+        row = qkv_ptr + b * qkv_stride
+        q = _rotary(row + h * D, d, cos, sin).to(qkv_ptr.dtype.element_ty)
+        k_new = _rotary(row + (H + kv_head) * D, d, cos, sin).to(k_ptr.dtype.element_ty)
+        v_new = tl.load(row + (H + KVH + kv_head) * D + d).to(v_ptr.dtype.element_ty)
+        stores = (d < D) & (h % group == 0) & (split == used - 1)
+        tl.store(k_ptr + base + pos * D + d, k_new, mask=stores)
+        tl.store(v_ptr + base + pos * D + d, v_new, mask=stores)
+        newest = (idx == pos)[:, None]
+        k = tl.where(newest, k_new[None, :], k)
+        v = tl.where(newest, v_new[None, :], v)
+        # The dot products on tensor cores, this head's query as row 0 of a 16-row tile (the others zero).
+        first = tl.arange(0, 16) == 0
+        scores = tl.dot(tl.where(first[:, None], q.to(k.dtype)[None, :], 0.0), tl.trans(k)) * scale
+        scores = tl.where((idx <= pos)[None, :], scores, float("-inf"))
+        top = tl.max(scores, axis=1)
+        p = tl.exp(scores - top[:, None])
+        acc = tl.sum(tl.where(first[:, None], tl.dot(p.to(v.dtype), v), 0.0), axis=0)
+        total = tl.sum(tl.where(first, tl.sum(p, axis=1), 0.0), axis=0)
+        top = tl.sum(tl.where(first, top, 0.0), axis=0)
+        head = b * H + h
+        if used == 1:
+            tl.store(out_ptr + head * D + d, (acc / total).to(out_ptr.dtype.element_ty))
+        else:
+            one = tl.arange(0, 1)  # the merge takes tiles of heads: a tile of one
+            rows = head * SPLITS + one
+            tl.store(o_ptr + (head * SPLITS + split) * D + d, acc / total)
+            tl.store(lse_ptr + rows + split, tl.zeros([1], tl.float32) + top + tl.log(total))
+            tl.debug_barrier()  # every thread's partials stored before the count that announces them
+            counter = arrived_ptr + head
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:
+                tl.store(counter, 0)
+                _merge_chunks(o_ptr, lse_ptr, rows, used, one < 1, d, out_ptr + (head + one[:, None]) * D + d[None, :],
+                              1, D)
+
+
+def rope_attention(qkv: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """rope_cache then decode_attention in one launch, one program per (sequence, query head, chunk): every key and
+    value is read once per query head, which pays where few sequences leave most SMs idle."""
+    batch = qkv.shape[0]
+    _, kv_heads, _, head = k_cache.shape
+    splits, parts, lse, out = _split_outputs(batch, num_heads, k_cache, ROPE_ATTENTION_CHUNK, qkv.dtype)
+    _rope_attention_kernel[(batch, num_heads, splits)](
+        qkv, slots, positions, cos, sin, k_cache, v_cache, parts, lse, out, _arrivals(qkv.device, batch * num_heads),
+        head ** -0.5, qkv.stride(0), k_cache.stride(0), k_cache.stride(1), H=num_heads, KVH=kv_heads, D=head,
+        ROT=2 * cos.shape[1], CHUNK=ROPE_ATTENTION_CHUNK, SPLITS=splits, LINE=_prefetch_line(v_cache), num_warps=8,
+        **pdl(qkv.device))
+    return out
+
+
+def _prefetch_line(cache: torch.Tensor) -> int:
+    """Elements per 128-byte line of the cache where a kernel may prefetch its rows into L2 line by line, else 0."""
+    line = 128 // cache.element_size()
+    return line if not triton.knobs.runtime.interpret and cache.shape[-1] % line == 0 else 0
+
+
+def decode_qkv_attention(qkv: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int
+                         ) -> torch.Tensor:
+    """Decode attention from the qkv rows: `rope_attention` for up to ROPE_ATTENTION_BATCH sequences, else
+    `rope_cache` and `decode_attention`."""
+    if qkv.shape[0] <= ROPE_ATTENTION_BATCH:
+        return rope_attention(qkv, slots, positions, cos, sin, k_cache, v_cache, num_heads)
+    q = rope_cache(qkv, slots, positions, cos, sin, k_cache, v_cache, num_heads)
+    return decode_attention(q, k_cache, v_cache, slots, positions)
 
 
 @triton.jit
@@ -586,6 +737,7 @@ MMA_CANDIDATES = [MmaConfig(*shape) for shape in ((4, 8, 8), (1, 8, 8), (2, 8, 8
 CUBLAS = Config(-1, 0, 0, 0, 0)
 AnyConfig = Config | GemvConfig | PairConfig | MmaConfig
 CHOSEN: dict[tuple, AnyConfig] = {}  # (weight kind, row bucket, N, K, swiglu) -> config
+TIMED: dict[tuple, dict[AnyConfig, float]] = {}  # the same keys -> each candidate's time alone, as `tune` took it
 
 
 def row_bucket(m: int) -> int:
@@ -599,7 +751,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: t
     `swiglu`: x rows are [up; gate] and the input is silu(gate)·up (fused by the one-row kernels).
     """
     m, n = x.shape[0], w.shape[0]
-    config = config or CHOSEN.get(_key(x, w, weight, swiglu)) or default_config(weight, m, gluon_available(x))
+    config = config or CHOSEN.get(matmul_key(x, w, weight, swiglu)) or default_config(weight, m, gluon_available(x))
     if isinstance(config, MmaConfig) and not (gluon_available(x) and m <= 8) or \
             isinstance(config, PairConfig) and not (gluon_available(x) and m == 1 and weight == INT4):
         config = CANDIDATES[16][0]
@@ -670,7 +822,8 @@ def default_config(weight: int, rows: int, gluon: bool = False) -> AnyConfig:
     return CUBLAS if weight == FLOAT else candidates(weight, row_bucket(rows), gluon)[0]
 
 
-def _key(x: torch.Tensor, w: torch.Tensor, weight: int, swiglu: bool) -> tuple:
+def matmul_key(x: torch.Tensor, w: torch.Tensor, weight: int, swiglu: bool) -> tuple:
+    """What `tune` chooses a config for: (weight kind, row bucket, N, stored columns, swiglu)."""
     return weight, row_bucket(x.shape[0]), w.shape[0], w.shape[1], swiglu
 
 
@@ -678,7 +831,7 @@ def tune(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: tor
          swiglu: bool = False) -> AnyConfig:
     """Time the candidates on this shape, and cuBLAS for float weights and for prompts (after dequantizing INT8/INT4
     weights); remember and return the fastest."""
-    key = _key(x, w, weight, swiglu)
+    key = matmul_key(x, w, weight, swiglu)
     if weight == FLOAT and key[1] == 128:
         CHOSEN[key] = CUBLAS  # prompts: compute-bound, cuBLAS's ground
     if key not in CHOSEN:
@@ -693,5 +846,13 @@ def tune(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: tor
                 timings[config] = graph_time_ms(lambda c=config: matmul(x, w, scale, bias, weight, swiglu, c))
             except OutOfResources:  # too large a tile for this GPU
                 continue
+        TIMED[key] = timings
         CHOSEN[key] = min(timings, key=timings.get)
     return CHOSEN[key]
+
+
+def rivals(key: tuple, within: float) -> list[AnyConfig]:
+    """The configs `tune` timed within `within` (a fraction) of the fastest one for `key`, fastest first."""
+    timings = TIMED.get(key, {})
+    fastest = min(timings.values(), default=0.0)
+    return sorted((c for c, ms in timings.items() if ms <= fastest * (1 + within)), key=timings.get)

@@ -42,6 +42,7 @@ class Linear:
         self.stored, self.scale, self.bias, self.kind = stored, scale, bias, kind
         self.use_triton = use_triton
         self.tune = False  # time the kernels' block shapes at the first call of each row bucket
+        self.tuned_keys: set[tuple] = set()  # kernels.matmul_key of each call tuned
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, quant_algo: str | None,
@@ -75,6 +76,7 @@ class Linear:
 
             if self.tune:
                 kernels.tune(rows, self.stored, self.scale, self.bias, self.kind, swiglu)
+                self.tuned_keys.add(kernels.matmul_key(rows, self.stored, self.kind, swiglu))
             y = kernels.matmul(rows, self.stored, self.scale, self.bias, self.kind, swiglu)
         else:
             if swiglu:

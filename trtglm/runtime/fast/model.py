@@ -7,7 +7,8 @@
   slot's length live in device buffers the graph reads; the graph itself advances the
   lengths, so a steady decode loop uploads nothing but changed slot lists.
 - Between the matmuls, one Triton kernel per step (ops.py / kernels.py): residual add +
-  RMSNorm, rotary + KV-cache write, split-K decode attention over the two KV heads; SwiGLU
+  RMSNorm, rotary + KV-cache write, split-K decode attention over the two KV heads (at batch
+  1 the last three in one kernel, one program per query head); SwiGLU
   either by the one-row `proj` matmul as it reads its input or by a kernel of its own,
   whichever the start-up tuning timed faster (kernels.tune).
 - Prefill runs eagerly: prompts of similar length are right-padded into one batch (the
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 WEIGHT_ONLY = {None: None, "none": None, "int8": "W8A16", "int4": "W4A16", "W8A16": "W8A16", "W4A16": "W4A16"}
 PREFILL_TOKENS = 8192  # tokens (padding included) per prefill forward pass
+STEP_TUNING_MARGIN = 0.15  # one-row layouts this close to the fastest alone are timed again in a decode step
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # not cuDNN
 
 
@@ -98,6 +100,7 @@ class FastModel:
         self._seq_len = torch.zeros(max_batch + 1, dtype=torch.int32, device=self.device)
         self._uploaded_slots: list[int] = []
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._tuned_in_step = False
         if graphs is None:
             graphs = self.device.type == "cuda"
         if graphs:
@@ -138,22 +141,24 @@ class FastModel:
                  self.ops.name, self.device)
 
     @property
+    def linears(self) -> list[Linear]:
+        return [layer for w in self.layers for layer in (w.qkv, w.dense, w.fc, w.proj)] + [self.lm_head]
+
+    @property
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (every linear layer and the lm_head)."""
-        linears = [layer for w in self.layers for layer in (w.qkv, w.dense, w.fc, w.proj)] + [self.lm_head]
-        return sum(layer.nbytes for layer in linears)
+        return sum(layer.nbytes for layer in self.linears)
 
     # --- the computation ---------------------------------------------------------------------------------------
 
-    def _run_layers(self, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                    attend: Callable[[int, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Residual stream `[T, hidden]` through every layer; returns (stream, last layer's MLP output)."""
+    def _run_layers(self, x: torch.Tensor, attend: Callable[[int, torch.Tensor], torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual stream `[T, hidden]` through every layer (`attend(layer, qkv rows)`: rotary, the cache write and
+        attention); returns (stream, last layer's MLP output)."""
         cfg, ops, delta = self.config, self.ops, None
         for i, w in enumerate(self.layers):
             x, h = ops.add_rms_norm(x, delta, w.input_norm, cfg.norm_epsilon)
-            q = ops.rope_cache(w.qkv(h), slots, positions, self.cos, self.sin, self.k_cache[i], self.v_cache[i],
-                               cfg.num_heads)
-            delta = w.dense(attend(i, q))
+            delta = w.dense(attend(i, w.qkv(h)))
             x, h = ops.add_rms_norm(x, delta, w.post_norm, cfg.norm_epsilon)
             delta = w.proj(w.fc(h), swiglu=True)
         return x, delta
@@ -164,16 +169,14 @@ class FastModel:
 
     def _decode_step(self, n: int) -> torch.Tensor:
         """One token for each of the first n entries of the input buffers (static shapes: graph-capturable)."""
-        tokens, slots = self._tokens[:n], self._slots[:n]
-        positions = self._seq_len[slots]
+        slots = self._slots[:n]
+        x, positions = self.ops.decode_inputs(self._tokens[:n], slots, self._seq_len, self.embedding, self.scratch)
 
-        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
-            return self.ops.decode_attention(q, self.k_cache[i], self.v_cache[i], slots, positions)
+        def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
+            return self.ops.decode_qkv_attention(qkv, slots, positions, self.cos, self.sin, self.k_cache[i],
+                                                 self.v_cache[i], self.config.num_heads)
 
-        x, delta = self._run_layers(F.embedding(tokens, self.embedding), slots, positions, attend)
-        self._seq_len[slots] = positions + 1
-        self._seq_len[self.scratch:].zero_()
-        return self._logits(x, delta)
+        return self._logits(*self._run_layers(x, attend))
 
     def _prefill_group(self, slots: list[int], prompts: list[Sequence[int]], start: int = 0,
                        all_positions: bool = False) -> torch.Tensor:
@@ -191,7 +194,9 @@ class FastModel:
         # to the top left, so a chunk after cached positions needs the lower-right bias.
         causal = {"is_causal": True} if start == 0 else {"attn_mask": causal_lower_right(width, start + width)}
 
-        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+        def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
+            q = self.ops.rope_cache(qkv, token_slots, token_positions, self.cos, self.sin, self.k_cache[i],
+                                    self.v_cache[i], self.config.num_heads)
             q = q.view(n, width, *q.shape[1:]).transpose(1, 2)
             keys = self.k_cache[i][slot_ids, :, :start + width]
             values = self.v_cache[i][slot_ids, :, :start + width]
@@ -199,8 +204,7 @@ class FastModel:
                 out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True, **causal)
             return out.transpose(1, 2).reshape(n * width, -1)
 
-        x, delta = self._run_layers(F.embedding(tokens.to(dev).view(-1), self.embedding), token_slots,
-                                    token_positions, attend)
+        x, delta = self._run_layers(F.embedding(tokens.to(dev).view(-1), self.embedding), attend)
         if not all_positions:
             last = torch.tensor([row * width + len(p) - 1 for row, p in enumerate(prompts)], device=dev)
             x, delta = x[last], delta[last]
@@ -287,6 +291,9 @@ class FastModel:
                 for _ in range(2):
                     self._decode_step(n)
         torch.cuda.current_stream(self.device).wait_stream(side)
+        if self.tuned and not self._tuned_in_step:
+            self._tune_in_step()
+            self._tuned_in_step = True  # later captures (other launch settings) keep these layouts
         pool = torch.cuda.graph_pool_handle()
         for n in tqdm(list(reversed(self.buckets)), desc="capture", unit="graph", disable=None, leave=False):
             graph = torch.cuda.CUDAGraph()
@@ -295,6 +302,42 @@ class FastModel:
             self._graphs[n] = (graph, logits)
         torch.cuda.synchronize(self.device)
         log.info("captured decode graphs for batch sizes %s", ", ".join(map(str, self.buckets)))
+
+    def _tune_in_step(self) -> None:
+        """Choose each one-row matmul's layout again, among those `tune` timed close to the fastest alone, by timing
+        the batch-1 decode step: alone on a cold L2 cache is not how a kernel runs in the step, where its weights are
+        read while the kernel before finishes and other kernels' data stay in L2 (on an H200 this moved an int4 step
+        by 0.01-0.07 ms)."""
+        from trtglm.runtime.fast import kernels
+
+        keys = sorted({key for layer in self.linears for key in layer.tuned_keys if key[1] == 1},
+                      key=lambda key: -key[2] * key[3])  # the largest matrices first
+        for key in keys:
+            options = kernels.rivals(key, STEP_TUNING_MARGIN)
+            if len(options) > 1:
+                step_ms = {}
+                for config in options:
+                    kernels.CHOSEN[key] = config
+                    step_ms[config] = self._graph_step_ms(1)
+                kernels.CHOSEN[key] = min(step_ms, key=step_ms.get)
+                log.debug("one-row layout for %s: %s (decode steps: %s)", key, kernels.CHOSEN[key], step_ms)
+
+    def _graph_step_ms(self, n: int, replays: int = 20) -> float:
+        """Milliseconds of a decode step of the scratch slot in bucket n, as a replayed graph (best of three runs)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._decode_step(n)
+        graph.replay()
+        runs = []
+        for _ in range(3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(replays):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            runs.append(start.elapsed_time(end) / replays)
+        return min(runs)
 
     # --- checks ------------------------------------------------------------------------------------------------
 

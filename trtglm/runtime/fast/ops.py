@@ -19,6 +19,13 @@ class TorchOps:
     name = "torch"
 
     @staticmethod
+    def decode_inputs(tokens: torch.Tensor, slots: torch.Tensor, seq_len: torch.Tensor, embedding: torch.Tensor,
+                      scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = seq_len[slots]
+        seq_len[slots] = torch.where(slots == scratch, 0, positions + 1)  # the scratch slot stays at length 0
+        return F.embedding(tokens, embedding), positions
+
+    @staticmethod
     def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         total = x if delta is None else (x.float() + delta.float()).to(x.dtype)
@@ -48,6 +55,14 @@ class TorchOps:
                                              enable_gqa=True)
         return out.reshape(batch, num_heads * head).to(q.dtype)
 
+    @classmethod
+    def decode_qkv_attention(cls, qkv: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                             sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int
+                             ) -> torch.Tensor:
+        """rope_cache, then decode_attention of the rotated queries."""
+        q = cls.rope_cache(qkv, slots, positions, cos, sin, k_cache, v_cache, num_heads)
+        return cls.decode_attention(q, k_cache, v_cache, slots, positions)
+
     @staticmethod
     def silu_mul(x: torch.Tensor) -> torch.Tensor:
         up, gate = x.float().chunk(2, dim=-1)
@@ -71,9 +86,11 @@ class TritonOps:
     def __init__(self) -> None:
         from trtglm.runtime.fast import kernels
 
+        self.decode_inputs = kernels.decode_inputs
         self.add_rms_norm = kernels.add_rms_norm
         self.rope_cache = kernels.rope_cache
         self.decode_attention = kernels.decode_attention
+        self.decode_qkv_attention = kernels.decode_qkv_attention
         self.silu_mul = kernels.silu_mul
 
 
