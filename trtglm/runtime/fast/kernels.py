@@ -146,6 +146,14 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 
 @triton.jit
+def _rotary(src, d, cos, sin):
+    """GPT-J rotary of one head (`d` = 0..D-1; cos 1 and sin 0 past the rotated features), float32."""
+    x = tl.load(src + d).to(tl.float32)
+    partner = tl.load(src + (d ^ 1)).to(tl.float32)  # the other element of the (even, odd) pair
+    return x * cos + tl.where(d % 2 == 0, -partner, partner) * sin
+
+
+@triton.jit
 def _rope_cache_kernel(qkv_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, qkv_stride,
                        slot_stride, head_stride, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
                        ROT: tl.constexpr, PDL: tl.constexpr):
@@ -160,9 +168,7 @@ def _rope_cache_kernel(qkv_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, k_pt
         rotated = d < ROT
         cos = tl.load(cos_ptr + pos * (ROT // 2) + d // 2, mask=rotated, other=1.0)
         sin = tl.load(sin_ptr + pos * (ROT // 2) + d // 2, mask=rotated, other=0.0)
-        x = tl.load(src + d).to(tl.float32)
-        partner = tl.load(src + (d ^ 1)).to(tl.float32)  # the other element of the (even, odd) pair
-        y = x * cos + tl.where(d % 2 == 0, -partner, partner) * sin
+        y = _rotary(src, d, cos, sin)
         if head < H:
             tl.store(q_ptr + (t * H + head) * D + d, y.to(q_ptr.dtype.element_ty))
         else:
@@ -295,22 +301,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 @triton.jit
-def _rotary(src, d, cos, sin):
-    """GPT-J rotary of one head (`d` = 0..D-1; cos 1 and sin 0 past the rotated features), float32."""
-    x = tl.load(src + d).to(tl.float32)
-    partner = tl.load(src + (d ^ 1)).to(tl.float32)  # the other element of the (even, odd) pair
-    return x * cos + tl.where(d % 2 == 0, -partner, partner) * sin
-
-
-@triton.jit
 def _rope_attention_kernel(qkv_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, out_ptr,
                            arrived_ptr, scale, qkv_stride, slot_stride, head_stride, H: tl.constexpr,
                            KVH: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, CHUNK: tl.constexpr,
                            SPLITS: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
     """rope_cache and decode attention of one query head over one chunk of positions. Before waiting for `qkv`, the
-    keys of earlier steps are loaded and their values fetched into L2 (LINE > 0: values per 128-byte line;
-    registers would not hold both);
-    the new key and value come from `qkv` itself (the first query head of each KV head stores them in the cache)."""
+    keys of earlier steps are loaded and their values fetched into L2 (registers would not hold both; LINE > 0:
+    values per 128-byte line). The new key and value come from `qkv` itself (the first query head of each KV head
+    stores them in the cache)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     split = tl.program_id(2)
