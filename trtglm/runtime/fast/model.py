@@ -305,9 +305,9 @@ class FastModel:
 
     def _tune_in_step(self) -> None:
         """Choose each one-row matmul's layout again, among those `tune` timed close to the fastest alone, by timing
-        the batch-1 decode step: alone on a cold L2 cache is not how a kernel runs in the step, where its weights are
-        read while the kernel before finishes and other kernels' data stay in L2 (on an H200 this moved an int4 step
-        by 0.01-0.07 ms)."""
+        the batch-1 decode step of the scratch slot as a replayed graph: alone on a cold L2 cache is not how a kernel
+        runs in the step, where its weights are read while the kernel before finishes and other kernels' data stay in
+        L2 (on an H200 this moved an int4 step by 0.01-0.07 ms)."""
         from trtglm.runtime.fast import kernels
 
         keys = sorted({key for layer in self.linears for key in layer.tuned_keys if key[1] == 1},
@@ -318,26 +318,9 @@ class FastModel:
                 step_ms = {}
                 for config in options:
                     kernels.CHOSEN[key] = config
-                    step_ms[config] = self._graph_step_ms(1)
+                    step_ms[config] = kernels.warm_graph_time_ms(lambda: self._decode_step(1))
                 kernels.CHOSEN[key] = min(step_ms, key=step_ms.get)
                 log.debug("one-row layout for %s: %s (decode steps: %s)", key, kernels.CHOSEN[key], step_ms)
-
-    def _graph_step_ms(self, n: int, replays: int = 20) -> float:
-        """Milliseconds of a decode step of the scratch slot in bucket n, as a replayed graph (best of three runs)."""
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._decode_step(n)
-        graph.replay()
-        runs = []
-        for _ in range(3):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(replays):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            runs.append(start.elapsed_time(end) / replays)
-        return min(runs)
 
     # --- checks ------------------------------------------------------------------------------------------------
 
