@@ -623,11 +623,16 @@ def graph_time_ms(fn, calls: int = 10, replays: int = 5) -> float:
     return sorted(differences)[len(differences) // 2] / calls
 
 
-def warm_graph_time_ms(fn, replays: int = 20, runs: int = 3) -> float:
-    """Time of one call of `fn` as a CUDA graph of that call replayed `replays` times back to back (L2 as the
-    calls leave it): the best of `runs`."""
-    graph = _graph(fn, 1)
-    return min(_replay_ms(graph, replays) for _ in range(runs))
+def warm_graph_times_ms(fns: list, replays: int = 20, rounds: int = 5) -> list[float]:
+    """Time of one call of each of `fns` as a CUDA graph of that call replayed `replays` times back to back (L2 as
+    the calls leave it); the graphs take turns for `rounds` rounds, so that all see the same clocks: each one's best
+    round."""
+    graphs = [_graph(fn, 1) for fn in fns]
+    best = [float("inf")] * len(graphs)
+    for _ in range(rounds):
+        for i, graph in enumerate(graphs):
+            best[i] = min(best[i], _replay_ms(graph, replays))
+    return best
 
 
 @functools.cache
@@ -752,8 +757,10 @@ def row_bucket(m: int) -> int:
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, weight: int,
-           swiglu: bool = False, config: AnyConfig | None = None) -> torch.Tensor:
-    """x `[M, K_in]` · Ŵᵀ + bias, Ŵ = stored weight × per-row scale, accumulated in float32; `[M, N]`.
+           swiglu: bool = False, config: AnyConfig | None = None, out_dtype: torch.dtype | None = None
+           ) -> torch.Tensor:
+    """x `[M, K_in]` · Ŵᵀ + bias, Ŵ = stored weight × per-row scale, accumulated in float32; `[M, N]` in out_dtype
+    (default x's: the kernels round once to it).
 
     `swiglu`: x rows are [up; gate] and the input is silu(gate)·up (fused by the one-row kernels).
     """
@@ -764,12 +771,12 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: t
         config = CANDIDATES[16][0]
     if config == CUBLAS:  # INT8/INT4: the weights dequantized first (prompts: many rows, compute-bound)
         w = w if weight == FLOAT else dequantize(w.view(torch.int32), scale, weight, x.dtype)
-        return F.linear(silu_mul(x) if swiglu else x, w, bias)
+        return F.linear(silu_mul(x) if swiglu else x, w, bias).to(out_dtype or x.dtype)
     fused = isinstance(config, GemvConfig) and gluon_available(x) and weight == INT8 or isinstance(config, Config) \
         and config.block_m == 0 and weight == FLOAT
     if swiglu and not (fused and config.fuse_swiglu):
         x, swiglu = silu_mul(x), False
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     scale_arg = scale if scale is not None else w
     bias_arg = bias if bias is not None else w
     if weight != FLOAT:

@@ -68,8 +68,9 @@ class Linear:
         values = unpack_int8(self.stored) if self.kind == INT8 else unpack_int4(self.stored)
         return (values.float() * self.scale[:, None]).to(dtype)
 
-    def __call__(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
-        """x `[..., K]` → `[..., N]`; `swiglu`: x holds [up; gate] rows and the input is silu(gate) · up."""
+    def __call__(self, x: torch.Tensor, swiglu: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x `[..., K]` → `[..., N]` in out_dtype (default x's); `swiglu`: x holds [up; gate] rows and the input is
+        silu(gate) · up."""
         rows = x.reshape(-1, x.shape[-1])
         if self.use_triton:
             from trtglm.runtime.fast import kernels
@@ -77,12 +78,12 @@ class Linear:
             if self.tune:
                 kernels.tune(rows, self.stored, self.scale, self.bias, self.kind, swiglu)
                 self.tuned_keys.add(kernels.matmul_key(rows, self.stored, self.kind, swiglu))
-            y = kernels.matmul(rows, self.stored, self.scale, self.bias, self.kind, swiglu)
+            y = kernels.matmul(rows, self.stored, self.scale, self.bias, self.kind, swiglu, out_dtype=out_dtype)
         else:
             if swiglu:
                 up, gate = rows.float().chunk(2, dim=-1)
                 rows = (F.silu(gate) * up).to(x.dtype)
-            y = F.linear(rows, self.dequantized(x.dtype), self.bias)
+            y = F.linear(rows, self.dequantized(x.dtype), self.bias).to(out_dtype or x.dtype)
         return y.reshape(*x.shape[:-1], -1)
 
 

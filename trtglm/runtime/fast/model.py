@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -165,7 +166,7 @@ class FastModel:
 
     def _logits(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         _, h = self.ops.add_rms_norm(x, delta, self.final_norm, self.config.norm_epsilon)
-        return self.lm_head(h).float()
+        return self.lm_head(h, out_dtype=torch.float32)
 
     def _decode_step(self, n: int) -> torch.Tensor:
         """One token for each of the first n entries of the input buffers (static shapes: graph-capturable)."""
@@ -305,9 +306,9 @@ class FastModel:
 
     def _tune_in_step(self) -> None:
         """Choose each one-row matmul's layout again, among those `tune` timed close to the fastest alone, by timing
-        the batch-1 decode step of the scratch slot as a replayed graph: alone on a cold L2 cache is not how a kernel
-        runs in the step, where its weights are read while the kernel before finishes and other kernels' data stay in
-        L2 (on an H200 this moved an int4 step by 0.01-0.07 ms)."""
+        the batch-1 decode step of the scratch slot as replayed graphs, one per layout, taking turns: alone on a cold
+        L2 cache is not how a kernel runs in the step, where its weights are read while the kernel before finishes
+        and other kernels' data stay in L2 (on an H200 this moved an int4 step by 0.01-0.07 ms)."""
         from trtglm.runtime.fast import kernels
 
         keys = sorted({key for layer in self.linears for key in layer.tuned_keys if key[1] == 1},
@@ -315,10 +316,11 @@ class FastModel:
         for key in keys:
             options = kernels.rivals(key, STEP_TUNING_MARGIN)
             if len(options) > 1:
-                step_ms = {}
-                for config in options:
+                def step_with(config: kernels.AnyConfig, key: tuple = key) -> None:
                     kernels.CHOSEN[key] = config
-                    step_ms[config] = kernels.warm_graph_time_ms(lambda: self._decode_step(1))
+                    self._decode_step(1)
+
+                step_ms = dict(zip(options, kernels.warm_graph_times_ms([partial(step_with, c) for c in options])))
                 kernels.CHOSEN[key] = min(step_ms, key=step_ms.get)
                 log.debug("one-row layout for %s: %s (decode steps: %s)", key, kernels.CHOSEN[key], step_ms)
 
