@@ -842,9 +842,9 @@ def matmul_key(x: torch.Tensor, w: torch.Tensor, weight: int, swiglu: bool) -> t
 
 
 def tune(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, weight: int,
-         swiglu: bool = False) -> AnyConfig:
+         swiglu: bool = False) -> tuple:
     """Time the candidates on this shape, and cuBLAS for float weights and for prompts (after dequantizing INT8/INT4
-    weights); remember and return the fastest."""
+    weights); remember the fastest in CHOSEN. Returns the key (`matmul_key`) it is remembered under."""
     key = matmul_key(x, w, weight, swiglu)
     if weight == FLOAT and key[1] == 128:
         CHOSEN[key] = CUBLAS  # prompts: compute-bound, cuBLAS's ground
@@ -862,7 +862,7 @@ def tune(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: tor
                 continue
         TIMED[key] = timings
         CHOSEN[key] = min(timings, key=timings.get)
-    return CHOSEN[key]
+    return key
 
 
 def rivals(key: tuple, within: float) -> list[AnyConfig]:

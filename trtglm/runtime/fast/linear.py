@@ -76,8 +76,7 @@ class Linear:
             from trtglm.runtime.fast import kernels
 
             if self.tune:
-                kernels.tune(rows, self.stored, self.scale, self.bias, self.kind, swiglu)
-                self.tuned_keys.add(kernels.matmul_key(rows, self.stored, self.kind, swiglu))
+                self.tuned_keys.add(kernels.tune(rows, self.stored, self.scale, self.bias, self.kind, swiglu))
             y = kernels.matmul(rows, self.stored, self.scale, self.bias, self.kind, swiglu, out_dtype=out_dtype)
         else:
             if swiglu:

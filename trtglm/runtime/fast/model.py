@@ -8,7 +8,7 @@
   lengths, so a steady decode loop uploads nothing but changed slot lists.
 - Between the matmuls, one Triton kernel per step (ops.py / kernels.py): residual add +
   RMSNorm, rotary + KV-cache write, split-K decode attention over the two KV heads (at batch
-  1 the last three in one kernel, one program per query head); SwiGLU
+  1 rotary, the cache write and attention in one kernel, one program per query head); SwiGLU
   either by the one-row `proj` matmul as it reads its input or by a kernel of its own,
   whichever the start-up tuning timed faster (kernels.tune).
 - Prefill runs eagerly: prompts of similar length are right-padded into one batch (the
