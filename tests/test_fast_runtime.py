@@ -180,6 +180,42 @@ def test_released_slot_serves_a_new_sequence(model, reference, hf_cfg):
     model.release(2)
 
 
+def test_padded_prefill_of_one_prompt_matches_reference(model, reference, hf_cfg):
+    """The prefill a graph replays on a GPU (run eagerly here): one prompt right-padded to a graph width, with a
+    longer earlier prompt's tokens left in the padding, writes the cache a plain prefill writes."""
+    assert model.prefill_widths == [16, 32, 64]  # PREFILL_GRAPH_WIDTHS up to max_seq_len
+    assert fast_model.prefill_widths(8) == [8] and fast_model.prefill_widths(300)[-2:] == [256, 300]
+    longer, seq = sequences(hf_cfg.vocab_size, [50, 20], seed=29)
+    expected = ref_logits(reference(None), seq)
+    assert max_diff(model._prefill_one(4, longer, 64)[0], ref_logits(reference(None), longer)[-1]) <= FP32_TOL
+    assert max_diff(model._prefill_one(4, seq, 32)[0], expected[-1]) <= FP32_TOL
+    model.prefill([3], [seq])
+    for k, v in zip(model.k_cache, model.v_cache):
+        assert max_diff(k[4, :, :20], k[3, :, :20]) <= FP32_TOL and max_diff(v[4, :, :20], v[3, :, :20]) <= FP32_TOL
+    model.release(3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_prefill_graphs_give_the_eager_prefill(checkpoint, reference, hf_cfg):
+    """On a GPU a one-prompt prefill replays the graph of the smallest width that holds it; its logits, and those of
+    the decode steps after it, are the eager prefill's (to what tf32 allows: a one-row prompt padded to 16 rows runs
+    on tensor cores, which round float32 inputs to tf32, instead of the one-row kernel)."""
+    gpu = load_fast_model(checkpoint, device="cuda", max_batch=2, max_seq_len=64)
+    assert sorted(gpu._prefill_graphs) == [16, 32, 64]
+    seq = sequences(hf_cfg.vocab_size, [30], seed=31)[0]
+    expected = ref_logits(reference(None), seq)
+    for prompt_len in (1, 16, 17, 25):
+        logits = {}
+        for slot, use_graph in ((0, True), (1, False)):
+            rows = [gpu.prefill([slot], [seq[:prompt_len]], use_graph=use_graph)[0]]
+            for position in range(prompt_len, prompt_len + 3):
+                rows.append(gpu.decode([slot], [seq[position]])[0])
+            logits[use_graph] = torch.stack(rows).cpu()
+            gpu.release(slot)
+        assert max_diff(logits[True], logits[False]) <= 5e-2, prompt_len
+        assert torch.equal(logits[True].argmax(-1), expected[prompt_len - 1:prompt_len + 3].argmax(-1)), prompt_len
+
+
 def test_prefill_groups_respect_the_token_budget(model, reference, hf_cfg, monkeypatch):
     assert fast_model._prefill_groups([0, 1, 2, 3], [10, 9, 5, 2]) == [[0, 1, 2, 3]]
     monkeypatch.setattr(fast_model, "PREFILL_TOKENS", 20)

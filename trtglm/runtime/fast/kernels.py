@@ -611,6 +611,11 @@ def dequantize(words: torch.Tensor, scale: torch.Tensor, weight: int, dtype: tor
     return out
 
 
+def dequantize_buffers() -> list[torch.Tensor]:
+    """The buffers `dequantize` writes into now (a CUDA graph holds on to those it was captured with)."""
+    return list(_dequantized_buffers.values())
+
+
 def graph_time_ms(fn, calls: int = 10, replays: int = 5) -> float:
     """Median time of one call of `fn` on a cold L2 cache, replayed from a CUDA graph as decode steps run
     (launching from Python would time the host, and repeating one call would read its weights from L2):

@@ -11,12 +11,15 @@
   1 rotary, the cache write and attention in one kernel, one program per query head); SwiGLU
   either by the one-row `proj` matmul as it reads its input or by a kernel of its own,
   whichever the start-up tuning timed faster (kernels.tune).
-- Prefill runs eagerly: prompts of similar length are right-padded into one batch (the
-  padding's cache entries lie past each prompt's end, where the prompt's own next tokens
-  overwrite them before anything reads them) and attend with PyTorch's SDPA (flash attention
-  on the GPU, never cuDNN's, which builds a plan of about 40 ms for every new shape: every
-  prompt length). Chunks that continue their slots from one start position share a batch
-  too and attend to the cached positions before them through a lower-right causal bias.
+- Prefill: prompts of similar length are right-padded into one batch (the padding's cache
+  entries lie past each prompt's end, where the prompt's own next tokens overwrite them
+  before anything reads them) and attend with PyTorch's SDPA (flash attention on the GPU,
+  never cuDNN's, which builds a plan of about 40 ms for every new shape: every prompt
+  length). Chunks that continue their slots from one start position share a batch too and
+  attend to the cached positions before them through a lower-right causal bias. A prompt
+  prefilled on its own from position 0 (the time to first token of a lone request) is
+  padded to the next of PREFILL_GRAPH_WIDTHS and replays that width's CUDA graph; batches
+  and chunks are launched eagerly.
 - Weight-only int8 / int4 (linear.py) for the qkv, dense, fc and proj weights; Triton and Gluon
   matmuls (kernels.py, gluon_gemv.py).
 
@@ -50,6 +53,9 @@ log = logging.getLogger(__name__)
 WEIGHT_ONLY = {None: None, "none": None, "int8": "W8A16", "int4": "W4A16", "W8A16": "W8A16", "W4A16": "W4A16"}
 PREFILL_TOKENS = 8192  # tokens (padding included) per prefill forward pass
 STEP_TUNING_MARGIN = 0.15  # one-row layouts this close to the fastest alone are timed again in a decode step
+# Prompt lengths a one-prompt prefill is padded to, to replay a graph instead of launching ~400 kernels from
+# Python (which, not the GPU, bounded a 512-token prefill); steps of at most a quarter above 256 tokens.
+PREFILL_GRAPH_WIDTHS = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # not cuDNN
 
 
@@ -61,6 +67,13 @@ class FastLayer:
     post_norm: torch.Tensor
     fc: Linear
     proj: Linear
+
+
+def prefill_widths(max_seq_len: int) -> list[int]:
+    """Prompt widths that get a prefill graph: PREFILL_GRAPH_WIDTHS below max_seq_len, then max_seq_len itself where
+    it is not beyond them."""
+    widths = [w for w in PREFILL_GRAPH_WIDTHS if w < max_seq_len]
+    return widths + [max_seq_len] if max_seq_len <= PREFILL_GRAPH_WIDTHS[-1] else widths
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -101,6 +114,11 @@ class FastModel:
         self._seq_len = torch.zeros(max_batch + 1, dtype=torch.int32, device=self.device)
         self._uploaded_slots: list[int] = []
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.prefill_widths = prefill_widths(max_seq_len)
+        self._prefill_inputs = torch.zeros(2 + self.prefill_widths[-1], dtype=torch.long, device=self.device)
+        self._prefill_positions = torch.arange(self.prefill_widths[-1], dtype=torch.int32, device=self.device)
+        self._graph_buffers: list[torch.Tensor] = []
         self._tuned_in_step = False
         if graphs is None:
             graphs = self.device.type == "cuda"
@@ -189,8 +207,18 @@ class FastModel:
         for row, prompt in enumerate(prompts):
             tokens[row, : len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
         slot_ids = torch.tensor(slots, device=dev)
+        positions = torch.arange(start, start + width, device=dev, dtype=torch.int32)
+        last = None if all_positions else \
+            torch.tensor([row * width + len(p) - 1 for row, p in enumerate(prompts)], device=dev)
+        return self._prefill_rows(tokens.to(dev).view(-1), slot_ids, positions, start, last)
+
+    def _prefill_rows(self, tokens: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor, start: int,
+                      last: torch.Tensor | None) -> torch.Tensor:
+        """The forward pass of a prefill batch: `tokens` `[n·width]` (row r at positions `positions` of slot
+        slot_ids[r]); logits of the rows `last` (all rows if None). Device tensors only: graph-capturable."""
+        n, width = slot_ids.shape[0], positions.shape[0]
         token_slots = slot_ids.repeat_interleave(width)
-        token_positions = torch.arange(start, start + width, device=dev, dtype=torch.int32).repeat(n)
+        token_positions = positions.repeat(n)
         # Queries sit at the end of the `start + width` keys each row attends to: SDPA's is_causal aligns them
         # to the top left, so a chunk after cached positions needs the lower-right bias.
         causal = {"is_causal": True} if start == 0 else {"attn_mask": causal_lower_right(width, start + width)}
@@ -205,26 +233,54 @@ class FastModel:
                 out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True, **causal)
             return out.transpose(1, 2).reshape(n * width, -1)
 
-        x, delta = self._run_layers(F.embedding(tokens.to(dev).view(-1), self.embedding), attend)
-        if not all_positions:
-            last = torch.tensor([row * width + len(p) - 1 for row, p in enumerate(prompts)], device=dev)
+        x, delta = self._run_layers(F.embedding(tokens, self.embedding), attend)
+        if last is not None:
             x, delta = x[last], delta[last]
         return self._logits(x, delta)
+
+    def _prefill_padded(self, width: int) -> torch.Tensor:
+        """The prompt of the prefill input buffer (slot, last position, then its tokens) right-padded to `width`:
+        logits of its last position `[1, vocab]` (static shapes: what a prefill graph replays). The padding's cache
+        entries lie past the prompt's end, where its own next tokens overwrite them before anything reads them."""
+        slot, last, tokens = self._prefill_inputs[:1], self._prefill_inputs[1:2], self._prefill_inputs[2:2 + width]
+        return self._prefill_rows(tokens, slot, self._prefill_positions[:width], 0, last)
+
+    def _prefill_one(self, slot: int, prompt: list[int], width: int) -> torch.Tensor:
+        """One prompt from position 0 of `slot`, right-padded to `width`: its graph replayed where one was captured
+        (no launches from Python), else the same computation run eagerly; float32 logits `[1, vocab]`."""
+        inputs = torch.tensor([slot, len(prompt) - 1, *prompt], dtype=torch.long)
+        self._prefill_inputs[:inputs.shape[0]].copy_(inputs)
+        if width not in self._prefill_graphs:
+            return self._prefill_padded(width)
+        graph, logits = self._prefill_graphs[width]
+        graph.replay()
+        return logits.clone()  # the next replay overwrites the graph's output
+
+    def _prefill_width(self, length: int) -> int | None:
+        """The smallest prefill graph width that holds a prompt of `length` tokens, if any."""
+        return next((w for w in sorted(self._prefill_graphs) if w >= length), None)
 
     # --- SlotModel ---------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]], starts: Sequence[int] | None = None
-                ) -> torch.Tensor:
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]], starts: Sequence[int] | None = None,
+                use_graph: bool = True) -> torch.Tensor:
         """Run each prompt, or chunk of one, into its slot; float32 logits of each one's last position,
-        [len(slots), vocab]. Prompt i holds positions starts[i]… of slot i (see SlotModel.prefill)."""
+        [len(slots), vocab]. Prompt i holds positions starts[i]… of slot i (see SlotModel.prefill).
+
+        A prompt prefilled alone from position 0 replays the prefill graph of the smallest width that holds it;
+        `use_graph=False` launches its kernels one by one."""
         slots, prompts = list(slots), [list(p) for p in prompts]
         starts = prefill_starts(starts, len(prompts))
         self._check_prefill(slots, prompts, starts)
         order = sorted(range(len(prompts)), key=lambda i: (starts[i], -len(prompts[i])))
         rows: list[torch.Tensor | None] = [None] * len(prompts)
         for group in _prefill_groups(order, [len(p) for p in prompts], starts):
-            logits = self._prefill_group([slots[i] for i in group], [prompts[i] for i in group], starts[group[0]])
+            width = self._prefill_width(len(prompts[group[0]])) if use_graph else None
+            if len(group) == 1 and starts[group[0]] == 0 and width is not None:
+                logits = self._prefill_one(slots[group[0]], prompts[group[0]], width)
+            else:
+                logits = self._prefill_group([slots[i] for i in group], [prompts[i] for i in group], starts[group[0]])
             for i, row in zip(group, logits):
                 rows[i] = row
         ends = [start + len(prompt) for start, prompt in zip(starts, prompts)]
@@ -280,17 +336,22 @@ class FastModel:
 
     @torch.no_grad()
     def capture_graphs(self) -> None:
-        """Warm up (compiles the Triton kernels, tunes the matmuls if asked) and capture one decode graph per bucket."""
+        """Warm up (compiles the Triton kernels, tunes the matmuls if asked) and capture one decode graph per bucket
+        and one prefill graph per prompt width (in the scratch slot)."""
         if self.device.type != "cuda":
             raise UsageError("CUDA graphs need a CUDA device")
         self._slots.fill_(self.scratch)
         self._uploaded_slots = []
+        self._prefill_inputs.zero_()
+        self._prefill_inputs[0] = self.scratch
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for n in reversed(self.buckets):
                 for _ in range(2):
                     self._decode_step(n)
+            for width in reversed(self.prefill_widths):
+                self._prefill_padded(width)
         torch.cuda.current_stream(self.device).wait_stream(side)
         if self.tuned and not self._tuned_in_step:
             self._tune_in_step()
@@ -301,8 +362,19 @@ class FastModel:
             with torch.cuda.graph(graph, pool=pool):
                 logits = self._decode_step(n)
             self._graphs[n] = (graph, logits)
+        for width in tqdm(list(reversed(self.prefill_widths)), desc="capture prefill", unit="graph", disable=None,
+                          leave=False):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._prefill_padded(width)
+            self._prefill_graphs[width] = (graph, logits)
         torch.cuda.synchronize(self.device)
-        log.info("captured decode graphs for batch sizes %s", ", ".join(map(str, self.buckets)))
+        # The graphs replay the buffers they were captured with, even where a larger weight elsewhere replaces them.
+        from trtglm.runtime.fast import kernels
+
+        self._graph_buffers = kernels.dequantize_buffers()
+        log.info("captured decode graphs for batch sizes %s and prefill graphs for prompts of up to %s tokens",
+                 ", ".join(map(str, self.buckets)), ", ".join(map(str, self.prefill_widths)))
 
     def _tune_in_step(self) -> None:
         """Choose each one-row matmul's layout again, among those `tune` timed close to the fastest alone, by timing
