@@ -558,8 +558,28 @@ def test_inflight_run_serves_every_request_through_the_chunking_executor(model):
     assert stats["ttft_ms"]["p99"] is not None and stats["itl_ms"]["p50"] is not None
 
 
+def test_targets_scale_with_the_copy_bandwidth_off_an_h200():
+    from trtglm.bench.runtime import targets
+
+    def run(mode, batch, decode, floor, speedup=None):
+        return {"batch": batch, "decode_ms": decode, "floor_ms": floor, "speedup_vs_hf": speedup}
+
+    results = {"device": {"name": "NVIDIA H100 80GB HBM3"}, "copy_bandwidth_gbs": 2143.0,  # half an H200's
+               "options": {"dtype": "bfloat16"},
+               "trtglm": {"none": {"ttft_long_ms": {"prompt_len": 512, "ms": 31.0},
+                                   "runs": [run("none", 1, 6.0, 5.0), run("none", 64, 9.0, 6.0, 9.5)]},
+                          "int4": {"runs": [run("int4", 1, 2.7, 1.6)]}}}
+    got = {t["target"]: (t["limit"], t["value"], t["met"]) for t in targets(results)}
+    assert got == {"bfloat16 batch 1 step / floor": (1.25, pytest.approx(1.2), True),
+                   "bfloat16 batch 64 tokens/s over HF's": (10.0, 9.5, False),
+                   "int4 batch 1 step (H200's 1.4 ms × 2.00, the bandwidth ratio)": (pytest.approx(2.8), 2.7, True),
+                   "bfloat16 TTFT of a 512-token prompt": (30.0, 31.0, False)}
+    results["device"]["name"] = "NVIDIA H200"  # the limits as written: 2.7 ms misses 1.4 ms
+    assert [t["met"] for t in targets(results) if t["target"] == "int4 batch 1 step"] == [False]
+
+
 def test_summary_and_plot(tmp_path):
-    from trtglm.bench.runtime import _fill_ratios, plot, summary
+    from trtglm.bench.runtime import _fill_ratios, plot, summary, targets
 
     def row(system, batch, decode, tps, floor=None):
         return {"system": system, "batch": batch, "ttft_ms": 10.0, "decode_ms": decode, "tokens_per_s": tps,
@@ -574,8 +594,11 @@ def test_summary_and_plot(tmp_path):
     _fill_ratios(results)
     assert results["trtglm"]["none"]["runs"][0]["pct_of_floor"] == pytest.approx(80)
     assert results["trtglm"]["none"]["runs"][1]["speedup_vs_hf"] == pytest.approx(12.5)
+    results["targets"] = targets(results)
     text = summary(results)
     assert "| trtglm none | 1 | 10.0 | 3.500 | 2.80 | 80% | 280 | 14.0 |" in text
+    assert "| bfloat16 batch 1 step / floor | ≤ 1.25 × | 1.250 × | met |" in text  # 3.5 / 2.8
+    assert "| bfloat16 TTFT of a 512-token prompt | ≤ 30 ms | 11.000 ms | met |" in text
     if importlib.util.find_spec("matplotlib"):
         plot(results, tmp_path / "runtime.png")
         assert (tmp_path / "runtime.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -56,6 +56,13 @@ CHECK_SEQUENCES = 4
 COPY_BYTES = 4 << 30
 INFLIGHT_PROMPTS = (32, 1024)  # prompt tokens, inclusive
 INFLIGHT_OUTPUTS = (16, 256)  # generated tokens, inclusive
+# The runtime's targets. Millisecond limits are an H200's; on another GPU they are the same fractions of the floor,
+# i.e. scaled by the H200's copy bandwidth (docs/benchmarks.md: 4,286 GB/s) over the one measured in the run.
+H200_COPY_GBS = 4286.0
+DECODE_MS_TARGETS = {"int8": 2.2, "int4": 1.4}  # batch-1 decode step on an H200
+FLOOR_RATIO_TARGET = 1.25  # the dtype's batch-1 decode step over its floor, at most
+SPEEDUP_TARGET = (64, 10.0)  # at this batch, tokens/s over HF's, at least
+LONG_TTFT_TARGET_MS = 30.0  # one long prompt (--long-prompt), at most
 KERNEL_TOLERANCE = 1e-2  # relative error: bf16 rounding gives ~1e-3; a wrong kernel gives ~1
 
 
@@ -120,6 +127,7 @@ def bench_runtime(preset: str = "6b", dtype: str = "bf16", weight_only: Sequence
             mode, weights, results["options"], max_seq_len, check_ids, references, results["copy_bandwidth_gbs"] * 1e9,
             generator, profile=profile, inflight=mode == modes[0] and requests > 0))
     _fill_ratios(results)
+    results["targets"] = targets(results)
     stage.save()
     print(summary(results))
     plot(results, out / "runtime.png")
@@ -704,6 +712,47 @@ def _fill_ratios(results: dict) -> None:
                 row["speedup_vs_hf"] = row["tokens_per_s"] / hf[row["batch"]]["tokens_per_s"]
 
 
+def targets(results: dict) -> list[dict]:
+    """Each target the run has the figures for: its limit, this run's value and whether it is met."""
+    runs = {(mode, row["batch"]): row for mode, entry in results["trtglm"].items() for row in entry["runs"]}
+    h200 = "H200" in results["device"]["name"]
+    scale = 1.0 if h200 else H200_COPY_GBS / results["copy_bandwidth_gbs"]
+    rows = []
+
+    def name(mode: str) -> str:
+        return results["options"]["dtype"] if mode == "none" else mode
+
+    def add(target: str, value: float | None, limit: float, unit: str, at_most: bool = True) -> None:
+        if value is not None:
+            rows.append({"target": target, "limit": limit, "at_most": at_most, "value": value, "unit": unit,
+                         "met": value <= limit if at_most else value >= limit})
+
+    if ("none", 1) in runs:
+        row = runs["none", 1]
+        add(f"{results['options']['dtype']} batch 1 step / floor", row["decode_ms"] / row["floor_ms"],
+            FLOOR_RATIO_TARGET, "×")
+    batch, speedup = SPEEDUP_TARGET
+    for mode in results["trtglm"]:
+        if (mode, batch) in runs:
+            add(f"{name(mode)} batch {batch} tokens/s over HF's", runs[mode, batch]["speedup_vs_hf"], speedup, "×",
+                at_most=False)
+    for mode, h200_ms in DECODE_MS_TARGETS.items():
+        if (mode, 1) in runs:
+            where = "" if h200 else f" (H200's {h200_ms} ms × {scale:.2f}, the bandwidth ratio)"
+            add(f"{mode} batch 1 step{where}", runs[mode, 1]["decode_ms"], h200_ms * scale, "ms")
+    for mode, entry in results["trtglm"].items():
+        long = entry.get("ttft_long_ms")
+        if long:
+            add(f"{name(mode)} TTFT of a {long['prompt_len']}-token prompt", long["ms"], LONG_TTFT_TARGET_MS, "ms")
+    return rows
+
+
+def _target_line(t: dict) -> str:
+    verdict = "met" if t["met"] else f"**missed by {abs(t['value'] / t['limit'] - 1):.1%}**"
+    return (f"| {t['target']} | {'≤' if t['at_most'] else '≥'} {t['limit']:.3g} {t['unit']} | {t['value']:.3f} "
+            f"{t['unit']} | {verdict} |")
+
+
 def summary(results: dict) -> str:
     """Markdown tables of the results (printed, and pasted into docs/benchmarks.md)."""
     header = (f"device: {results['device']['name']}; copy bandwidth {results['copy_bandwidth_gbs']:.0f} GB/s; "
@@ -734,6 +783,9 @@ def summary(results: dict) -> str:
                          f"{f['requests_per_s']:.2f} req/s, {f['tokens_per_s']:.0f} tokens/s, TTFT p50/p99 "
                          f"{f['ttft_ms']['p50']:.0f}/{f['ttft_ms']['p99']:.0f} ms, ITL p50/p99 "
                          f"{f['itl_ms']['p50']:.1f}/{f['itl_ms']['p99']:.1f} ms")
+    if results.get("targets"):
+        lines += ["", "| target | limit | this run | |", "|---|---|---|---|"]
+        lines.extend(_target_line(t) for t in results["targets"])
     if "hf_bf16_vs_fp32" in results:
         lines.append(f"HF in the benchmark dtype vs HF fp32: {_check_line(results['hf_bf16_vs_fp32'])}")
     for mode, checks in (results.get("fixture_check") or {}).items():
