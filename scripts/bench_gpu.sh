@@ -8,7 +8,7 @@
 #   [PARTS="runtime kernels"] scripts/bench_gpu.sh [DEST] [extra `bench runtime` flags]
 #
 # PARTS picks the halves (each takes five to seven minutes on an H200): `runtime` (bench runtime)
-# and `kernels` (bench_matmul, bench_pdl, bench_step_parts, Nsight Compute). DEST defaults to $OUT
+# and `kernels` (bench_matmul, bench_pdl, bench_prefill, bench_step_parts, Nsight Compute). DEST defaults to $OUT
 # when set (the lent GPU machine's result folder), else out/bench-gpu. Needs python3 with torch (CUDA), triton,
 # transformers and matplotlib; `fire` comes from .whl/ when python3 lacks it (the GPU machine's
 # image has no fire: see docs/benchmarks.md).
@@ -36,6 +36,8 @@ if [[ " $PARTS " == *" kernels "* ]]; then
         | tee "$DEST/matmul.txt"
     # Decode steps with and without programmatic dependent launch, in one process.
     python3 scripts/bench_pdl.py --out "$DEST/pdl.json" 2>&1 | tee "$DEST/pdl.txt"
+    # One prompt's time to first token with the prefill graphs and launched eagerly, in one process.
+    python3 scripts/bench_prefill.py --out "$DEST/prefill.json" 2>&1 | grep -v Warning | tee "$DEST/prefill.txt"
     # What each kind of small kernel costs a batch-1 step (the step captured without it; timing only).
     python3 scripts/bench_step_parts.py --kinds none,int4 --out "$DEST/step-parts.json" 2>&1 \
         | grep -v Warning | tee "$DEST/step-parts.txt"
