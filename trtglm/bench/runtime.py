@@ -729,8 +729,7 @@ def targets(results: dict) -> list[dict]:
 
     if ("none", 1) in runs:
         row = runs["none", 1]
-        add(f"{results['options']['dtype']} batch 1 step / floor", row["decode_ms"] / row["floor_ms"],
-            FLOOR_RATIO_TARGET, "×")
+        add(f"{name('none')} batch 1 step / floor", row["decode_ms"] / row["floor_ms"], FLOOR_RATIO_TARGET, "×")
     batch, speedup = SPEEDUP_TARGET
     for mode in results["trtglm"]:
         if (mode, batch) in runs:
