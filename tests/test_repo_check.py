@@ -158,9 +158,10 @@ def test_upstream_layout_filled_the_nvidia_way_is_reported(tmp_path, fixture_dir
     for model in ("preprocessing", "postprocessing", "tensorrt_llm_bls", "tensorrt_llm", "ensemble"):
         config = template / model / "config.pbtxt"
         config.write_text(string.Template(config.read_text()).safe_substitute(values))
-        (template / model / "1").mkdir()
-        if model not in ("tensorrt_llm", "ensemble"):
-            (template / model / "1" / "model.py").write_text("from transformers import AutoTokenizer\n")
+        (template / model / "1").mkdir(exist_ok=True)
+        nvidia_model = template / model / "1" / "model.py"
+        if model not in ("tensorrt_llm", "ensemble") and not nvidia_model.exists():  # v0.7.1's set has configs only
+            nvidia_model.write_text("from transformers import AutoTokenizer\n")
     problems = check_repo(template)
     assert any(p.startswith("preprocessing/1/model.py: not trtglm's") for p in problems), problems
     assert any(p.startswith("ensemble/config.pbtxt: streams tensorrt_llm's output into postprocessing")
