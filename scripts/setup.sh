@@ -49,5 +49,11 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 log "installing trtglm and its test dependencies (log: $LOG)"
 pip_install -e ".[test]"
+# For tests/test_stub_python.py: numpy 2 in a side folder, and this numpy's wheel for an offline pip
+# (the python stubs under numpy 2, as on machines whose Python ships it).
+pip_install --target "$VENV/numpy2" --upgrade "numpy>=2,<2.3"
+"$VENV/bin/python" -m pip download --disable-pip-version-check --quiet --no-deps --only-binary=:all: \
+  -d "$VENV/wheels" "numpy==$("$VENV/bin/python" -c 'import numpy; print(numpy.__version__)')" >>"$LOG" 2>&1 \
+  || { tail -n 20 "$LOG" >&2; log "pip download numpy failed (full log: $LOG)"; exit 1; }
 echo "$wanted" > "$STAMP"
 log "done: $("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"

@@ -28,7 +28,7 @@ from trtglm.serve.checks import check_ports, check_repo, resolve_world_size
 from trtglm.serve.command import Endpoints
 from trtglm.serve.state import LaunchDir, all_launch_dirs, clean_stale
 from trtglm.serve.supervise import EXIT_TIMEOUT_S, GRACE_S, LaunchSpec, Supervisor, announce
-from trtglm.serve.tritonserver import backend_directory, find_mpirun, find_tritonserver, server_env
+from trtglm.serve.tritonserver import backend_directory, find_mpirun, find_tritonserver, server_env, stub_python_bin
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ def launch(repo: str | Path, world_size: int | None = None, tritonserver: str | 
     binary = find_tritonserver(tritonserver)
     mpirun = str(find_mpirun()) if size > 1 else None
     backend_dir = backend_directory(binary)
+    python_bin = stub_python_bin(binary)
     launch_dir = LaunchDir.for_repo(repo_path)
     lock = launch_dir.try_lock()
     if lock is None:
@@ -58,6 +59,7 @@ def launch(repo: str | Path, world_size: int | None = None, tritonserver: str | 
         check_ports(endpoints)
         spec = LaunchSpec(repo=str(repo_path), world_size=size, endpoints=endpoints, tritonserver=str(binary),
                           backend_dir=str(backend_dir) if backend_dir else None, mpirun=mpirun,
+                          python_bin=str(python_bin) if python_bin else None,
                           launch_dir=str(launch_dir.path),
                           log_dir=str(Path(log_dir).expanduser().resolve() if log_dir else launch_dir.default_log_dir),
                           launch_id=secrets.token_hex(4), timeout_s=float(timeout), detached=detach)
@@ -87,7 +89,7 @@ def _run_detached(spec: LaunchSpec, lock_fd: int) -> None:
     spec.save(spec_path)
     log_path = Path(spec.log_dir) / "supervisor.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = server_env(dict(os.environ), spec.launch_id)
+    env = server_env(dict(os.environ), spec.launch_id, spec.python_bin)
     with open(log_path, "wb") as out:
         child = subprocess.Popen([sys.executable, "-m", "trtglm.serve.supervise", str(spec_path)], env=env,
                                  stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,

@@ -13,7 +13,10 @@ or any rank disappears, everything is stopped, the tail of that rank's log is pr
 the launch fails. SIGINT, SIGTERM or SIGHUP stop everything and end the launch normally; a
 second signal skips the grace period.
 
-Ready means: rank 0 answers /v2/health/ready and every rank's process runs. With NVIDIA's
+Ready means: rank 0 answers /v2/health/ready, every rank's process runs, and `ensemble` and
+`tensorrt_llm_bls` (those the repository has) each answered one real request (a short prompt,
+a few tokens): a server whose models load but cannot answer fails the launch, naming the model
+and the last error its log holds. With NVIDIA's
 backend, rank 0's tensorrt_llm is ready only once every rank holds the engine; python models
 on ranks > 0 load independently, so one that fails after rank 0 is ready is caught by the
 watch (with --detach: after `launch` has returned).
@@ -59,6 +62,8 @@ POLL_S = 0.2
 TAIL_LINES = 30
 ERROR_LINE = re.compile(r"^(E\d{4} |error: |Traceback |\w+(Error|Exception): )")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+CHECKED_MODELS = ("ensemble", "tensorrt_llm_bls")  # asked once before the launch reports ready
+CHECK_PROMPT, CHECK_TOKENS, CHECK_TIMEOUT_S = "你好", 4, 120.0
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback must not go through a proxy
 
 
@@ -77,6 +82,7 @@ class LaunchSpec:
     launch_id: str
     timeout_s: float
     detached: bool = False
+    python_bin: str | None = None  # the stubs' Python's folder (stub_python.py); None: this Python's
 
     @property
     def shm_base(self) -> str:
@@ -137,6 +143,8 @@ class Supervisor:
     def _serve(self) -> Failure | None:
         self.start()
         failure = self.wait_ready()
+        if failure is None and self.stop_signal is None:
+            failure = self.check_answers()
         if failure is not None or self.stop_signal is not None:
             return failure
         self.write_state("ready")
@@ -148,7 +156,7 @@ class Supervisor:
 
     def start(self) -> None:
         self._reset_logs()
-        env = server_env(dict(os.environ), self.spec.launch_id)
+        env = server_env(dict(os.environ), self.spec.launch_id, self.spec.python_bin)
         argv = self.spec.command(env)
         log.debug("server command: %s", shlex.join(argv))
         if self.spec.world_size == 1:
@@ -200,6 +208,25 @@ class Supervisor:
                 bar.update(round(time.monotonic() - started) - bar.n)
         return Failure(f"rank 0 was not ready within {self.spec.timeout_s:g} s; stopped all ranks "
                        f"(logs: {self.log_dir})", list(range(self.spec.world_size)))
+
+    def check_answers(self) -> Failure | None:
+        """One real request through each client-facing model the repository has (a short prompt as a
+        BYTES input, a few tokens), so that a server whose models cannot answer is never called ready."""
+        from trtglm.client import GenerateRequest, ServerError
+        from trtglm.client.http import generate
+
+        url = self.spec.endpoints.urls()["http"]
+        for model in [m for m in CHECKED_MODELS if (Path(self.spec.repo) / m / "config.pbtxt").is_file()]:
+            started = time.monotonic()
+            try:
+                generate(url, model, GenerateRequest(CHECK_PROMPT, CHECK_TOKENS), timeout=CHECK_TIMEOUT_S)
+            except ServerError as e:
+                cause = last_error_line(self.log_dir, 0)
+                return Failure(f"{model} failed its first request at launch ({e})"
+                               f"{f'; rank 0 logged: {cause}' if cause else ''}; stopped all ranks "
+                               f"(logs: {self.log_dir})", [0])
+            log.info("%s answered a first request in %.2f s", model, time.monotonic() - started)
+        return None
 
     # --- watching ---------------------------------------------------------------------------------
 
@@ -362,6 +389,17 @@ def log_excerpt(text: str, tail: int = TAIL_LINES, errors: int = 10) -> list[str
     head, last = lines[:-tail], lines[-tail:]
     found = [line for line in head if ERROR_LINE.match(line)][-errors:]
     return [*found, "...", *last] if found else last
+
+
+def last_error_line(log_dir: Path, rank: int) -> str | None:
+    """The last error a rank logged (a Triton E-line, a Python exception, a C++ `what():`), stripped."""
+    found = None
+    for path in rank_logs(log_dir, rank):
+        for line in _read(path).splitlines():
+            text = line.strip().removeprefix("what():").strip()
+            if ERROR_LINE.match(text):
+                found = text
+    return found
 
 
 def _read(path: Path) -> str:

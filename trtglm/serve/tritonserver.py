@@ -7,8 +7,9 @@
 The wheel ships the python backend's library and one stub per Python minor version in
 separate folders, while Triton wants them together in `<backends>/python/`. That folder is
 made of symbolic links in a cache folder (`$XDG_CACHE_HOME/trtglm/triton-backends/…`,
-default `~/.cache/…`), for the running Python's minor version. The stub starts the first
-`python3` on PATH, so the servers' PATH begins with this Python's folder, and
+default `~/.cache/…`), for the running Python's minor version. A stub takes its packages from
+the first `python3` on PATH, so the servers' PATH begins with the stubs' Python (stub_python.py:
+for the wheel's stubs, an environment that imports what launch imports, with numpy < 2), and
 LD_LIBRARY_PATH holds its libpython's folder.
 """
 
@@ -74,16 +75,33 @@ def backend_directory(tritonserver: Path, cache_dir: Path | None = None) -> Path
     a `backends/` folder beside its `bin/` uses that.
     """
     root = tritonserver.resolve().parent.parent
-    if (root / "python_backend_stubs").is_dir():
+    if uses_wheel_stubs(tritonserver):
         return prepare_python_backend(root, cache_dir or default_cache_dir())
     if (root / "backends").is_dir():
         return root / "backends"
     return None
 
 
+def uses_wheel_stubs(tritonserver: Path) -> bool:
+    """Whether this is nvidia-pytriton's server, whose python stubs need numpy < 2 (stub_python.py)."""
+    return (tritonserver.resolve().parent.parent / "python_backend_stubs").is_dir()
+
+
+def stub_python_bin(tritonserver: Path) -> Path | None:
+    """The folder whose `python3` the stubs run on: a prepared one for the wheel's stubs, else None (this Python)."""
+    if not uses_wheel_stubs(tritonserver):
+        return None
+    from trtglm.serve.stub_python import stub_python_bin as prepare
+
+    return prepare(cache_root(), PROJECT_ROOT)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trtglm"
+
+
 def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "trtglm" / "triton-backends"
+    return cache_root() / "triton-backends"
 
 
 def prepare_python_backend(root: Path, cache_dir: Path, python: tuple[int, int] | None = None) -> Path:
@@ -125,10 +143,11 @@ def _write_links(backends: Path, sources: dict[str, Path]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def server_env(base: dict[str, str], launch_id: str) -> dict[str, str]:
-    """The servers' environment: this Python first on PATH, its libpython findable, trtglm importable."""
+def server_env(base: dict[str, str], launch_id: str, python_bin: str | None = None) -> dict[str, str]:
+    """The servers' environment: the stubs' Python (default this one) first on PATH, its libpython
+    findable, trtglm importable."""
     env = dict(base)
-    env["PATH"] = _prepend(str(Path(sys.executable).parent), env.get("PATH", os.defpath))
+    env["PATH"] = _prepend(python_bin or str(Path(sys.executable).parent), env.get("PATH", os.defpath))
     libdir = sysconfig.get_config_var("LIBDIR")
     if libdir:
         env["LD_LIBRARY_PATH"] = _prepend(libdir, env.get("LD_LIBRARY_PATH", ""))
