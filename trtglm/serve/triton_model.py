@@ -27,9 +27,14 @@ when requested.
 
 Errors a client causes come back as error responses; a full queue is one too ("busy … retry
 later"). A cancelled request (`is_cancelled()`, or a response that cannot be sent) stops at
-the next step and frees its slot. Custom metrics on rank 0: `trtglm_active_sequences`,
-`trtglm_queued_requests`, `trtglm_max_decode_batch`, `trtglm_decode_steps_total`,
-`trtglm_generated_tokens_total` (Triton's /metrics).
+the next step and frees its slot. Decoupled responses are sent by one thread per request
+(`BoundedSender`), never by the executor: a send can wait forever (when the process that asked, a
+BLS model's stub say, has died), and one such request must not stall the others; it is
+stopped once a send has waited SEND_TIMEOUT_S.
+
+Custom metrics on rank 0: `trtglm_active_sequences`, `trtglm_queued_requests`,
+`trtglm_max_decode_batch`, `trtglm_decode_steps_total`, `trtglm_generated_tokens_total`
+(Triton's /metrics).
 """
 
 from __future__ import annotations
@@ -37,9 +42,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from queue import SimpleQueue
 
 import numpy as np
 import torch
@@ -59,6 +67,8 @@ INPUTS = ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id"
           "random_seed", "return_log_probs", "streaming")
 NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}  # refused otherwise
 QUEUE_PER_SLOT = 8  # waiting requests per slot when the config sets no max_queue_size
+SEND_TIMEOUT_S = 5.0  # a response Triton has not taken by then never will be: whoever asked is gone
+DRAIN_S = 2.0  # at unload, how long the last responses (shutdown errors) may take to go out
 WARM_UP_PROMPT = (1, 2, 3, 4)
 
 
@@ -191,6 +201,49 @@ class Reply:
             self.send(response_arrays(self.ids, self.log_probs, self.ids, sum(self.log_probs), True), True)
 
 
+class BoundedSender:
+    """One request's responses, sent in order by a thread of its own (started by the first `put`).
+
+    `put` raises once a send has failed, or has waited more than SEND_TIMEOUT_S (Triton's
+    `sender.send` waits, with no limit, for the server to hand the response on); a send left
+    waiting keeps its thread.
+    """
+
+    def __init__(self, sender, final_flag: int):
+        self.sender, self.final_flag = sender, final_flag
+        self.items: SimpleQueue = SimpleQueue()
+        self.error: str | None = None
+        self.sending_since: float | None = None
+        self.thread: threading.Thread | None = None
+
+    def put(self, response, final: bool) -> None:
+        since = self.sending_since
+        if self.error is None and since is not None and time.monotonic() - since > SEND_TIMEOUT_S:
+            self.error = f"a response has waited {SEND_TIMEOUT_S:g} s to be sent: whoever asked is gone"
+        if self.error is not None:
+            raise TrtglmError(self.error)
+        self.items.put((response, self.final_flag if final else 0))
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._send_all, name="trtglm-send", daemon=True)
+            self.thread.start()
+
+    def join(self, timeout: float) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    def _send_all(self) -> None:
+        flags = 0
+        while not flags:
+            response, flags = self.items.get()
+            self.sending_since = time.monotonic()
+            try:
+                self.sender.send(response, flags=flags)
+            except Exception as e:
+                self.error = f"a response could not be sent: {e}"
+                return
+            self.sending_since = None
+
+
 # --- the engine in this process -----------------------------------------------------------------------------
 
 
@@ -246,6 +299,7 @@ class ServedEngine:
 
     def __init__(self, engine_dir: str | Path, max_queue: int | None = None, info: RankInfo | None = None,
                  device: str | None = None, warm_up: bool = True):
+        started = time.monotonic()
         self.engine = engine_info(engine_dir)
         self.info = info or rank_info()
         if self.info.world_size != self.engine.tp_size:
@@ -257,8 +311,14 @@ class ServedEngine:
         self.distributed: Distributed | None = None
         if self.info.world_size > 1:
             self.distributed = join(self.info, self.device)
+            log.info("rank %d: joined %d ranks in %.2f s", self.info.rank, self.info.world_size,
+                     time.monotonic() - started)
         group = self.distributed.collectives if self.distributed else None
+        log.info("rank %d: loading the model on %s", self.info.rank, self.device)
+        loading = time.monotonic()
         model = slot_model(self.engine, self.info, self.device, group)
+        log.info("rank %d: model loaded in %.2f s (weights; on one GPU also kernel tuning and CUDA graphs)",
+                 self.info.rank, time.monotonic() - loading)
         self.executor: Executor | None = None
         self.follower: threading.Thread | None = None
         if self.info.rank == 0:
@@ -269,7 +329,9 @@ class ServedEngine:
                                      max_prefill_tokens=self.engine.max_num_tokens, device=self.device)
             self.executor.start()
             if warm_up:
+                warming = time.monotonic()
                 self.warm_up()
+                log.info("rank 0: warm-up request in %.2f s", time.monotonic() - warming)
         else:
             self.model = model
             self.follower = threading.Thread(target=follow, args=(model, StepChannel(self.distributed.control)),
@@ -277,6 +339,7 @@ class ServedEngine:
             self.follower.start()
         log.info("rank %d of %d ready on %s: %s", self.info.rank, self.info.world_size, self.device,
                  self.engine.checkpoint_dir)
+        log.info("rank %d: engine set up in %.2f s", self.info.rank, time.monotonic() - started)
 
     def warm_up(self) -> None:
         outputs: list[Output] = []
@@ -334,9 +397,13 @@ class TritonPythonModel:
         engine_dir = triton_io.parameter(triton_io.parameters(config), ENGINE_PARAMETER, name)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.dtypes = triton_io.output_dtypes(config)
+        self.senders: weakref.WeakSet[BoundedSender] = weakref.WeakSet()  # to let the last responses out at unload
         queue = int((config.get("dynamic_batching") or {}).get("default_queue_policy", {}).get("max_queue_size", 0))
+        started = time.monotonic()
+        log.info("%s: initializing (engine %s)", name, engine_dir)
         self.engine = ServedEngine(engine_dir, max_queue=queue or None)
         self.metrics = Metrics(self.engine.executor, pb_utils) if self.engine.executor is not None else None
+        log.info("%s: initialized in %.2f s", name, time.monotonic() - started)
 
     def execute(self, requests: list):
         if self.engine.executor is None:  # ranks > 0 serve no clients
@@ -344,7 +411,7 @@ class TritonPythonModel:
                                                       "rank 0"))
             if self.decoupled:
                 for request in requests:
-                    request.get_response_sender().send(error, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    self._sender(request).put(error, True)
                 return None
             return [error for _ in requests]
         if self.decoupled:
@@ -357,6 +424,9 @@ class TritonPythonModel:
         if self.metrics is not None:
             self.metrics.stop()
         self.engine.close()
+        deadline = time.monotonic() + DRAIN_S
+        for sender in list(self.senders):
+            sender.join(max(0.0, deadline - time.monotonic()))
 
     # --- requests ---------------------------------------------------------------------------------------
 
@@ -371,22 +441,26 @@ class TritonPythonModel:
         chosen = {name: array for name, array in arrays.items() if name in wanted}
         return self.pb.InferenceResponse(output_tensors=self.io.output_tensors(chosen, self.dtypes))
 
+    def _sender(self, request) -> BoundedSender:
+        sender = BoundedSender(request.get_response_sender(), self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self.senders.add(sender)
+        return sender
+
     def _start_streamed(self, request) -> None:
-        sender = request.get_response_sender()
-        final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        sender = self._sender(request)
         try:
             parsed, streaming = self._parse(request)
             wanted = self._wanted(request)
 
             def send(arrays: dict, last: bool) -> None:
-                sender.send(self._response(arrays, wanted), flags=final if last else 0)
+                sender.put(self._response(arrays, wanted), last)
 
             def fail(message: str) -> None:
-                sender.send(self.io.error_response(TrtglmError(message)), flags=final)
+                sender.put(self.io.error_response(TrtglmError(message)), True)
 
             self.engine.executor.submit(parsed, Reply(streaming, send, fail), request.is_cancelled)
         except Exception as e:
-            sender.send(self._error(e), flags=final)
+            sender.put(self._error(e), True)
 
     def _error(self, error: Exception):
         """An error response; a full queue is UNAVAILABLE (HTTP 503: retry later), not the client's mistake."""

@@ -10,11 +10,19 @@ text_output is the whole text so far instead of the new piece.
 
 In a decoupled repository each request runs in a worker thread, so requests overlap and the
 engine can batch them in flight; otherwise requests are answered in order, one response each.
+
+The engine's responses are awaited WAIT_S at a time, checking in between that the engine's
+python-backend process still runs: when it has died (Triton 2.51 then never answers, nor
+restarts it), the request ends with an error saying so, within about WAIT_S, and later
+requests are refused at once.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -42,6 +50,7 @@ PASSED = {  # client input -> tensorrt_llm input, as sent
 }
 ENGINE_OUTPUTS = ("output_ids", "sequence_length", "cum_log_probs", "output_log_probs")
 LOG_PROBS = ("cum_log_probs", "output_log_probs")
+WAIT_S = 0.5  # longest wait for an engine response before looking whether the engine still runs
 
 
 class EngineError(TrtglmError):
@@ -63,6 +72,53 @@ def engine_inputs(prepared: dict[str, np.ndarray], client: dict[str, np.ndarray 
 def streaming(client: dict[str, np.ndarray | None]) -> bool:
     stream = client.get("stream")
     return stream is not None and bool(np.asarray(stream).reshape(-1)[0])
+
+
+class EngineCall:
+    """One request to the engine, its responses read by a thread of their own so that the caller can stop
+    waiting: Triton's response iterator waits forever once the engine's process is gone. After every
+    WAIT_S without a response, `check()` is called; if it raises, the call is cancelled and that error
+    ends the iteration."""
+
+    _END = object()
+
+    def __init__(self, engine_request, decoupled: bool, check: Callable[[], None]):
+        self.check = check
+        self.responses: queue.SimpleQueue = queue.SimpleQueue()
+        self.iterator = None
+        threading.Thread(target=self._read, args=(engine_request, decoupled), name="bls-engine", daemon=True).start()
+
+    def _read(self, engine_request, decoupled: bool) -> None:
+        try:
+            self.iterator = engine_request.exec(decoupled=True) if decoupled else iter([engine_request.exec()])
+            for response in self.iterator:
+                self.responses.put(response)
+            self.responses.put(self._END)
+        except Exception as e:
+            self.responses.put(e)
+
+    def __iter__(self):
+        while True:
+            try:
+                item = self.responses.get(timeout=WAIT_S)
+            except queue.Empty:
+                self._check()
+                continue
+            if item is self._END:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    def _check(self) -> None:
+        try:
+            self.check()
+        except Exception:
+            self.cancel()
+            raise
+
+    def cancel(self) -> None:
+        getattr(self.iterator, "cancel", lambda: None)()  # Triton 2.51's iterator has no cancel()
 
 
 class Reply:
@@ -122,6 +178,7 @@ class TritonPythonModel:
         self.tokenizer = ChatGLMTokenizer(triton_io.parameter(params, "tokenizer_dir", name))
         self.limits = Limits.from_parameters(params, name)
         self.engine = triton_io.parameter(params, "tensorrt_llm_model_name", name)
+        self.engine_processes = triton_io.ModelProcesses(self.engine)
         self.accumulate = triton_io.bool_parameter(params, "accumulate_tokens", name)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.dtypes = triton_io.output_dtypes(config)
@@ -185,11 +242,13 @@ class TritonPythonModel:
             sender.send(triton_io.error_response(e), flags=final)
 
     def _generate(self, inputs: dict[str, np.ndarray], request):
-        """tensorrt_llm's responses as {output name: array}; EngineError when it answers with an error."""
+        """tensorrt_llm's responses as {output name: array}; EngineError when it answers with an error,
+        ModelGone when its process is gone (before or while it generates)."""
+        stubs = self.engine_processes.running()
         engine_request = pb_utils.InferenceRequest(
             model_name=self.engine, requested_output_names=list(ENGINE_OUTPUTS),
             inputs=[pb_utils.Tensor(name, np.ascontiguousarray(array)) for name, array in inputs.items()])
-        responses = engine_request.exec(decoupled=True) if self.decoupled else [engine_request.exec()]
+        responses = EngineCall(engine_request, self.decoupled, lambda: self.engine_processes.check(stubs))
         for response in responses:
             if response.has_error():
                 raise EngineError(f"{self.engine}: {response.error().message()}")
@@ -201,7 +260,7 @@ class TritonPythonModel:
             if "output_ids" in outputs and "sequence_length" in outputs:
                 yield outputs
             if _cancelled(request):
-                getattr(responses, "cancel", lambda: None)()
+                responses.cancel()
                 raise UsageError("request cancelled")
 
     def _response(self, texts: list[list[str]], log_probs: dict[str, np.ndarray]):

@@ -1,4 +1,5 @@
-"""What trtglm's Triton python models share: the backend's utilities, parameters, tensors, errors.
+"""What trtglm's Triton python models share: the backend's utilities, parameters, tensors, errors,
+and whether another python model of the same server still runs (`ModelProcesses`).
 
 `triton_python_backend_utils` exists only inside a Triton python-backend process; elsewhere
 (tests) `pb_utils` is None and only the plain functions are used.
@@ -8,9 +9,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
+import threading
+import time
 from collections.abc import Mapping
 
 import numpy as np
+import psutil
 
 from trtglm.errors import TrtglmError, UsageError
 
@@ -78,10 +84,16 @@ def strings(texts) -> np.ndarray:
     return np.array([[t.encode("utf-8") for t in row] for row in texts], dtype=np.object_)
 
 
+class ModelGone(TrtglmError):
+    """A model this one calls has no running process (not the client's fault: UNAVAILABLE)."""
+
+    status = "UNAVAILABLE"
+
+
 def error_response(error: BaseException):
     """An error response: user errors by their message, anything else as an internal error (logged)."""
     if isinstance(error, TrtglmError):
-        message, code = str(error), "INVALID_ARG"
+        message, code = str(error), getattr(error, "status", "INVALID_ARG")
     else:
         log.error("unexpected error", exc_info=error)
         message, code = f"internal error: {type(error).__name__}: {error}", "INTERNAL"
@@ -92,3 +104,81 @@ def triton_error(message: str, code: str = "INTERNAL"):
     """pb_utils.TritonError with a status code where this Triton version supports one."""
     status = getattr(pb_utils.TritonError, code, None)
     return pb_utils.TritonError(message) if status is None else pb_utils.TritonError(message, status)
+
+
+# --- other models' processes ------------------------------------------------------------------------------
+
+STUB = "triton_python_backend_stub"
+
+
+class ModelProcesses:
+    """The python-backend stubs running a model's instances in this tritonserver (this stub's siblings).
+
+    Triton 2.51 neither restarts a stub that died nor ends the requests that were in it, so a
+    caller that waits on such a request waits forever unless it looks at the process itself.
+    A model with no stub ever found (NVIDIA's C++ backend) is never called gone.
+    """
+
+    RESCAN_S = 5.0  # while no stub of the model was ever found, look again at most this often
+
+    def __init__(self, model: str):
+        self.model = model
+        self._instance = re.compile(rf"{re.escape(model)}_\d+_\d+")  # instance names: MODEL_GROUP_INDEX
+        self._lock = threading.Lock()
+        self._known: list[psutil.Process] = []
+        self._seen = False  # a stub was found once: the model runs on the python backend
+        self._dead_pid: int | None = None
+        self._scanned = float("-inf")
+
+    def running(self) -> list[psutil.Process]:
+        """The model's live stubs now; ModelGone when it had stubs and none runs any more."""
+        with self._lock:
+            if not self._known or gone(self._known):
+                self._rescan()
+            if self._seen and not self._known:
+                raise ModelGone(f"{self.model} is not running: its python-backend process (pid {self._dead_pid}) "
+                                "has exited; restart the server")
+            return list(self._known)
+
+    def check(self, stubs: list[psutil.Process]) -> None:
+        """ModelGone when one of `stubs` (the model's stubs when a request was sent to it) has exited."""
+        dead = gone(stubs)
+        if dead is not None:
+            raise ModelGone(f"{self.model} stopped during this request: its python-backend process (pid {dead.pid}) "
+                            "exited; restart the server")
+
+    def _rescan(self) -> None:
+        if not self._seen and time.monotonic() - self._scanned < self.RESCAN_S:
+            return
+        self._scanned = time.monotonic()
+        dead = gone(self._known)
+        if dead is not None:
+            self._dead_pid = dead.pid
+        self._known = [proc for proc in _siblings() if self._runs_model(proc) and alive(proc)]
+        self._seen = self._seen or bool(self._known)
+
+    def _runs_model(self, proc: psutil.Process) -> bool:
+        try:
+            args = proc.cmdline()
+        except psutil.Error:
+            return False
+        return bool(args) and os.path.basename(args[0]) == STUB and any(self._instance.fullmatch(a) for a in args)
+
+
+def _siblings() -> list[psutil.Process]:
+    try:
+        return psutil.Process(os.getppid()).children()
+    except psutil.Error:
+        return []
+
+
+def alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE  # a dead stub stays a zombie
+    except psutil.Error:
+        return False
+
+
+def gone(procs: list[psutil.Process]) -> psutil.Process | None:
+    """The first of `procs` that no longer runs, if any."""
+    return next((proc for proc in procs if not alive(proc)), None)
