@@ -3,15 +3,32 @@
 # the bandwidth floor, on random ChatGLM3-6B-shaped weights, then the decode matmuls on their own,
 # decode with and without programmatic dependent launch, what each kind of small kernel costs a
 # step, and Nsight Compute on the one-row kernels
-# (docs/benchmarks.md, "Runtime on GPU", records its results).
+# (docs/benchmarks.md, "Runtime on GPU", records its results); and the served benchmark.
 #
 #   [PARTS="runtime kernels"] scripts/bench_gpu.sh [DEST] [extra `bench runtime` flags]
+#   PARTS=serving scripts/bench_gpu.sh [DEST]
 #
-# PARTS picks the halves (each takes five to seven minutes on an H200): `runtime` (bench runtime)
-# and `kernels` (bench_matmul, bench_pdl, bench_prefill, bench_step_parts, Nsight Compute). DEST defaults to $OUT
-# when set (the lent GPU machine's result folder), else out/bench-gpu. Needs python3 with torch (CUDA), triton,
-# transformers and matplotlib; `fire` comes from .whl/ when python3 lacks it (the GPU machine's
-# image has no fire: see docs/benchmarks.md).
+# PARTS picks the parts (each takes five to seven minutes on an H200): `runtime` (bench runtime),
+# `kernels` (bench_matmul, bench_pdl, bench_prefill, bench_step_parts, Nsight Compute) and `serving`
+# (not in the default set; trtglm.bench.pipeline in one call: synth-model 6b → build-engine
+# chatglm3-6b-bf16-tp1 with the torch engine → patch-repo → launch --detach, timed cold → `bench served`:
+# Triton's overhead at 128 new tokens, 256 streamed requests at concurrency 64 through ensemble and
+# tensorrt_llm_bls over HTTP SSE and gRPC, the mixed in-flight workload, each next to the same engine
+# in-process → stop → a second, warm launch timed → stop; results DEST/served.json, served.md,
+# server-cold.log, server-warm.log, serving-log.txt). DEST defaults to $OUT when set (the lent GPU
+# machine's result folder), else out/bench-gpu. Needs python3 with torch (CUDA), triton, transformers and
+# matplotlib; `fire` comes from .whl/ when python3 lacks it (the GPU machine's image has no fire: see
+# docs/benchmarks.md). For `serving`, every wheel in .whl/ is installed into /tmp/trtglm-site (fire,
+# termcolor, tritonclient, python-rapidjson, nvidia-pytriton…; a numpy-1.* wheel there is left to pip's
+# --find-links, which gives the python stubs of nvidia-pytriton's server their numpy < 2), and a
+# .whl/*.tar.xz|tar.gz|tgz is unpacked there too (e.g. pytriton/ and nvidia_pytriton.libs/, the server
+# alone). tritonserver is found as `trtglm launch` finds it ($TRITONSERVER, PATH, NVIDIA's container,
+# the pytriton package). Knobs: TOKENIZER_DIR (default the first of .whl/tokenizer-65k,
+# shared/gpu/tokenizer-65k and ../shared/gpu/tokenizer-65k), SERVING_SOURCE (default "--synth 6b"; "--model-dir DIR" for a model),
+# SERVING_CONFIG, SERVING_DEADLINE (seconds, default 510: no measurement starts after it minus the
+# time kept for the second launch), SERVING_WORK (default /tmp/trtglm-served), SERVING_SETS (profile
+# overrides, e.g. "build.max_seq_len=2048"), SERVING_FLAGS (more `bench served` flags, e.g.
+# "--requests 64 --mixed-requests 0").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${1:-${OUT:-out/bench-gpu}}
@@ -23,8 +40,45 @@ if ! python3 -c "import fire" 2>/dev/null; then
         .whl/fire-*.whl .whl/termcolor-*.whl
     export PYTHONPATH=/tmp/trtglm-site${PYTHONPATH:+:$PYTHONPATH}
 fi
+if [[ " $PARTS " == *" serving "* ]] && [ -d .whl ]; then
+    # Every wheel of .whl/ that this python3 can install (numpy's is left to the stubs' pip, below).
+    mapfile -t wheels < <(python3 - <<'PY'
+import glob, os
+try:
+    from packaging.tags import sys_tags
+    from packaging.utils import parse_wheel_filename
+except ImportError:
+    from pip._vendor.packaging.tags import sys_tags
+    from pip._vendor.packaging.utils import parse_wheel_filename
+supported = set(sys_tags())
+for path in sorted(glob.glob(".whl/*.whl")):
+    name, _, _, tags = parse_wheel_filename(os.path.basename(path))
+    if name != "numpy" and tags & supported:
+        print(path)
+PY
+)
+    if ((${#wheels[@]})); then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/trtglm-site "${wheels[@]}"
+    fi
+    [[ ":${PYTHONPATH:-}:" == *":/tmp/trtglm-site:"* ]] || export PYTHONPATH=/tmp/trtglm-site${PYTHONPATH:+:$PYTHONPATH}
+    # A packed server (e.g. pytriton/ and nvidia_pytriton.libs/ of nvidia-pytriton), unpacked when no tritonserver
+    # is found yet and its name names no other Python (…-py312.tar.xz needs Python 3.12).
+    python_tag=$(python3 -c 'import sys; print(f"py{sys.version_info[0]}{sys.version_info[1]}")')
+    for archive in .whl/*.tar.xz .whl/*.tar.gz .whl/*.tgz; do
+        [ -e "$archive" ] || continue
+        if [[ $(basename "$archive") =~ -(py3[0-9]+)\. && ${BASH_REMATCH[1]} != "$python_tag" ]]; then continue; fi
+        if ! PYTHONPATH=$PWD:$PYTHONPATH python3 -c "from trtglm.serve.tritonserver import find_tritonserver as f; f()" \
+                2>/dev/null; then
+            mkdir -p /tmp/trtglm-site && tar -xf "$archive" -C /tmp/trtglm-site
+        fi
+    done
+    export PIP_FIND_LINKS=$PWD/.whl PIP_NO_INDEX=1  # numpy < 2 for the python stubs (trtglm/serve/stub_python.py)
+fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$DEST/nvidia-smi.txt"
+if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$DEST/nvidia-smi.txt"
+fi
 if [[ " $PARTS " == *" runtime "* ]]; then
     python3 -m trtglm.bench.cli_commands runtime --preset 6b --dtype bf16 --weight-only none,int8,int4 \
         --batch 1,8,32,64 --prompt-len 128 --new-tokens 128 --baseline hf --long-prompt 512 \
@@ -49,4 +103,19 @@ if [[ " $PARTS " == *" kernels "* ]]; then
             python3 -c "import logging; logging.basicConfig(level=logging.INFO); \
 from trtglm.bench.runtime import gemv_probe; gemv_probe()" > "$DEST/ncu.txt" 2>&1 || echo "ncu failed (see $DEST/ncu.txt)"
     fi
+fi
+if [[ " $PARTS " == *" serving "* ]]; then
+    SERVING_SOURCE=${SERVING_SOURCE:---synth 6b}
+    if [ -z "${TOKENIZER_DIR:-}" ] && [[ $SERVING_SOURCE == --synth* ]]; then
+        for candidate in .whl/tokenizer-65k shared/gpu/tokenizer-65k ../shared/gpu/tokenizer-65k; do
+            if [ -f "$candidate/tokenizer.model" ]; then TOKENIZER_DIR=$candidate; break; fi
+        done
+        [ -n "${TOKENIZER_DIR:-}" ] || { echo "bench_gpu.sh: no tokenizer-65k (set TOKENIZER_DIR)" >&2; exit 3; }
+    fi
+    python3 -c "from trtglm.serve.tritonserver import find_tritonserver; print('tritonserver:', find_tritonserver())"
+    # shellcheck disable=SC2086  # SERVING_SOURCE and SERVING_FLAGS are word lists
+    python3 -m trtglm.bench.pipeline --out "$DEST" --config "${SERVING_CONFIG:-configs/chatglm3-6b-bf16-tp1.yaml}" \
+        $SERVING_SOURCE ${TOKENIZER_DIR:+--tokenizer-dir "$TOKENIZER_DIR"} --work-dir "${SERVING_WORK:-/tmp/trtglm-served}" \
+        $(for value in ${SERVING_SETS:-}; do printf -- '--set %s ' "$value"; done) \
+        --deadline "${SERVING_DEADLINE:-510}" -- ${SERVING_FLAGS:-} 2>&1 | tee "$DEST/serving-log.txt"
 fi

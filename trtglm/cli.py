@@ -50,7 +50,7 @@ def synth_model(preset: str, out: str, layers: int | None = None, format: str = 
 
 
 def _commands() -> dict:
-    from trtglm.bench import serving
+    from trtglm.bench import served_command, serving
     from trtglm.bench.cli_commands import runtime
     from trtglm.client.cli_commands import generate
     from trtglm.engine.cli_commands import build_engine, plan
@@ -69,7 +69,7 @@ def _commands() -> dict:
         "stop": stop,
         "models": models,
         "generate": generate,
-        "bench": {"runtime": runtime, "serving": serving},
+        "bench": {"runtime": runtime, "serving": serving, "served": served_command},
     }
 
 

@@ -37,9 +37,13 @@ def runtime(preset: str = "6b", dtype: str = "bf16", weight_only: str | list | t
 
 
 def bench(kind: str, **flags):
-    """Benchmarks: `bench runtime` (the fast GPU runtime; see `runtime`)."""
+    """Benchmarks: `bench runtime` (the fast GPU runtime; see `runtime`), `bench served` (trtglm.bench.served)."""
+    if kind == "served":
+        from trtglm.bench import served_command
+
+        return served_command(**flags)
     if kind != "runtime":
-        raise UsageError(f"unknown benchmark {kind!r} (this entry point runs: runtime)")
+        raise UsageError(f"unknown benchmark {kind!r} (this entry point runs: runtime, served)")
     return runtime(**flags)
 
 

@@ -19,6 +19,10 @@ tokens the engine returns: a stop word counts, end_id does not); greedy decoding
 deterministic, so each served reply is checked to be that same text (a differing reply is
 counted and reported). The engine folder (checkpoint and tokenizer for the in-process run)
 is the one the server's tensorrt_llm model names, unless --engine-dir says otherwise.
+
+Random weights (`trtglm synth-model`) emit random ids, whose replies are no text to compare:
+`--compare-replies=False` leaves the comparisons out (the served replies are then not checked,
+only timed), and `--concurrency none` skips the throughput part.
 """
 
 from __future__ import annotations
@@ -60,19 +64,26 @@ class Settings:
     engine_dir: str | None = None
     device: str | None = None  # as the server picks it: $TRTGLM_DEVICE, else a GPU if any, else the CPU
     timeout: float = 600.0
+    compare_replies: bool = True  # False for random weights: replies are timed, not compared
 
     def command(self) -> str:
         """The `trtglm bench serving` command line that gives these settings."""
         args = ["trtglm", "bench", "serving", "--url", self.url, "--model", self.model, "--prompt", self.prompt,
                 "--max-tokens", str(self.max_tokens), "--concurrency", ",".join(map(str, self.concurrency)),
                 "--requests", str(self.requests), "--repeats", str(self.repeats)]
+        if not self.concurrency:
+            args[args.index("--concurrency") + 1] = "none"
         if self.engine_dir:
             args += ["--engine-dir", self.engine_dir]
+        if not self.compare_replies:
+            args.append("--compare-replies=False")
         return shlex.join(args)
 
 
 def parse_concurrency(value: str | int | tuple | list) -> tuple[int, ...]:
-    """`1,8,32` (or one number) → (1, 8, 32); each level a whole number ≥ 1."""
+    """`1,8,32` (or one number) → (1, 8, 32); each level a whole number ≥ 1; `none` → () (no throughput part)."""
+    if isinstance(value, str) and value.strip().lower() == "none":
+        return ()
     parts = value if isinstance(value, (tuple, list)) else str(value).split(",")
     try:
         levels = tuple(int(str(part).strip()) for part in parts)
@@ -90,14 +101,15 @@ class InProcess:
     """The engine as the server's tensorrt_llm model runs it (trtglm.serve.triton_model.ServedEngine: the
     same executor and slot model), called here with the repository's prompt, stop-word and reply rules."""
 
-    def __init__(self, engine_dir: Path, device: str | None):
+    def __init__(self, engine_dir: Path, device: str | None, tokenizer_dir: str | Path | None = None):
+        """`tokenizer_dir`: the one the repository's preprocessing uses (default: the engine's own)."""
         from trtglm.chatglm.tokenizer import ChatGLMTokenizer
         from trtglm.engine.manifest import read_manifest
         from trtglm.runtime.distributed import RankInfo
         from trtglm.serve.triton_model import ServedEngine
 
         self.manifest = read_manifest(engine_dir)
-        self.tokenizer = ChatGLMTokenizer(self.manifest["tokenizer_dir"])
+        self.tokenizer = ChatGLMTokenizer(tokenizer_dir or self.manifest["tokenizer_dir"])
         self.engine = ServedEngine(engine_dir, info=RankInfo(0, 1, 0, 1), device=device)
         eos = self.tokenizer.eos_id
         self.stop_words = [[token] for token in self.tokenizer.stop_ids if token != eos]
@@ -132,6 +144,17 @@ def engine_dir_of(server: http_client.Server) -> Path:
     return Path(path)
 
 
+def tokenizer_dir_of(server: http_client.Server) -> str | None:
+    """The tokenizer folder of the server's preprocessing model when it is on this machine (else None: the
+    engine's own)."""
+    try:
+        config = server.get_json("/v2/models/preprocessing/config")
+    except ServerError:
+        return None
+    path = config.get("parameters", {}).get("tokenizer_dir", {}).get("string_value")
+    return path if path and Path(path).is_dir() else None
+
+
 # --- measurements -------------------------------------------------------------------------------------
 
 
@@ -162,7 +185,8 @@ def measure_overhead(settings: Settings, runtime: InProcess, expected: str) -> d
     differing = dict.fromkeys(calls, 0)
     rounds = -(-settings.repeats // BLOCK)
     block_medians: dict[str, list[float]] = {name: [] for name in calls}
-    with tqdm(total=2 * rounds * BLOCK, desc="overhead (served and in-process blocks)", unit="req") as bar:
+    with tqdm(total=2 * rounds * BLOCK, desc="overhead (served and in-process blocks)", unit="req",
+              disable=None) as bar:
         for round_ in range(rounds):
             for name in (list(calls) if round_ % 2 == 0 else list(reversed(calls))):
                 calls[name]()  # the first call after the other side's block is not counted
@@ -170,7 +194,7 @@ def measure_overhead(settings: Settings, runtime: InProcess, expected: str) -> d
                 for _ in range(BLOCK):
                     seconds, text = timed(calls[name])
                     block.append(seconds)
-                    differing[name] += text != expected
+                    differing[name] += settings.compare_replies and text != expected
                     bar.update()
                 samples[name] += block
                 block_medians[name].append(float(np.median(block)))
@@ -189,7 +213,7 @@ def measure_throughput(settings: Settings, level: int, expected: str, reply_toke
     request = GenerateRequest(settings.prompt, settings.max_tokens)
     latencies, differing, errors = [], 0, []
     with ThreadPoolExecutor(max_workers=level) as pool, \
-            tqdm(total=count, desc=f"throughput: concurrency {level}", unit="req") as bar:
+            tqdm(total=count, desc=f"throughput: concurrency {level}", unit="req", disable=None) as bar:
         start = time.perf_counter()
         futures = [pool.submit(timed, lambda: http_client.generate(settings.url, settings.model, request,
                                                                    settings.timeout))
@@ -201,7 +225,7 @@ def measure_throughput(settings: Settings, level: int, expected: str, reply_toke
                 errors.append(str(e))
             else:
                 latencies.append(seconds)
-                differing += text != expected
+                differing += settings.compare_replies and text != expected
             bar.update()
         wall = time.perf_counter() - start
     if not latencies:
@@ -239,7 +263,7 @@ def bench_serving(settings: Settings, out: str | Path | None = None) -> dict:
     triton = server.get_json("/v2")
     engine_dir = Path(settings.engine_dir) if settings.engine_dir else engine_dir_of(server)
     log.info("loading %s for the in-process runs", engine_dir)
-    runtime = InProcess(engine_dir, settings.device)
+    runtime = InProcess(engine_dir, settings.device, tokenizer_dir_of(server))
     try:
         results = _measure(settings, runtime, triton, engine_dir)
     finally:
@@ -257,7 +281,7 @@ def _measure(settings: Settings, runtime: InProcess, triton: dict, engine_dir: P
     expected, reply_tokens = runtime.answer(settings.prompt, settings.max_tokens)
     served = http_client.generate(settings.url, settings.model, GenerateRequest(settings.prompt, settings.max_tokens),
                                   settings.timeout)
-    if served != expected:
+    if settings.compare_replies and served != expected:
         log.warning("the server answers %r, the in-process runtime %r: token counts are the runtime's",
                     served, expected)
     return {
@@ -269,6 +293,7 @@ def _measure(settings: Settings, runtime: InProcess, triton: dict, engine_dir: P
                    "dtype": runtime.manifest["dtype"], "limits": runtime.manifest["limits"]},
         "prompt": settings.prompt, "max_tokens": settings.max_tokens, "reply": expected,
         "reply_tokens": reply_tokens, "served_reply_matches": served == expected,
+        "replies_compared": settings.compare_replies,
         "overhead": measure_overhead(settings, runtime, expected),
         "throughput": [measure_throughput(settings, level, expected, reply_tokens) for level in settings.concurrency],
     }
@@ -282,8 +307,10 @@ def markdown(results: dict) -> str:
              f"{results['server']['triton']}; {results['server']['engine']} engine, {results['server']['dtype']}; "
              f"load average {m['load_average_1min']} when it started.",
              "", "```", results["command"], "```", "",
-             f"Prompt {results['prompt']!r}, max_tokens {results['max_tokens']}: reply {results['reply']!r} "
-             f"({results['reply_tokens']} generated tokens).", "",
+             f"Prompt {results['prompt']!r}, max_tokens {results['max_tokens']}: "
+             + (f"reply {results['reply']!r} " if results.get("replies_compared", True) else
+                "replies not compared (random weights), ")
+             + f"({results['reply_tokens']} generated tokens in-process).", "",
              f"Overhead, one request at a time ({o['calls']} calls each, in alternating blocks of {BLOCK}):", "",
              "| path | median ms | p90 ms |", "|---|---:|---:|",
              f"| HTTP generate through `{results['server']['model']}` | {o['served']['ms']['median']} | "
@@ -293,10 +320,11 @@ def markdown(results: dict) -> str:
              f"| **Triton overhead** (difference) | **{o['overhead_ms']['median']}** | "
              f"**{o['overhead_ms']['p90']}** |",
              "", f"Median of the differences between the blocks' medians (served − in-process, "
-             f"{o['calls'] // BLOCK} block pairs): {o['overhead_ms']['median_of_block_differences']} ms.", "",
-             "Throughput through the server:", "",
-             "| concurrency | requests | generated tokens/s | requests/s | latency median ms | latency p90 ms |",
-             "|---:|---:|---:|---:|---:|---:|"]
+             f"{o['calls'] // BLOCK} block pairs): {o['overhead_ms']['median_of_block_differences']} ms."]
+    if results["throughput"]:
+        lines += ["", "Throughput through the server:", "",
+                  "| concurrency | requests | generated tokens/s | requests/s | latency median ms | latency p90 ms |",
+                  "|---:|---:|---:|---:|---:|---:|"]
     for row in results["throughput"]:
         lines.append(f"| {row['concurrency']} | {row['requests']} | {row['tokens_per_s']} | {row['requests_per_s']} "
                      f"| {row['latency_ms']['median']} | {row['latency_ms']['p90']} |")
@@ -317,14 +345,16 @@ def check_positive(name: str, value, kind: type = int) -> None:
 
 def run(url: str = DEFAULT_URL, concurrency: str = "1,8,32", requests: int = 128, repeats: int = 50,
         max_tokens: int = 64, prompt: str = DEFAULT_PROMPT, model: str = "ensemble", engine_dir: str | None = None,
-        device: str | None = None, out: str | None = None, timeout: float = 600.0) -> dict:
+        device: str | None = None, out: str | None = None, timeout: float = 600.0,
+        compare_replies: bool = True) -> dict:
     """Check the flags, run, print the markdown tables."""
     for name, value in (("requests", requests), ("repeats", repeats), ("max-tokens", max_tokens)):
         check_positive(name, value)
     check_positive("timeout", timeout, float)
     settings = Settings(url=url, model=model, prompt=str(prompt), max_tokens=max_tokens,
                         concurrency=parse_concurrency(concurrency), requests=requests, repeats=repeats,
-                        engine_dir=engine_dir, device=device, timeout=float(timeout))
+                        engine_dir=engine_dir, device=device, timeout=float(timeout),
+                        compare_replies=bool(compare_replies))
     results = bench_serving(settings, out)
     print(markdown(results), end="", flush=True)
     return results

@@ -30,6 +30,7 @@ checkpoint layout ([Q; K; V] rows, fc rows [up; gate]).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -101,7 +102,9 @@ class FastModel:
         # Timing the matmul kernels' block shapes costs seconds at start-up and pays on every step.
         self.tuned = isinstance(self.ops, TritonOps) and self.device.type == "cuda" if tune is None else tune
         self.scratch = max_batch  # the extra cache slot
+        started = time.monotonic()
         self._load_weights(tensors, self.tuned)
+        log.info("weights on %s in %.1f s", self.device, time.monotonic() - started)
         cos, sin = rotary_tables(cfg, torch.arange(max_seq_len, device=self.device)[None])
         self.cos, self.sin = cos[0, 0].contiguous(), sin[0, 0].contiguous()
         cache_shape = (max_batch + 1, cfg.num_kv_heads, max_seq_len, cfg.head_size)
@@ -123,7 +126,12 @@ class FastModel:
         if graphs is None:
             graphs = self.device.type == "cuda"
         if graphs:
+            from trtglm.runtime.fast import tuning_cache  # needs Triton
+
+            restored = self.tuned and tuning_cache.restore(self.device)
             self.capture_graphs()
+            if self.tuned and not restored:
+                tuning_cache.save(self.device)
 
     # --- loading -----------------------------------------------------------------------------------------------
 
@@ -344,6 +352,7 @@ class FastModel:
         self._uploaded_slots = []
         self._prefill_inputs.zero_()
         self._prefill_inputs[0] = self.scratch
+        started = time.monotonic()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -353,9 +362,11 @@ class FastModel:
             for width in reversed(self.prefill_widths):
                 self._prefill_padded(width)
         torch.cuda.current_stream(self.device).wait_stream(side)
+        warmed = time.monotonic()
         if self.tuned and not self._tuned_in_step:
             self._tune_in_step()
             self._tuned_in_step = True  # later captures (other launch settings) keep these layouts
+        tuned = time.monotonic()
         pool = torch.cuda.graph_pool_handle()
         for n in tqdm(list(reversed(self.buckets)), desc="capture", unit="graph", disable=None, leave=False):
             graph = torch.cuda.CUDAGraph()
@@ -375,6 +386,9 @@ class FastModel:
         self._graph_buffers = kernels.dequantize_buffers()
         log.info("captured decode graphs for batch sizes %s and prefill graphs for prompts of up to %s tokens",
                  ", ".join(map(str, self.buckets)), ", ".join(map(str, self.prefill_widths)))
+        log.info("start-up: kernels compiled and matmuls tuned while warming up in %.1f s, one-row layouts tuned in "
+                 "the step in %.1f s, graphs captured in %.1f s", warmed - started, tuned - warmed,
+                 time.monotonic() - tuned)
 
     def _tune_in_step(self) -> None:
         """Choose each one-row matmul's layout again, among those `tune` timed close to the fastest alone, by timing
