@@ -163,3 +163,23 @@ def test_launch_fails_in_one_line_when_a_model_cannot_answer(tmp_path):
     assert last.startswith("trtglm: error: ensemble failed its first request at launch (") and \
         "deliberate preprocessing failure" in last and last.endswith(")"), last
     assert not repo_processes(server.repo)
+
+
+def test_the_stub_environment_runs_its_site_hooks_without_error(tmp_path):
+    """The venv's .pth adds launch's path and runs the site folders' own .pth hooks, quietly."""
+    from trtglm.serve import stub_python
+
+    hooked = tmp_path / "hooked"
+    hooked.mkdir()
+    (hooked / "marker.pth").write_text(str(tmp_path / "from-hook") + "\n")
+    (tmp_path / "from-hook").mkdir()
+    real = stub_python._site_dirs
+    stub_python._site_dirs = lambda: [str(hooked)]
+    try:
+        stub_python._make_venv(tmp_path / "env", [str(hooked)])
+    finally:
+        stub_python._site_dirs = real
+    done = subprocess.run([str(tmp_path / "env" / "bin" / "python"), "-c", "import sys; print('\\n'.join(sys.path))"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert str(tmp_path / "from-hook") in done.stdout.splitlines()

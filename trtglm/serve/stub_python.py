@@ -88,7 +88,8 @@ def _make_venv(env_dir: Path, paths: list[str]) -> None:
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
     site_dir = env_dir / "lib" / version / "site-packages"
     hooks = [d for d in _site_dirs() if d in paths]
-    lines = [*paths, f"import site; [site.addsitedir(d) for d in {hooks!r}]"]
+    # No comprehension: site.py runs the line with exec(), whose names a nested scope cannot see.
+    lines = [*paths, f"import site; any(map(site.addsitedir, {hooks!r}))"]
     (site_dir / "trtglm-launch-path.pth").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
