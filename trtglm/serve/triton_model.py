@@ -19,7 +19,7 @@ Outputs, as the repository's config declares them (`[batch, beam, …]`, the inp
 included): output_ids and output_log_probs hold the response's tokens, sequence_length how
 many there are, cum_log_probs the sum of the log probabilities so far (zeros unless
 return_log_probs). Not streaming: one response with every token. Streaming: one response per
-token, the last one flagged final; a request that ends at end_id (never returned) ends with a
+step's token, or several tokens in one when sending fell behind (below), the last one flagged final; a request that ends at end_id (never returned) ends with a
 final response of no tokens. The python backend's repository also declares
 `generated_ids` (every token so far) and `is_final` (whether this is the last response),
 which let the ensemble's postprocessing decode a streamed reply exactly; they are sent only
@@ -27,10 +27,10 @@ when requested.
 
 Errors a client causes come back as error responses; a full queue is one too ("busy … retry
 later"). A cancelled request (`is_cancelled()`, or a response that cannot be sent) stops at
-the next step and frees its slot. Decoupled responses are sent by one thread per request
-(`BoundedSender`), never by the executor: a send can wait forever (when the process that asked, a
-BLS model's stub say, has died), and one such request must not stall the others; it is
-stopped once a send has waited SEND_TIMEOUT_S.
+the next step and frees its slot. Decoupled responses are sent by a few sender threads
+(serve/outbox.py), never by the executor, with the tokens that piled up during a send merged
+into the next response; a request whose send has waited outbox.SEND_TIMEOUT_S is stopped
+(whoever asked is gone).
 
 Custom metrics on rank 0: `trtglm_active_sequences`, `trtglm_queued_requests`,
 `trtglm_max_decode_batch`, `trtglm_decode_steps_total`, `trtglm_generated_tokens_total`
@@ -43,11 +43,9 @@ import logging
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from queue import SimpleQueue
 
 import numpy as np
 import torch
@@ -57,6 +55,7 @@ from trtglm.errors import TrtglmError, UsageError
 from trtglm.runtime.distributed import Distributed, LeaderSlotModel, RankInfo, StepChannel, follow, join, rank_info
 from trtglm.runtime.executor import Executor, Output, QueueFullError, Request
 from trtglm.runtime.slots import SlotModel
+from trtglm.serve.outbox import Outbox
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +66,6 @@ INPUTS = ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id"
           "random_seed", "return_log_probs", "streaming")
 NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}  # refused otherwise
 QUEUE_PER_SLOT = 8  # waiting requests per slot when the config sets no max_queue_size
-SEND_TIMEOUT_S = 5.0  # a response Triton has not taken by then never will be: whoever asked is gone
 DRAIN_S = 2.0  # at unload, how long the last responses (shutdown errors) may take to go out
 WARM_UP_PROMPT = (1, 2, 3, 4)
 
@@ -199,49 +197,6 @@ class Reply:
                                       output.finished), output.finished)
         elif output.finished:
             self.send(response_arrays(self.ids, self.log_probs, self.ids, sum(self.log_probs), True), True)
-
-
-class BoundedSender:
-    """One request's responses, sent in order by a thread of its own (started by the first `put`).
-
-    `put` raises once a send has failed, or has waited more than SEND_TIMEOUT_S (Triton's
-    `sender.send` waits, with no limit, for the server to hand the response on); a send left
-    waiting keeps its thread.
-    """
-
-    def __init__(self, sender, final_flag: int):
-        self.sender, self.final_flag = sender, final_flag
-        self.items: SimpleQueue = SimpleQueue()
-        self.error: str | None = None
-        self.sending_since: float | None = None
-        self.thread: threading.Thread | None = None
-
-    def put(self, response, final: bool) -> None:
-        since = self.sending_since
-        if self.error is None and since is not None and time.monotonic() - since > SEND_TIMEOUT_S:
-            self.error = f"a response has waited {SEND_TIMEOUT_S:g} s to be sent: whoever asked is gone"
-        if self.error is not None:
-            raise TrtglmError(self.error)
-        self.items.put((response, self.final_flag if final else 0))
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._send_all, name="trtglm-send", daemon=True)
-            self.thread.start()
-
-    def join(self, timeout: float) -> None:
-        if self.thread is not None:
-            self.thread.join(timeout)
-
-    def _send_all(self) -> None:
-        flags = 0
-        while not flags:
-            response, flags = self.items.get()
-            self.sending_since = time.monotonic()
-            try:
-                self.sender.send(response, flags=flags)
-            except Exception as e:
-                self.error = f"a response could not be sent: {e}"
-                return
-            self.sending_since = None
 
 
 # --- the engine in this process -----------------------------------------------------------------------------
@@ -397,7 +352,7 @@ class TritonPythonModel:
         engine_dir = triton_io.parameter(triton_io.parameters(config), ENGINE_PARAMETER, name)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.dtypes = triton_io.output_dtypes(config)
-        self.senders: weakref.WeakSet[BoundedSender] = weakref.WeakSet()  # to let the last responses out at unload
+        self.outbox = Outbox()
         queue = int((config.get("dynamic_batching") or {}).get("default_queue_policy", {}).get("max_queue_size", 0))
         started = time.monotonic()
         log.info("%s: initializing (engine %s)", name, engine_dir)
@@ -411,7 +366,7 @@ class TritonPythonModel:
                                                       "rank 0"))
             if self.decoupled:
                 for request in requests:
-                    self._sender(request).put(error, True)
+                    self._send_alone(request, error)
                 return None
             return [error for _ in requests]
         if self.decoupled:
@@ -424,9 +379,7 @@ class TritonPythonModel:
         if self.metrics is not None:
             self.metrics.stop()
         self.engine.close()
-        deadline = time.monotonic() + DRAIN_S
-        for sender in list(self.senders):
-            sender.join(max(0.0, deadline - time.monotonic()))
+        self.outbox.stop(DRAIN_S)
 
     # --- requests ---------------------------------------------------------------------------------------
 
@@ -441,26 +394,34 @@ class TritonPythonModel:
         chosen = {name: array for name, array in arrays.items() if name in wanted}
         return self.pb.InferenceResponse(output_tensors=self.io.output_tensors(chosen, self.dtypes))
 
-    def _sender(self, request) -> BoundedSender:
-        sender = BoundedSender(request.get_response_sender(), self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        self.senders.add(sender)
-        return sender
-
     def _start_streamed(self, request) -> None:
-        sender = self._sender(request)
+        sender = request.get_response_sender()
+        final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         try:
             parsed, streaming = self._parse(request)
             wanted = self._wanted(request)
-
-            def send(arrays: dict, last: bool) -> None:
-                sender.put(self._response(arrays, wanted), last)
-
-            def fail(message: str) -> None:
-                sender.put(self.io.error_response(TrtglmError(message)), True)
-
-            self.engine.executor.submit(parsed, Reply(streaming, send, fail), request.is_cancelled)
         except Exception as e:
-            sender.put(self._error(e), True)
+            self._send_alone(request, self._error(e))
+            return
+
+        def send(arrays: dict, last: bool) -> None:
+            sender.send(self._response(arrays, wanted), flags=final if last else 0)
+
+        def fail(message: str) -> None:
+            sender.send(self.io.error_response(TrtglmError(message)), flags=final)
+
+        try:
+            mailbox = self.outbox.mailbox(Reply(streaming, send, fail))
+            self.engine.executor.submit(parsed, mailbox, request.is_cancelled)
+        except Exception as e:
+            self._send_alone(request, self._error(e))
+
+    def _send_alone(self, request, response) -> None:
+        """Send a request's one and final response from a thread of its own (a send may never return)."""
+        sender = request.get_response_sender()
+        threading.Thread(target=sender.send, args=(response,),
+                         kwargs={"flags": self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL},
+                         name="trtglm-send", daemon=True).start()
 
     def _error(self, error: Exception):
         """An error response; a full queue is UNAVAILABLE (HTTP 503: retry later), not the client's mistake."""

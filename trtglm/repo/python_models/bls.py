@@ -98,17 +98,27 @@ class EngineCall:
             self.responses.put(e)
 
     def __iter__(self):
+        """Lists of responses: each holds every response that arrived while the caller was busy."""
         while True:
             try:
                 item = self.responses.get(timeout=WAIT_S)
             except queue.Empty:
                 self._check()
                 continue
+            batch = []
+            while item is not self._END and not isinstance(item, Exception):
+                batch.append(item)
+                try:
+                    item = self.responses.get_nowait()
+                except queue.Empty:
+                    item = None
+                    break
+            if batch:
+                yield batch
             if item is self._END:
                 return
             if isinstance(item, Exception):
                 raise item
-            yield item
 
     def _check(self) -> None:
         try:
@@ -210,9 +220,10 @@ class TritonPythonModel:
             if streaming(client):
                 raise UsageError("stream needs a decoupled repository (decoupled_mode true)")
             reply, log_probs = Reply(self.tokenizer, self.accumulate), {}
-            for outputs in self._generate(inputs, request):
-                reply.collect(outputs["output_ids"], outputs["sequence_length"])
-                log_probs.update({k: outputs[k] for k in LOG_PROBS if k in outputs})
+            for batch in self._generate(inputs, request):
+                for outputs in batch:
+                    reply.collect(outputs["output_ids"], outputs["sequence_length"])
+                    log_probs.update({k: outputs[k] for k in LOG_PROBS if k in outputs})
             return self._response(reply.whole(), log_probs)
         except Exception as e:
             return triton_io.error_response(e)
@@ -225,12 +236,13 @@ class TritonPythonModel:
             client, inputs = self._prepare(request)
             stream = streaming(client)
             reply, log_probs = Reply(self.tokenizer, self.accumulate), {}
-            for outputs in self._generate(inputs, request):
-                log_probs = {k: outputs[k] for k in LOG_PROBS if k in outputs}
+            for batch in self._generate(inputs, request):
+                log_probs = _joined_log_probs([{k: o[k] for k in LOG_PROBS if k in o} for o in batch])
                 if not stream:
-                    reply.collect(outputs["output_ids"], outputs["sequence_length"])
+                    for outputs in batch:
+                        reply.collect(outputs["output_ids"], outputs["sequence_length"])
                     continue
-                texts = reply.add(outputs["output_ids"], outputs["sequence_length"])
+                texts = _joined([reply.add(o["output_ids"], o["sequence_length"]) for o in batch], self.accumulate)
                 if texts and (any(any(row) for row in texts) or _wants_log_probs(client)):
                     sender.send(self._response(texts, log_probs))
             if stream:
@@ -242,30 +254,57 @@ class TritonPythonModel:
             sender.send(triton_io.error_response(e), flags=final)
 
     def _generate(self, inputs: dict[str, np.ndarray], request):
-        """tensorrt_llm's responses as {output name: array}; EngineError when it answers with an error,
-        ModelGone when its process is gone (before or while it generates)."""
+        """tensorrt_llm's responses as lists of {output name: array} (those that arrived while the caller
+        was busy); EngineError when it answers with an error, ModelGone when its process is gone (before
+        or while it generates)."""
         stubs = self.engine_processes.running()
         engine_request = pb_utils.InferenceRequest(
             model_name=self.engine, requested_output_names=list(ENGINE_OUTPUTS),
             inputs=[pb_utils.Tensor(name, np.ascontiguousarray(array)) for name, array in inputs.items()])
         responses = EngineCall(engine_request, self.decoupled, lambda: self.engine_processes.check(stubs))
-        for response in responses:
-            if response.has_error():
-                raise EngineError(f"{self.engine}: {response.error().message()}")
-            outputs = {}
-            for name in ENGINE_OUTPUTS:
-                tensor = pb_utils.get_output_tensor_by_name(response, name)
-                if tensor is not None:
-                    outputs[name] = tensor.as_numpy()
-            if "output_ids" in outputs and "sequence_length" in outputs:
-                yield outputs
+        for batch in responses:
+            arrived = [self._outputs(response) for response in batch]
+            arrived = [outputs for outputs in arrived if "output_ids" in outputs and "sequence_length" in outputs]
+            if arrived:
+                yield arrived
             if _cancelled(request):
                 responses.cancel()
                 raise UsageError("request cancelled")
 
+    def _outputs(self, response) -> dict[str, np.ndarray]:
+        if response.has_error():
+            raise EngineError(f"{self.engine}: {response.error().message()}")
+        outputs = {}
+        for name in ENGINE_OUTPUTS:
+            tensor = pb_utils.get_output_tensor_by_name(response, name)
+            if tensor is not None:
+                outputs[name] = tensor.as_numpy()
+        return outputs
+
     def _response(self, texts: list[list[str]], log_probs: dict[str, np.ndarray]):
         arrays = {"text_output": triton_io.strings(texts), **log_probs}
         return pb_utils.InferenceResponse(output_tensors=triton_io.output_tensors(arrays, self.dtypes))
+
+
+def _joined(grids: list[list[list[str]]], accumulate: bool) -> list[list[str]]:
+    """The pieces of several engine responses as one grid: concatenated, or with accumulate_tokens the
+    last text so far."""
+    if len(grids) == 1:
+        return grids[0]
+    cells = [[[grid[row][beam] for grid in grids] for beam in range(len(grids[-1][row]))]
+             for row in range(len(grids[-1]))]
+    if accumulate:
+        return [[next((text for text in reversed(cell) if text), "") for cell in row] for row in cells]
+    return [["".join(cell) for cell in row] for row in cells]
+
+
+def _joined_log_probs(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The log probs of several engine responses as one: each token's in order, the last cumulative one."""
+    joined = dict(parts[-1])
+    if len(parts) > 1 and "output_log_probs" in joined:
+        joined["output_log_probs"] = np.concatenate([p["output_log_probs"] for p in parts if "output_log_probs" in p],
+                                                    axis=-1)
+    return joined
 
 
 def _wants_log_probs(client: dict) -> bool:
