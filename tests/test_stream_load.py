@@ -104,8 +104,8 @@ def test_streamed_tokens_are_the_tokens_the_server_generated(served, tok, protoc
         assert (result["failed"], result["requests"]) == (0, 10), result["errors"]
         assert 0 < result["server_tokens"] <= 10 * 12
         assert all(len(t.times) <= 12 and t.times == sorted(t.times) and t.times[0] > t.submitted for t in traces)
-        if model == "ensemble":  # one response per token, each counted
-            assert result["client_tokens"] == result["events"] == result["server_tokens"]
+        if model == "ensemble":  # every token counted (several in a response when the server merged them)
+            assert result["client_tokens"] == result["server_tokens"] >= result["events"]
             assert result["short_requests"] == sum(len(t.times) < 12 for t in traces)
         else:  # events only where the text grows
             assert result["client_tokens"] <= result["server_tokens"]

@@ -139,12 +139,16 @@ class Pipeline:
         result["ports"] = ports
         self.results["launches"].append(result)
         self.results["steps"][f"launch ({label})"] = result["launch_s"]
-        (self.out / f"server-{label}.log").write_text(launch_timing.rank_log(log_dir))
+        self.save_server_log(label)
         print(launch_timing_text(result), flush=True)
         self.save()
         if result["returncode"] != 0:
             raise RuntimeError(f"launch ({label}) failed:\n{result['output']}")
         return result
+
+    def save_server_log(self, label: str) -> None:
+        """Rank 0's log of launch `label` as it is now, in DEST/server-LABEL.log."""
+        (self.out / f"server-{label}.log").write_text(launch_timing.rank_log(self.work / f"logs-{label}"))
 
     def stop(self, label: str) -> None:
         try:
@@ -188,6 +192,7 @@ class Pipeline:
             try:
                 self.measure(cold["ports"], cold["launch_s"])
             finally:
+                self.save_server_log("cold")
                 self.stop("cold")
             if self.o.launches >= 2:
                 if self.o.deadline and self.elapsed() + cold["launch_s"] + 30 > self.o.deadline:

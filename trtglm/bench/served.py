@@ -131,7 +131,7 @@ class Run:
     def __init__(self, settings: Settings, out: Path | None):
         self.settings, self.out = settings, out
         self.results: dict = {}
-        self.counter: int | None = None  # the server's generated-token count after the last served run
+        self.counter: tuple[int, int] | None = None  # the server's token and step counts after the last served run
         self.started = time.monotonic()
 
     def out_of_time(self, what: str, into: list | None = None) -> bool:
@@ -153,10 +153,15 @@ class Run:
 
     def server_tokens(self) -> int | None:
         """Tokens the server generated since the last call (None without a metrics URL or a first call)."""
+        return self.server_counts()[0]
+
+    def server_counts(self) -> tuple[int | None, int | None]:
+        """Tokens generated and decode steps run by the server since the last call (None, None without a
+        metrics URL or on a first call)."""
         if not self.settings.metrics_url:
-            return None
-        before, self.counter = self.counter, stream_load.settled_tokens(self.settings.metrics_url)
-        return None if before is None else self.counter - before
+            return None, None
+        before, self.counter = self.counter, stream_load.settled_counters(self.settings.metrics_url)
+        return (None, None) if before is None else (self.counter[0] - before[0], self.counter[1] - before[1])
 
 
 def bench_served(settings: Settings, out: str | Path | None = None) -> dict:
@@ -252,10 +257,12 @@ def workload_runs(run: Run, runtime: InProcess, workload: stream_load.Workload,
         into["warm_up_error"] = str(e)
     run.counter = None  # the warm-up's tokens are not the next run's
     into["warm_up_s"] = _since(started)
-    started = time.monotonic()
+    started, steps = time.monotonic(), runtime.engine.executor.stats().decode_calls
     traces, elapsed = stream_load.run_in_process(runtime.engine.executor, workload, end_id, runtime.stop_words,
                                                  timeout=max(s.timeout, 3600.0))
-    local = {"path": "in-process", **stream_load.stats(workload, traces, elapsed), "run_s": _since(started)}
+    steps = runtime.engine.executor.stats().decode_calls - steps
+    local = {"path": "in-process", **stream_load.stats(workload, traces, elapsed, decode_steps=steps),
+             "run_s": _since(started)}
     into["runs"].append(local)
     run.save()
     for model, protocol in paths:
@@ -276,7 +283,7 @@ def workload_runs(run: Run, runtime: InProcess, workload: stream_load.Workload,
             run.save()
             continue
         row = {"path": f"{model} {protocol}", "model": model, "protocol": protocol,
-               **stream_load.stats(workload, traces, elapsed, run.server_tokens())}
+               **stream_load.stats(workload, traces, elapsed, *run.server_counts())}
         row["run_s"] = _since(started)
         row["vs_in_process_pct"] = {key: _pct(row[key], local[key])
                                     for key in ("tokens_per_s", "requests_per_s")}
@@ -360,11 +367,11 @@ def workload_markdown(title: str, part: dict) -> str:
              f"chat template included), max_tokens {w['max_tokens']['min']}–{w['max_tokens']['max']} "
              f"({w['max_tokens']['total']:,} in all):", "",
              "| path | requests (failed) | generated tokens (short requests) | tokens/s | requests/s "
-             "| TTFT p50 / p99 ms | inter-token p50 / p99 ms | tokens/s vs in-process |",
-             "|---|---|---|---:|---:|---|---|---:|"]
+             "| TTFT p50 / p99 ms | inter-token p50 / p99 ms | ms per decode step | tokens/s vs in-process |",
+             "|---|---|---|---:|---:|---|---|---:|---:|"]
     for row in part["runs"]:
         if "requests" not in row:
-            lines.append(f"| {row['path']} | {row.get('error') or row.get('skipped')} | | | | | | |")
+            lines.append(f"| {row['path']} | {row.get('error') or row.get('skipped')} | | | | | | | |")
             continue
         counted = _num(row["generated_tokens"])
         if row.get("server_tokens") is not None and row["client_tokens"] != row["server_tokens"]:
@@ -375,13 +382,16 @@ def workload_markdown(title: str, part: dict) -> str:
                      f"| {_num(row['tokens_per_s'])} | {_num(row['requests_per_s'], 2)} "
                      f"| {_num(row['ttft_ms']['p50'])} / {_num(row['ttft_ms']['p99'])} "
                      f"| {_num(row['itl_ms']['p50'], 2)} / {_num(row['itl_ms']['p99'], 2)} "
+                     f"| {_num(row.get('ms_per_decode_step'), 2)} "
                      f"| {'–' if ratio is None else f'{ratio:.1f}%'}{verdict} |")
     errors = sorted({e for row in part["runs"] for e in row.get("errors", [])})
     if errors:
         lines += ["", "Errors: " + "; ".join(errors[:5])]
     lines += ["", f"Target: served tokens/s ≥ {RATIO_TARGET_PCT:g}% of in-process. Generated tokens: the server's "
                   "counter where the metrics endpoint was given (tensorrt_llm_bls events merge tokens whose text "
-                  "is held back); short requests stopped before max_tokens (end id or a stop word)."]
+                  "is held back); short requests stopped before max_tokens (end id or a stop word). Inter-token times are "
+                  "per token: tokens that arrive together in one response (merged while the previous one was being "
+                  "sent) are 0 ms apart. ms per decode step: the run's time over the engine's decode steps."]
     return "\n".join(lines)
 
 

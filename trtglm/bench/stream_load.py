@@ -56,9 +56,11 @@ from trtglm.errors import UsageError
 log = logging.getLogger(__name__)
 
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback must not go through a proxy
+CLOSE_TIMEOUT_S = 30.0  # for the gRPC streams of a run to close
 METRIC_TOKENS = "trtglm_generated_tokens_total"
 METRIC_ACTIVE = "trtglm_active_sequences"
 METRIC_QUEUED = "trtglm_queued_requests"
+METRIC_STEPS = "trtglm_decode_steps_total"
 METRICS_PERIOD_S = 0.5  # triton_model.Metrics refreshes the counters this often
 
 
@@ -205,14 +207,19 @@ def closed_loop(workload: Workload, send: Callable[[int, Trace], None], label: s
     lock = threading.Lock()
     bar = tqdm(total=workload.requests, desc=label, unit="req", disable=None)
 
+    silent = threading.Event()  # a request got no answer within the timeout: the server is stuck
+
     def worker() -> None:
-        while True:
+        while not silent.is_set():
             with lock:
                 index = next(pending, None)
             if index is None:
                 return
             try:
                 send(index, traces[index])
+            except NoAnswer as e:  # waiting out the timeout for every request left would take hours
+                traces[index].error = one_line(str(e))
+                silent.set()
             except Exception as e:  # a failed request is counted; the load goes on
                 traces[index].error = one_line(str(e) or type(e).__name__)
             with lock:
@@ -227,7 +234,14 @@ def closed_loop(workload: Workload, send: Callable[[int, Trace], None], label: s
         thread.join()
     elapsed = time.perf_counter() - start
     bar.close()
+    for trace in traces:
+        if silent.is_set() and trace.error is None and not trace.submitted:
+            trace.error = "not sent: the server stopped answering"
     return traces, elapsed
+
+
+class NoAnswer(ServerError):
+    """No response within the run's timeout."""
 
 
 def run_http(url: str, model: str, workload: Workload, timeout: float = 600.0) -> tuple[list[Trace], float]:
@@ -238,21 +252,28 @@ def run_http(url: str, model: str, workload: Workload, timeout: float = 600.0) -
         body = json.dumps({"text_input": workload.texts[index], "max_tokens": workload.max_tokens[index],
                            "stream": True}, ensure_ascii=False).encode("utf-8")
         trace.submitted = time.perf_counter()
-        with server.request("POST", path, body, timeout) as response:
-            if response.status != 200:
-                raise ServerError(http_client._error_message(model, response.status,
-                                                             http_client._read(server, response)))
-            for data in http_client.sse_data(http_client._lines(server, response)):
-                now = time.perf_counter()
-                event = http_client._json_object(model, data.encode("utf-8"))
-                if "error" in event:
-                    raise ServerError(one_line(event["error"]))
-                text = event.get("text_output")
-                tokens = tokens_in(event.get("output_log_probs"), text)
-                if tokens or text:
-                    trace.add(now, tokens)
+        try:
+            _stream_http(server, path, body, timeout, model, trace)
+        except TimeoutError:
+            raise NoAnswer(f"no answer from Triton at {url} within {timeout:g} s") from None
 
     return closed_loop(workload, send, f"{workload.name}: {model} http")
+
+
+def _stream_http(server, path: str, body: bytes, timeout: float, model: str, trace: Trace) -> None:
+    with server.request("POST", path, body, timeout) as response:
+        if response.status != 200:
+            raise ServerError(http_client._error_message(model, response.status,
+                                                         http_client._read(server, response)))
+        for data in http_client.sse_data(http_client._lines(server, response)):
+            now = time.perf_counter()
+            event = http_client._json_object(model, data.encode("utf-8"))
+            if "error" in event:
+                raise ServerError(one_line(event["error"]))
+            text = event.get("text_output")
+            tokens = tokens_in(event.get("output_log_probs"), text)
+            if tokens or text:
+                trace.add(now, tokens)
 
 
 def run_grpc(address: str, model: str, workload: Workload, timeout: float = 600.0) -> tuple[list[Trace], float]:
@@ -293,7 +314,7 @@ def run_grpc(address: str, model: str, workload: Workload, timeout: float = 600.
                 now, result, error = responses.get(timeout=timeout)
             except queue.Empty:
                 local.client = None  # a stream that went quiet is not reused
-                raise ServerError(f"no answer from Triton at {address} within {timeout:g} s") from None
+                raise NoAnswer(f"no answer from Triton at {address} within {timeout:g} s") from None
             if error is not None:
                 local.client = None  # its stream may still carry this request's responses
                 raise ServerError(f"{model}: {one_line(error.message())}")
@@ -309,11 +330,27 @@ def run_grpc(address: str, model: str, workload: Workload, timeout: float = 600.
     try:
         return closed_loop(workload, send, f"{workload.name}: {model} grpc")
     finally:
-        for client in opened:
-            try:
-                client.stop_stream()
-            finally:
-                client.close()
+        _close_streams(opened, CLOSE_TIMEOUT_S)
+
+
+def _close_streams(clients: list, timeout: float) -> None:
+    """Stop and close tritonclient streams, waiting at most `timeout` s in all (stop_stream joins a thread that
+    waits for the server to end the stream, forever if it never does)."""
+
+    def close(client) -> None:
+        try:
+            client.stop_stream()
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=close, args=(client,), daemon=True) for client in clients]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    if any(thread.is_alive() for thread in threads):
+        log.warning("%d gRPC streams did not close within %g s", sum(t.is_alive() for t in threads), timeout)
 
 
 def run_in_process(executor, workload: Workload, end_id: int | None, stop_words: list[list[int]],
@@ -373,8 +410,10 @@ def run_in_process(executor, workload: Workload, end_id: int | None, stop_words:
 # --- statistics and the server's counters ---------------------------------------------------------------
 
 
-def stats(workload: Workload, traces: list[Trace], elapsed: float, server_tokens: int | None = None) -> dict:
-    """`_inflight_stats` of the run, with failures, response counts and the server's token count."""
+def stats(workload: Workload, traces: list[Trace], elapsed: float, server_tokens: int | None = None,
+          decode_steps: int | None = None) -> dict:
+    """`_inflight_stats` of the run, with failures, response counts, the server's token count and the engine's
+    decode steps (their mean time: whether the engine itself slowed, or only the responses lagged)."""
     ok = [i for i, trace in enumerate(traces) if trace.error is None]
     result = _inflight_stats(workload.requests, workload.concurrency,
                              [len(ids) for ids in workload.prompt_ids], list(workload.max_tokens),
@@ -391,6 +430,9 @@ def stats(workload: Workload, traces: list[Trace], elapsed: float, server_tokens
         result["server_tokens"] = server_tokens
         result["generated_tokens"] = server_tokens
         result["tokens_per_s"] = server_tokens / elapsed if elapsed > 0 else None
+    if decode_steps:
+        result["decode_steps"] = decode_steps
+        result["ms_per_decode_step"] = 1000 * elapsed / decode_steps
     return result
 
 
@@ -411,6 +453,11 @@ def read_metrics(metrics_url: str, timeout: float = 10.0) -> dict[str, float]:
 
 def settled_tokens(metrics_url: str, timeout: float = 30.0) -> int:
     """The server's generated-token counter once nothing runs or waits and the counters caught up."""
+    return settled_counters(metrics_url, timeout)[0]
+
+
+def settled_counters(metrics_url: str, timeout: float = 30.0) -> tuple[int, int]:
+    """The server's generated-token and decode-step counters once nothing runs or waits and they caught up."""
     deadline = time.monotonic() + timeout
     values = read_metrics(metrics_url)
     while (values.get(METRIC_ACTIVE) or values.get(METRIC_QUEUED)) and time.monotonic() < deadline:
@@ -420,4 +467,4 @@ def settled_tokens(metrics_url: str, timeout: float = 30.0) -> int:
     values = read_metrics(metrics_url)
     if METRIC_TOKENS not in values:
         raise ServerError(f"{metrics_url} has no {METRIC_TOKENS} (not trtglm's runtime behind tensorrt_llm?)")
-    return int(values[METRIC_TOKENS])
+    return int(values[METRIC_TOKENS]), int(values.get(METRIC_STEPS, 0))
