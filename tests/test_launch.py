@@ -317,6 +317,7 @@ def test_detach_second_launch_models_and_stop(env2):
     assert again.stderr.strip().splitlines()[-1].startswith(f"trtglm: error: {env2.repo} is already being served")
 
     url = f"http://127.0.0.1:{env2.http}"
+    assert_repository_api_needs_the_key(url, f"127.0.0.1:{env2.grpc}", env2.repo.parent)
     listed = env2.run("models", "list", "--url", url)
     assert listed.returncode == 0, listed.stderr
     assert sorted(listed.stdout.splitlines()) == ["echo\t1\tREADY", "tensorrt_llm\t1\tREADY"]
@@ -338,6 +339,49 @@ def test_detach_second_launch_models_and_stop(env2):
     assert stopped.returncode == 0, stopped.stderr
     env2.assert_clean(shm_base)
     assert env2.run("stop").returncode == 2
+
+
+def http_post(url: str, body: dict, headers: dict | None = None) -> tuple[int, str]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with NO_PROXY.open(request, timeout=10) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def assert_repository_api_needs_the_key(url: str, grpc_address: str, scratch: Path) -> None:
+    """Without the launch's key: no load (not even of code sent in the request), no unload, no trace or
+    log files, over HTTP and gRPC; the models keep serving."""
+    import base64
+
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    marker = scratch / "code-ran"
+    code = f"open({str(marker)!r}, 'w').write('ran')\nclass TritonPythonModel:\n    pass\n"
+    config = json.dumps({"name": "evil", "backend": "python", "max_batch_size": 0,
+                         "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": [1]}],
+                         "output": [{"name": "Y", "data_type": "TYPE_FP32", "dims": [1]}]})
+    override = {"parameters": {"config": config, "file:1/model.py": base64.b64encode(code.encode()).decode()}}
+    attempts = [(f"{url}/v2/repository/models/evil/load", override), (f"{url}/v2/repository/models/echo/unload", {}),
+                (f"{url}/v2/repository/index", {}), (f"{url}/v2/trace/setting", {"trace_file": str(marker)}),
+                (f"{url}/v2/logging", {"log_file": str(marker)})]
+    for target, body in attempts:
+        status, text = http_post(target, body, {"trtglm-api-key": "a guess"})
+        assert status in (401, 403), (target, status, text)
+    client = grpcclient.InferenceServerClient(grpc_address)
+    try:
+        for call in (lambda: client.unload_model("echo"), lambda: client.load_model("echo"),
+                     lambda: client.get_model_repository_index()):
+            with pytest.raises(InferenceServerException, match="(?i)unauthenticated|restricted|header"):
+                call()
+    finally:
+        client.close()
+    time.sleep(1)
+    assert not marker.exists()
+    assert http_status(f"{url}/v2/models/echo/ready") == 200
 
 
 def test_detached_launch_reports_a_rank_that_fails_to_start(env2):

@@ -245,3 +245,11 @@ def test_free_ports_pass_and_bad_ones_are_refused():
     with pytest.raises(UsageError, match="--host 192.0.2.1: not an address of this machine"):
         check_ports(Endpoints("192.0.2.1", 9000, 9001, 9002))
 
+
+
+def test_rank0_restricts_the_repository_shared_memory_trace_and_logging_apis_to_the_launch_key():
+    restricted = "model-repository,shared-memory,trace,logging:trtglm-api-key=s3cret"
+    rank0 = server_args(TS, REPO, 0, LOOPBACK, backend_dir="/b/backends", api_key="s3cret")
+    assert rank0 == RANK0[:-1] + [f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}",
+                                  RANK0[-1]]
+    assert server_args(TS, REPO, 1, LOOPBACK, backend_dir="/b/backends", api_key="s3cret") == other_rank(1)

@@ -10,7 +10,10 @@ What differs from NVIDIA's command, for a CPU machine and for supervision:
   instead of all ranks asking for the same ports;
 - rank 0 binds its endpoints to `host` (loopback by default) and exports no GPU metrics;
 - rank 0 runs in explicit model-control mode with `--load-model=*`: it loads every model at
-  start as before, and the repository API (`trtglm models load|unload`) is allowed;
+  start as before, and the repository API (`trtglm models load|unload`) is allowed, but only
+  to requests that carry the launch's secret in the API_KEY_HEADER header: the repository API
+  (which loads a model's code sent in the request), system shared memory, trace and logging
+  settings (which write files) are restricted (`--http-restricted-api`, `--grpc-restricted-protocol`);
 - `--backend-directory` when the python backend lives outside /opt/tritonserver;
 - `--exit-timeout-secs` bounds how long a SIGTERM'd server waits for in-flight requests;
 - mpirun runs with `--noprefix` (Open MPI started by absolute path would otherwise put its
@@ -29,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LLM_MODEL = "tensorrt_llm"  # the one model ranks > 0 load
+API_KEY_HEADER = "trtglm-api-key"
+RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
 
 
 @dataclass(frozen=True)
@@ -63,8 +68,8 @@ def shm_prefix(base: str, rank: int) -> str:
 
 def server_args(tritonserver: str | Path, repo: str | Path, rank: int, endpoints: Endpoints, *,
                 shm_base: str = "prefix", backend_dir: str | Path | None = None,
-                exit_timeout_s: int = 5) -> list[str]:
-    """One rank's tritonserver command line."""
+                exit_timeout_s: int = 5, api_key: str | None = None) -> list[str]:
+    """One rank's tritonserver command line (`api_key`: rank 0's restricted APIs need it)."""
     args = [str(tritonserver), f"--model-repository={repo}", "--disable-auto-complete-config",
             f"--backend-config=python,shm-region-prefix-name={shm_prefix(shm_base, rank)}"]
     if backend_dir is not None:
@@ -75,6 +80,9 @@ def server_args(tritonserver: str | Path, repo: str | Path, rank: int, endpoints
                  f"--metrics-address={endpoints.host}", f"--metrics-port={endpoints.metrics_port}",
                  "--allow-cpu-metrics=true", "--allow-gpu-metrics=false",
                  "--model-control-mode=explicit", "--load-model=*"]
+        if api_key:
+            restricted = f"{','.join(RESTRICTED_APIS)}:{API_KEY_HEADER}={api_key}"
+            args += [f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}"]
     else:
         args += ["--allow-http=false", "--allow-grpc=false", "--allow-metrics=false",
                  "--model-control-mode=explicit", f"--load-model={LLM_MODEL}"]
@@ -100,10 +108,10 @@ def mpirun_args(mpirun: str | Path, sections: list[list[str]], *, export_vars: l
 def launch_args(tritonserver: str | Path, repo: str | Path, world_size: int, endpoints: Endpoints, *,
                 mpirun: str | Path = "mpirun", shm_base: str = "prefix", backend_dir: str | Path | None = None,
                 exit_timeout_s: int = 5, export_vars: list[str] = (), cpu_count: int = 1,
-                output_dir: str | Path | None = None) -> list[str]:
+                output_dir: str | Path | None = None, api_key: str | None = None) -> list[str]:
     """The whole command: tritonserver itself for one rank, mpirun for several."""
     sections = [server_args(tritonserver, repo, rank, endpoints, shm_base=shm_base, backend_dir=backend_dir,
-                            exit_timeout_s=exit_timeout_s) for rank in range(world_size)]
+                            exit_timeout_s=exit_timeout_s, api_key=api_key) for rank in range(world_size)]
     if world_size == 1:
         return sections[0]
     return mpirun_args(mpirun, sections, export_vars=export_vars, oversubscribe=world_size > cpu_count,

@@ -4,14 +4,21 @@ load: POST /v2/repository/models/NAME/load; unload: POST …/NAME/unload; list: 
 /v2/repository/index. They matter for a server in explicit model-control mode (ranks > 0 of a
 launch, or a server started with `--model-control-mode=explicit`); a server polling or not
 controlling its repository refuses them, which is reported as Triton words it.
+
+A server started by `trtglm launch` answers them only with the launch's secret in the
+`trtglm-api-key` header (serve/command.py): it is read from the launch state of the server at
+--url (readable by the user who launched it alone), or from $TRTGLM_API_KEY.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from urllib.parse import urlsplit
 
 from trtglm.errors import DependencyError, TrtglmError, UsageError
+from trtglm.serve.command import API_KEY_HEADER
+from trtglm.serve.state import all_launch_dirs
 
 log = logging.getLogger(__name__)
 
@@ -28,13 +35,15 @@ def models(action: str, name: str | None = None, url: str = DEFAULT_URL) -> list
     client = _client(url)
     from tritonclient.utils import InferenceServerException
 
+    key = os.environ.get("TRTGLM_API_KEY") or launch_api_key(url)
+    headers = {API_KEY_HEADER: key} if key else None
     try:
         if action == "load":
-            client.load_model(str(name))
+            client.load_model(str(name), headers=headers)
         elif action == "unload":
-            client.unload_model(str(name))
+            client.unload_model(str(name), headers=headers)
         else:
-            return client.get_model_repository_index()
+            return client.get_model_repository_index(headers=headers)
     except OSError as e:
         raise TrtglmError(f"cannot reach Triton at {url}: {e.strerror or e}") from None
     except InferenceServerException as e:  # Triton's own message
@@ -43,6 +52,22 @@ def models(action: str, name: str | None = None, url: str = DEFAULT_URL) -> list
         client.close()
     log.info("%s %s: done", action, name)
     return None
+
+
+def launch_api_key(url: str) -> str | None:
+    """The API key of the running launch that serves HTTP at `url`, if this user can read its state."""
+    wanted = _netloc(url)
+    for launch in all_launch_dirs():
+        state = launch.read() or {}
+        if _netloc(state.get("urls", {}).get("http", "")) == wanted:
+            return launch.api_key()
+    return None
+
+
+def _netloc(url: str) -> str:
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    host = {"localhost": "127.0.0.1", "0.0.0.0": "127.0.0.1"}.get(parts.hostname or "", parts.hostname or "")
+    return f"{host}:{parts.port}"
 
 
 def _client(url: str):

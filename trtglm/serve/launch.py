@@ -62,7 +62,8 @@ def launch(repo: str | Path, world_size: int | None = None, tritonserver: str | 
                           python_bin=str(python_bin) if python_bin else None,
                           launch_dir=str(launch_dir.path),
                           log_dir=str(Path(log_dir).expanduser().resolve() if log_dir else launch_dir.default_log_dir),
-                          launch_id=secrets.token_hex(4), timeout_s=float(timeout), detached=detach)
+                          launch_id=secrets.token_hex(4), timeout_s=float(timeout), detached=detach,
+                          api_key=secrets.token_urlsafe(24))
         log.info("starting %d rank(s) of %s (%s)", size, binary, repo_path)
         if detach:
             _run_detached(spec, lock.fileno())

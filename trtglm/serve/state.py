@@ -73,9 +73,22 @@ class LaunchDir:
     def write(self, state: dict) -> None:
         write_json_atomic(self.state_file, state)
 
+    def make(self) -> None:
+        """Create the folder, readable by its user alone (it holds the launch's API key)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.path.chmod(0o700)
+
+    def api_key(self) -> str | None:
+        """The running launch's secret for Triton's restricted APIs, if this user can read it."""
+        try:
+            return (self.read() or {}).get("api_key") or json.loads(
+                (self.path / "spec.json").read_text(encoding="utf-8")).get("api_key")
+        except (OSError, ValueError):
+            return None
+
     def try_lock(self) -> IO | None:
         """The open, locked lock file, or None when another process holds the lock."""
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.make()
         handle = open(self.path / "lock", "a+")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -83,6 +83,7 @@ class LaunchSpec:
     timeout_s: float
     detached: bool = False
     python_bin: str | None = None  # the stubs' Python's folder (stub_python.py); None: this Python's
+    api_key: str | None = None  # the restricted APIs' secret (command.py); in the launch folder only its user reads
 
     @property
     def shm_base(self) -> str:
@@ -93,10 +94,13 @@ class LaunchSpec:
         return launch_args(self.tritonserver, self.repo, self.world_size, self.endpoints,
                            mpirun=self.mpirun or "mpirun", shm_base=self.shm_base, backend_dir=self.backend_dir,
                            exit_timeout_s=EXIT_TIMEOUT_S, export_vars=exports, cpu_count=os.cpu_count() or 1,
-                           output_dir=Path(self.log_dir) / "ranks")
+                           output_dir=Path(self.log_dir) / "ranks", api_key=self.api_key)
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self), indent=2), encoding="utf-8")
+        """Write the spec readable by this user alone (it holds the API key)."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(json.dumps(asdict(self), indent=2))
 
     @classmethod
     def load(cls, path: Path) -> LaunchSpec:
@@ -186,7 +190,7 @@ class Supervisor:
             "repo": self.spec.repo, "pid": os.getpid(), "server_pid": self.popen.pid, "launch_id": self.spec.launch_id,
             "shm_base": self.spec.shm_base, "world_size": self.spec.world_size, "host": self.spec.endpoints.host,
             "ports": self.spec.endpoints.ports(), "urls": self.spec.endpoints.urls(), "log_dir": str(self.log_dir),
-            "detached": self.spec.detached, "started": time.time()}
+            "detached": self.spec.detached, "started": time.time(), "api_key": self.spec.api_key}
         self.launch.write({**state, **extra, "status": status})
 
     def wait_ready(self) -> Failure | None:
