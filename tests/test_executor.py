@@ -249,6 +249,38 @@ def test_the_same_seed_gives_the_same_tokens_whatever_runs_beside(model, tok, pr
     assert first != alone(model, tok, prompts[0])[:12]
 
 
+def test_a_degenerate_request_never_hurts_the_others(model, tok, prompts):
+    """A temperature of 1e-40 samples like greedy; a bias of -inf on every id ends that request alone."""
+    executor = Executor(ShardedSlotModel(model, max_batch=4, max_seq_len=MAX_SEQ))
+    cold, banned, plain = Collected(), Collected(), Collected()
+    executor.submit(Request(prompts[2], 40, end_id=tok.eos_id, stop_words=stops(tok), temperature=1e-40, top_k=5),
+                    cold)
+    executor.submit(Request(prompts[3], 8, embedding_bias=torch.full((model.config.vocab_size,), float("-inf"))),
+                    banned)
+    executor.submit(Request(prompts[4], 40, end_id=tok.eos_id, stop_words=stops(tok)), plain)
+    run(executor)
+    assert cold.tokens == alone(model, tok, prompts[2])
+    assert banned.reason == "error" and banned.tokens == []
+    assert banned.outputs[-1].error.startswith("no next token could be chosen: every token is excluded")
+    assert plain.tokens == alone(model, tok, prompts[4]) and plain.reason == "stop_word"
+
+
+def test_padded_ids_past_the_tokenizer_are_never_chosen(model, tok, prompts):
+    assert model.config.vocab_size > tok.vocab_size  # the fixture's engine pads 521 ids to 576
+    padded = torch.zeros(model.config.vocab_size)
+    padded[tok.vocab_size:] = 1e4  # the padding would win every draw
+    executor = Executor(ShardedSlotModel(model, max_batch=4, max_seq_len=MAX_SEQ), vocab_limit=tok.vocab_size)
+    results = [Collected() for _ in range(4)]
+    executor.submit(Request(prompts[0], 16, embedding_bias=padded), results[0])
+    executor.submit(Request(prompts[1], 16, temperature=100.0, seed=3), results[1])
+    executor.submit(Request(prompts[2], 16, embedding_bias=padded, temperature=1.0, seed=4), results[2])
+    executor.submit(Request(prompts[3], 16, temperature=100.0, seed=5, log_probs=True), results[3])
+    run(executor)
+    for result in results:
+        assert result.reason == "length" and len(result.tokens) == 16, result.outputs[-1]
+        assert max(result.tokens) < tok.vocab_size, result.tokens
+
+
 def test_requests_the_model_cannot_serve_are_refused(model, tok, prompts):
     executor = Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=64))
     for request, message in (

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trtglm.errors import TrtglmError, UsageError
-from trtglm.runtime.generate import Sampler
+from trtglm.runtime.generate import Sampler, scale
 from trtglm.runtime.slots import SlotModel
 
 log = logging.getLogger(__name__)
@@ -177,7 +177,9 @@ class Executor:
     """In-flight batching of `Request`s over `model` (see the module docstring)."""
 
     def __init__(self, model: SlotModel, max_queue: int = 64, max_prefill_tokens: int | None = None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", vocab_limit: int | None = None):
+        """`vocab_limit`: ids at or above it (the padding of an engine's vocabulary past its tokenizer's) are
+        never chosen."""
         if max_queue < 0:
             raise UsageError(f"max_queue must be >= 0, not {max_queue}")
         if max_prefill_tokens is not None and max_prefill_tokens < 1:
@@ -185,6 +187,7 @@ class Executor:
         self.model = model
         self.max_queue = max_queue
         self.max_prefill_tokens = max_prefill_tokens or model.max_seq_len  # whole prompts: no chunks
+        self.vocab_limit = min(vocab_limit or model.vocab_size, model.vocab_size)
         self.device = torch.device(device)
         self._lock = threading.Condition()
         self._queue: deque[_Sequence] = deque()
@@ -348,26 +351,42 @@ class Executor:
             rows = logits if len(ready) == len(sequences) else \
                 logits.index_select(0, torch.tensor(complete, device=logits.device))
             for sequence, choice in zip(ready, self._choose_all(ready, rows), strict=True):
-                self._advance(sequence, *choice)
+                self._take(sequence, choice)
 
     def _decode(self, sequences: list[_Sequence]) -> None:
         logits = self.model.decode([s.slot for s in sequences], [s.history[-1] for s in sequences])
         self._stats.decode_calls += 1
         self._stats.max_decode_batch = max(self._stats.max_decode_batch, len(sequences))
         for sequence, choice in zip(sequences, self._choose_all(sequences, logits), strict=True):
-            self._advance(sequence, *choice)
+            self._take(sequence, choice)
 
-    def _choose_all(self, sequences: list[_Sequence], logits: torch.Tensor) -> list[tuple[int, float]]:
-        """(token, log-prob) per row. Plain greedy rows share one argmax and one device sync; the
-        rest (sampling, bias, banned words, log-probs) go one by one."""
+    def _choose_all(self, sequences: list[_Sequence], logits: torch.Tensor) -> list[tuple[int, float] | str]:
+        """(token, log-prob) per row, or the error that ended that row's request alone. Plain greedy rows
+        share one argmax and one device sync; the rest (sampling, bias, banned words, log-probs) go one by
+        one. Padded ids past `vocab_limit` are never chosen."""
+        logits = logits[:, :self.vocab_limit]
         plain = [i for i, s in enumerate(sequences) if s.plain_greedy()]
         choices: dict[int, tuple[int, float]] = {}
         if plain:
             rows = logits.index_select(0, torch.tensor(plain, device=logits.device))
             choices = {i: (token, 0.0) for i, token in zip(plain, rows.argmax(dim=-1).tolist())}
-        return [choices[i] if i in choices else self._choose(s, logits[i]) for i, s in enumerate(sequences)]
+        return [choices[i] if i in choices else self._choose_alone(s, logits[i]) for i, s in enumerate(sequences)]
 
     # --- one request's token ------------------------------------------------------------------------
+
+    def _take(self, sequence: _Sequence, choice: tuple[int, float] | str) -> None:
+        if isinstance(choice, str):
+            self._finish(sequence, Output([], finished=True, reason="error", error=choice))
+        else:
+            self._advance(sequence, *choice)
+
+    def _choose_alone(self, sequence: _Sequence, row: torch.Tensor) -> tuple[int, float] | str:
+        """`_choose`, or the message that ends this request alone when its settings leave nothing to choose."""
+        try:
+            return self._choose(sequence, row)
+        except Exception as e:
+            log.warning("request %d: %s", sequence.handle.id, e)
+            return f"no next token could be chosen: {e}"
 
     def _advance(self, sequence: _Sequence, token: int, log_prob: float) -> None:
         request = sequence.request
@@ -391,15 +410,20 @@ class Executor:
         if request.embedding_bias is not None:
             bias = request.embedding_bias.to(device=logits.device, dtype=torch.float32)
             logits = logits.clone()
-            logits[:bias.numel()] += bias
-        banned = sequence.banned()
+            width = min(bias.numel(), logits.numel())  # past the tokenizer's ids logits are cut off
+            logits[:width] += bias[:width]
+        banned = [t for t in sequence.banned() if t < logits.numel()]
         if banned:
             logits = logits.clone()
             logits[banned] = float("-inf")
+        if not bool(torch.isfinite(logits).any()):
+            raise UsageError("every token is excluded (embedding_bias of -inf, or bad_words covering them all)")
+        if bool(torch.isnan(logits).any()):
+            raise UsageError("the logits hold NaN (an embedding_bias of NaN?)")
         token = int(sequence.sampler(logits[None])[0])
         if not request.log_probs:
             return token, 0.0
-        scaled = logits if sequence.sampler.greedy else logits / request.temperature
+        scaled = logits if sequence.sampler.greedy else scale(logits, request.temperature)
         return token, float(torch.log_softmax(scaled, dim=-1)[token])
 
     def _finish(self, sequence: _Sequence, output: Output) -> None:

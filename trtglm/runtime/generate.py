@@ -158,7 +158,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         if self.greedy:
             return logits.argmax(dim=-1)
-        logits = logits.float() / self.temperature
+        logits = scale(logits.float(), self.temperature)
         if self.top_k:
             kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -166,6 +166,12 @@ class Sampler:
             logits = _top_p(logits, self.top_p)
         probs = torch.softmax(logits, dim=-1)
         return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+
+
+def scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature, less their maximum first: a tiny temperature (1e-40) gives -inf for all but the
+    most likely tokens instead of inf, whose softmax is NaN."""
+    return (logits - logits.amax(dim=-1, keepdim=True)) / temperature
 
 
 def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -209,6 +209,7 @@ class EngineInfo:
     max_batch_size: int
     max_seq_len: int
     max_num_tokens: int
+    tokenizer_size: int  # ids the tokenizer can decode; the engine's vocabulary may be padded past them
 
 
 def engine_info(engine_dir: str | Path) -> EngineInfo:
@@ -217,8 +218,11 @@ def engine_info(engine_dir: str | Path) -> EngineInfo:
         raise UsageError(f"{engine_dir} holds a {manifest['engine']} engine; the python backend serves torch engines "
                          "(NVIDIA's tensorrtllm backend serves TensorRT ones)")
     limits, mapping = manifest["limits"], manifest["mapping"]
+    from trtglm.chatglm.tokenizer import ChatGLMTokenizer
+
     return EngineInfo(Path(manifest["checkpoint_dir"]), int(mapping["tp_size"]) * int(mapping["pp_size"]),
-                      int(limits["max_batch_size"]), int(limits["max_seq_len"]), int(limits["max_num_tokens"]))
+                      int(limits["max_batch_size"]), int(limits["max_seq_len"]), int(limits["max_num_tokens"]),
+                      ChatGLMTokenizer(manifest["tokenizer_dir"]).vocab_size)
 
 
 def pick_device(info: RankInfo, requested: str | None = None) -> torch.device:
@@ -281,7 +285,8 @@ class ServedEngine:
                 model = LeaderSlotModel(model, StepChannel(self.distributed.control))
             self.model = model
             self.executor = Executor(model, max_queue or QUEUE_PER_SLOT * self.engine.max_batch_size,
-                                     max_prefill_tokens=self.engine.max_num_tokens, device=self.device)
+                                     max_prefill_tokens=self.engine.max_num_tokens, device=self.device,
+                                     vocab_limit=self.engine.tokenizer_size)
             self.executor.start()
             if warm_up:
                 warming = time.monotonic()
