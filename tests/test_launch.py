@@ -309,6 +309,11 @@ def test_detach_second_launch_models_and_stop(env2):
     assert http_status(f"http://127.0.0.1:{env2.http}/v2/health/ready") == 200
     shm_base = env2.state()["shm_base"]
     assert env2.state()["status"] == "ready"
+    from trtglm.serve.state import shm_files
+
+    segments = shm_files(shm_base)
+    assert segments and all(path.stat().st_mode & 0o077 == 0 for path in segments), \
+        [(path.name, oct(path.stat().st_mode)) for path in segments]  # prompts and replies pass through them
 
     other_ports = [str(p) for p in free_ports()]
     again = env2.run("launch", "--repo", str(env2.repo), "--world-size", "2", "--http-port", other_ports[0],

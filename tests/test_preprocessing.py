@@ -119,6 +119,27 @@ def test_prompt_longer_than_max_input_len_is_refused(tok):
         preprocess(tok, short, request(text, max_tokens=5))
 
 
+def test_a_huge_prompt_is_refused_before_it_is_tokenized(tok, monkeypatch):
+    text = "天空是什么颜色？" * 400_000  # 9.6 MB
+    monkeypatch.setattr(type(tok), "encode", lambda *args, **kwargs: pytest.fail("tokenized"), raising=False)
+    monkeypatch.setattr(type(tok), "build_chat_input", lambda *args, **kwargs: pytest.fail("tokenized"))
+    with pytest.raises(UsageError, match=r"the prompt \(9,600,000 bytes\) is longer than the engine's max_input_len "
+                                         r"\(384 tokens\) can hold"):
+        preprocess(tok, LIMITS, request(text))
+
+
+def test_the_byte_bound_never_refuses_a_prompt_that_fits(tok):
+    """Every prompt of the fixture's training set fits in 4 × bytes-per-longest-piece of its token count."""
+    for text in ("What color is the sky?", "天空是什么颜色？" * 20, "x" * 200, " " * 300, "<0xE4>" * 30):
+        n = len(chat_prompt(tok, [{"role": "user", "content": text}]))
+        assert len(text.encode()) <= 4 * n * tok.longest_piece_bytes
+
+
+def test_deeply_nested_json_is_refused_in_one_line(tok):
+    with pytest.raises(UsageError, match="nests JSON too deeply"):
+        preprocess(tok, LIMITS, request("[" * 2_000 + "]" * 2_000))
+
+
 def test_end_and_pad_ids_default_to_chatglm3s_and_follow_the_client(tok):
     out = preprocess(tok, LIMITS, request("hi", "hello"))
     assert out["OUT_END_ID"].tolist() == [[2], [2]] and out["OUT_PAD_ID"].tolist() == [[0], [0]]

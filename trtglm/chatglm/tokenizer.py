@@ -13,6 +13,8 @@ SentencePiece as a whole (as ChatGLM3 does), so spaces and multi-byte characters
 
 from __future__ import annotations
 
+import functools
+
 import json
 import logging
 from collections.abc import Iterable, Sequence
@@ -47,6 +49,12 @@ class ChatGLMTokenizer:
         self._special_names = {i: name for name, i in self.special_ids.items()}
 
     # --- ids -------------------------------------------------------------------------------
+
+    @functools.cached_property
+    def longest_piece_bytes(self) -> int:
+        """The most bytes of (normalized) text one token can stand for."""
+        pieces = (self.sp.id_to_piece(i) for i in range(self.sp_vocab_size))
+        return max(len(piece.replace("\u2581", " ").encode("utf-8")) for piece in pieces)
 
     @property
     def vocab_size(self) -> int:

@@ -51,7 +51,7 @@ from tqdm import tqdm
 
 from trtglm.errors import TrtglmError
 from trtglm.serve.command import Endpoints, launch_args
-from trtglm.serve.state import LaunchDir, kill, processes_with, remove_shm
+from trtglm.serve.state import LaunchDir, kill, processes_with, remove_shm, shm_files
 from trtglm.serve.tritonserver import EXPORTED_VARS, server_env
 
 log = logging.getLogger(__name__)
@@ -244,6 +244,7 @@ class Supervisor:
 
     def check_ranks(self) -> Failure | None:
         self.refresh()
+        private_shm(self.spec.shm_base)
         rank = self._dead()
         if rank is None:
             return None
@@ -419,6 +420,18 @@ def announce(state: dict) -> None:
     print(f"serving {state.get('repo')} with {state.get('world_size')} rank(s)\n"
           f"  HTTP     {urls.get('http')}\n  gRPC     {urls.get('grpc')}\n  metrics  {urls.get('metrics')}\n"
           f"  logs     {state.get('log_dir')}", flush=True)
+
+
+def private_shm(shm_base: str) -> None:
+    """Make the python backend's shared-memory segments (prompts and replies pass through them) readable by
+    this user alone. Boost.Interprocess creates them 0644 whatever the umask, so they are changed once they
+    exist, within POLL_S of their creation; the processes that hold them open keep their access."""
+    for path in shm_files(shm_base):
+        try:
+            if path.stat().st_mode & 0o077:
+                path.chmod(0o600)
+        except OSError:  # removed meanwhile
+            pass
 
 
 def main(argv: list[str] | None = None) -> None:

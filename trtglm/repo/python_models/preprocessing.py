@@ -81,7 +81,14 @@ def preprocess(tokenizer: ChatGLMTokenizer, limits: Limits, inputs: dict[str, np
 
 
 def prepare(tokenizer: ChatGLMTokenizer, limits: Limits, inputs: dict, row: int) -> Prepared:
-    ids = prompt_ids(tokenizer, _one_text(inputs, "QUERY", row))
+    text = _one_text(inputs, "QUERY", row)
+    size = len(text.encode("utf-8"))
+    # A token stands for at most longest_piece_bytes of normalized text, and normalizing shrinks a character
+    # of up to 4 bytes to no less than 1: a larger prompt cannot fit, and is refused before tokenizing megabytes.
+    if size > 4 * limits.max_input_len * tokenizer.longest_piece_bytes:
+        raise UsageError(f"the prompt ({size:,} bytes) is longer than the engine's max_input_len "
+                         f"({limits.max_input_len} tokens) can hold")
+    ids = prompt_ids(tokenizer, text)
     output_len = _one_int(inputs, "REQUEST_OUTPUT_LEN", row)
     if output_len < 1:
         raise UsageError(f"max_tokens must be at least 1, not {output_len}")

@@ -33,6 +33,8 @@ def chat_messages(text: str) -> list | None:
         return None
     try:
         data = json.loads(text)
+    except RecursionError:
+        raise UsageError("text_input nests JSON too deeply to be a chat") from None
     except json.JSONDecodeError as e:
         if _CHAT_START.match(text):
             raise UsageError(f"text_input looks like a JSON chat but is not valid JSON: {e.msg} "
