@@ -311,6 +311,7 @@ def test_detach_second_launch_models_and_stop(env2):
     assert env2.state()["status"] == "ready"
     from trtglm.serve.state import shm_files
 
+    assert_listens_on_loopback_alone(env2.repo)
     segments = shm_files(shm_base)
     assert segments and all(path.stat().st_mode & 0o077 == 0 for path in segments), \
         [(path.name, oct(path.stat().st_mode)) for path in segments]  # prompts and replies pass through them
@@ -344,6 +345,27 @@ def test_detach_second_launch_models_and_stop(env2):
     assert stopped.returncode == 0, stopped.stderr
     env2.assert_clean(shm_base)
     assert env2.run("stop").returncode == 2
+
+
+def assert_listens_on_loopback_alone(repo: Path) -> None:
+    """No rank of the launch (tritonserver, its stubs, their torch.distributed sockets) listens beyond loopback.
+    mpirun is left out: Open MPI 4.1's PMIx server binds its tool listener to every interface whatever the
+    MCA settings (its bootstrap and transports are held to loopback)."""
+    procs = {p.pid: p for p in repo_processes(repo)}
+    for proc in list(procs.values()):
+        try:
+            procs.update({child.pid: child for child in proc.children(recursive=True)})
+        except psutil.Error:
+            pass
+    listening = []
+    for proc in procs.values():
+        try:
+            if proc.name() == "mpirun":
+                continue
+            listening += [(proc.name(), c.laddr) for c in proc.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+        except psutil.Error:
+            continue
+    assert listening and all(addr.ip in ("127.0.0.1", "::1", "::ffff:127.0.0.1") for _, addr in listening), listening
 
 
 def http_post(url: str, body: dict, headers: dict | None = None) -> tuple[int, str]:

@@ -38,7 +38,8 @@ def other_rank(rank: int) -> list[str]:
             "--model-control-mode=explicit", "--load-model=tensorrt_llm", "--exit-timeout-secs=5"]
 
 
-MPIRUN = ["/usr/bin/mpirun", "--allow-run-as-root", "--noprefix", "--bind-to", "none"]
+MPIRUN = ["/usr/bin/mpirun", "--allow-run-as-root", "--noprefix", "--bind-to", "none",
+          "--mca", "oob_tcp_if_include", "lo", "--mca", "btl_tcp_if_include", "lo"]
 EXPORTS = ["-x", "PATH", "-x", "LD_LIBRARY_PATH", "-x", "PYTHONPATH"]
 
 

@@ -16,6 +16,8 @@ What differs from NVIDIA's command, for a CPU machine and for supervision:
   settings (which write files) are restricted (`--http-restricted-api`, `--grpc-restricted-protocol`);
 - `--backend-directory` when the python backend lives outside /opt/tritonserver;
 - `--exit-timeout-secs` bounds how long a SIGTERM'd server waits for in-flight requests;
+- mpirun listens on loopback alone (`--mca oob_tcp_if_include lo`, `btl_tcp_if_include lo`),
+  as do the ranks' torch.distributed sockets (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME);
 - mpirun runs with `--noprefix` (Open MPI started by absolute path would otherwise put its
   own bin/ first on the ranks' PATH, so the python stubs would find the system python3),
   `--bind-to none` (Open MPI would pin each rank to one core, starving a CPU engine),
@@ -33,6 +35,8 @@ from pathlib import Path
 
 LLM_MODEL = "tensorrt_llm"  # the one model ranks > 0 load
 API_KEY_HEADER = "trtglm-api-key"
+# The ranks share one host: Open MPI's daemons and transports listen on loopback alone, not on every interface.
+LOOPBACK_ONLY = ("--mca", "oob_tcp_if_include", "lo", "--mca", "btl_tcp_if_include", "lo")
 RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
 
 
@@ -93,7 +97,7 @@ def server_args(tritonserver: str | Path, repo: str | Path, rank: int, endpoints
 def mpirun_args(mpirun: str | Path, sections: list[list[str]], *, export_vars: list[str] = (),
                 oversubscribe: bool = False, output_dir: str | Path | None = None) -> list[str]:
     """`mpirun [options] -n 1 SECTION0 : -n 1 SECTION1 : …`."""
-    args = [str(mpirun), "--allow-run-as-root", "--noprefix", "--bind-to", "none"]
+    args = [str(mpirun), "--allow-run-as-root", "--noprefix", "--bind-to", "none", *LOOPBACK_ONLY]
     if oversubscribe:
         args.append("--oversubscribe")
     if output_dir is not None:

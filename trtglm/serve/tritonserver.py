@@ -30,7 +30,8 @@ CONTAINER_BINARY = Path("/opt/tritonserver/bin/tritonserver")
 BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
 STUB = "triton_python_backend_stub"
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-EXPORTED_VARS = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH")  # what mpirun passes to every rank
+EXPORTED_VARS = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+# ^ what mpirun passes to every rank
 
 
 def find_tritonserver(flag: str | None = None, environ: dict[str, str] | None = None) -> Path:
@@ -153,6 +154,8 @@ def server_env(base: dict[str, str], launch_id: str, python_bin: str | None = No
         env["LD_LIBRARY_PATH"] = _prepend(libdir, env.get("LD_LIBRARY_PATH", ""))
     env["PYTHONPATH"] = _prepend(str(PROJECT_ROOT), env.get("PYTHONPATH", ""))
     env["TRTGLM_LAUNCH_ID"] = launch_id
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # the ranks share one host: talk over loopback
+        env.setdefault(name, "lo")
     return env
 
 
