@@ -450,3 +450,38 @@ def test_output_is_the_same_without_kernel_copies(tiny_hf, tmp_path, monkeypatch
     convert_checkpoint(tiny_hf, tmp_path / "blocks", tp_size=2)
     for name in ("config.json", "rank0.safetensors", "rank1.safetensors"):
         assert (tmp_path / "kernel" / name).read_bytes() == (tmp_path / "blocks" / name).read_bytes()
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_rerun_cleans_up_after_a_conversion_killed_midway(tmp_path, fixture_dir):
+    import subprocess
+    import sys
+
+    out, pid = tmp_path / "ckpt", _dead_pid()
+    stale = tmp_path / f"ckpt.tmp-{pid}"
+    (stale / "part").mkdir(parents=True)  # what a SIGKILLed conversion leaves
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    running = tmp_path / f"ckpt.tmp-{other.pid}"  # a conversion still running: not ours to touch
+    running.mkdir()
+    try:
+        convert_checkpoint(fixture_dir, out, dtype="float32")
+    finally:
+        other.kill()
+        other.wait()
+    assert not stale.exists() and (out / "config.json").is_file()
+    assert running.is_dir()
+    running.rmdir()
+
+    moved_aside = tmp_path / f"ckpt.old-{pid}"  # killed between moving the old output aside and the swap
+    out.rename(moved_aside)
+    convert_checkpoint(fixture_dir, out, dtype="float32", force=True)
+    assert not moved_aside.exists() and (out / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

@@ -473,6 +473,11 @@ def test_world_size_mismatch_missing_repo_and_missing_tritonserver_are_refused(e
     missing = env2.run("launch", "--repo", str(tmp_path / "nope"))
     assert missing.returncode == 3
     assert missing.stderr.strip() == f"trtglm: error: model repository {tmp_path / 'nope'}: not a folder"
+    (tmp_path / "empty" / "ensemble").mkdir(parents=True)
+    empty = env2.run("launch", "--repo", str(tmp_path / "empty"), *env2.ports())
+    assert empty.returncode == 3
+    assert empty.stderr.strip() == (f"trtglm: error: model repository {tmp_path / 'empty'}: no model in it "
+                                    "(no */config.pbtxt); render one with `trtglm patch-repo`")
     no_server = env2.run("launch", "--repo", str(env2.repo), "--tritonserver", str(tmp_path / "tritonserver"))
     assert no_server.returncode == 6
     assert "not an executable file" in no_server.stderr

@@ -8,12 +8,16 @@ folder given by mistake).
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+import psutil
 
 from trtglm.errors import OutputExistsError
 
@@ -34,6 +38,7 @@ def check_output(out: Path, force: bool, looks_replaceable: Callable[[Path], boo
 def staged_output(out: Path) -> Iterator[Path]:
     """Yield a temporary sibling folder of `out`; on success it replaces `out`, on any error it is removed."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(out)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -58,6 +63,22 @@ def _replace(tmp: Path, out: Path) -> None:
         raise
     shutil.rmtree(old, ignore_errors=True)
     log.debug("replaced %s", out)
+
+
+def remove_stale(out: Path) -> None:
+    """Clean up after runs killed midway (SIGKILL, a machine gone): their `NAME.tmp-PID` folders are removed,
+    and a `NAME.old-PID` (the previous output, moved aside just before the swap) is put back when NAME is
+    missing, else removed. Folders of PIDs still running are left alone."""
+    for sibling in sorted(out.parent.glob(f"{glob.escape(out.name)}.*-*")):
+        match = re.fullmatch(r"\.(tmp|old)-(\d+)", sibling.name[len(out.name):])
+        if match is None or not sibling.is_dir() or psutil.pid_exists(int(match.group(2))):
+            continue
+        if match.group(1) == "old" and not out.exists():
+            log.warning("putting back %s, left aside by an interrupted run", out)
+            sibling.rename(out)
+        else:
+            log.info("removing %s, left by an interrupted run", sibling)
+            shutil.rmtree(sibling, ignore_errors=True)
 
 
 def _is_empty(folder: Path) -> bool:

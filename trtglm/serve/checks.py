@@ -18,6 +18,9 @@ def check_repo(repo: str | Path) -> Path:
     path = Path(repo).expanduser().resolve()
     if not path.is_dir():
         raise ModelFileError(f"model repository {path}: not a folder")
+    if not any(path.glob("*/config.pbtxt")):
+        raise ModelFileError(f"model repository {path}: no model in it (no */config.pbtxt); render one with "
+                             "`trtglm patch-repo`")
     return path
 
 
