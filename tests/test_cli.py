@@ -1,5 +1,8 @@
 """The command line itself: subcommand table, flag checking, exit codes, logging."""
 
+import json
+import shutil
+
 import pytest
 
 from conftest import run_cli
@@ -54,3 +57,22 @@ def test_verbose_enables_debug_logging(tmp_path):
     loud = run_cli("synth-model", "--preset", "tiny", "--out", tmp_path / "b", "--verbose")
     assert quiet.returncode == loud.returncode == 0, quiet.stderr + loud.stderr
     assert "DEBUG" not in quiet.stderr and "DEBUG trtglm: trtglm 0." in loud.stderr
+
+
+@pytest.mark.parametrize("value", ["big", 0, -64, 3.5, True, None])
+def test_a_config_with_a_bad_number_is_one_line(tmp_path, fixture_dir, value):
+    model = tmp_path / "model"
+    shutil.copytree(fixture_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "hidden_size": value}))
+    done = run_cli("convert", "--model-dir", model, "--output-dir", tmp_path / "out")
+    assert done.returncode == 3
+    assert done.stderr.strip() == f"trtglm: error: config.json: hidden_size must be a whole number above 0, not {value!r}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_output_folder_that_cannot_be_made_is_one_line(tmp_path, fixture_dir):
+    done = run_cli("convert", "--model-dir", fixture_dir, "--output-dir", "/proc/trtglm-out")
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1].startswith("trtglm: error: No such file or directory: /proc/trtglm-out")
+    assert "Traceback" not in done.stderr

@@ -94,6 +94,10 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("trtglm: interrupted", file=sys.stderr)
         sys.exit(130)
+    except OSError as e:  # a folder that cannot be written, a disk full, ...: the system's words, one line
+        where = f": {e.filename}" if e.filename else ""
+        print(f"trtglm: error: {e.strerror or e}{where}", file=sys.stderr)
+        sys.exit(1)
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stderr.close()
 

@@ -104,16 +104,17 @@ class ChatGLMConfig:
             raise ModelFileError("unsupported ChatGLM variant: add_bias_linear=true")
         return cls(
             version=version,
-            num_layers=int(hf["num_layers"]),
-            hidden_size=int(hf["hidden_size"]),
-            num_heads=int(hf["num_attention_heads"]),
-            num_kv_heads=int(hf["multi_query_group_num"]) if hf.get("multi_query_attention", True) else int(hf["num_attention_heads"]),
-            head_dim=int(hf["kv_channels"]),
-            ffn_hidden_size=int(hf["ffn_hidden_size"]),
-            vocab_size=int(hf["padded_vocab_size"]),
-            seq_length=int(hf["seq_length"]),
-            layernorm_epsilon=float(hf.get("layernorm_epsilon", 1e-5)),
-            rope_ratio=float(hf.get("rope_ratio") or 1.0),
+            num_layers=_number(hf, "num_layers", int),
+            hidden_size=_number(hf, "hidden_size", int),
+            num_heads=_number(hf, "num_attention_heads", int),
+            num_kv_heads=_number(hf, "multi_query_group_num" if hf.get("multi_query_attention", True)
+                                 else "num_attention_heads", int),
+            head_dim=_number(hf, "kv_channels", int),
+            ffn_hidden_size=_number(hf, "ffn_hidden_size", int),
+            vocab_size=_number(hf, "padded_vocab_size", int),
+            seq_length=_number(hf, "seq_length", int),
+            layernorm_epsilon=_number({"layernorm_epsilon": 1e-5, **hf}, "layernorm_epsilon", float),
+            rope_ratio=_number({**hf, "rope_ratio": hf.get("rope_ratio") or 1.0}, "rope_ratio", float),
             add_qkv_bias=bool(hf.get("add_qkv_bias", True)),
             torch_dtype=str(hf.get("torch_dtype", "float16")),
             architecture=arch,
@@ -124,6 +125,16 @@ class ChatGLMConfig:
         model_dir = Path(model_dir)
         hf = read_json_object(model_dir / "config.json")
         return cls.from_hf_dict(hf, version, name=f"{model_dir.name} {hf.get('_name_or_path', '')}")
+
+
+def _number(hf: dict, key: str, kind: type):
+    """hf[key] as an int (a whole number > 0) or a float (> 0); ModelFileError naming the key otherwise."""
+    value = hf[key]
+    ok = (isinstance(value, int) if kind is int else isinstance(value, (int, float))) and not isinstance(value, bool)
+    if not ok or value <= 0:
+        what = "a whole number" if kind is int else "a number"
+        raise ModelFileError(f"config.json: {key} must be {what} above 0, not {value!r}")
+    return kind(value)
 
 
 def guess_version(hf: dict, name: str) -> str:
