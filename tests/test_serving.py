@@ -383,6 +383,8 @@ def test_unloading_and_loading_tensorrt_llm_again(server, conversations):
     while server.status("/v2/models/tensorrt_llm/ready") == 200 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert server.status("/v2/models/tensorrt_llm/ready") == 400
+    time.sleep(3)  # past stubs.UNLOADING_S: the supervisor must not take this unload for a crash
+    assert server.status("/v2/models/tensorrt_llm/ready") == 400
     status, body = server.generate("ensemble", {"text_input": chat(conversations[0]), "max_tokens": 64})
     assert status >= 400 and "error" in body  # the ensemble is unavailable without its member
     assert server.cli("models", "load", "tensorrt_llm", "--url", url, timeout=120).returncode == 0

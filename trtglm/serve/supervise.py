@@ -50,8 +50,9 @@ import psutil
 from tqdm import tqdm
 
 from trtglm.errors import TrtglmError
-from trtglm.serve.command import Endpoints, launch_args
+from trtglm.serve.command import LLM_MODEL, Endpoints, launch_args
 from trtglm.serve.state import LaunchDir, kill, processes_with, remove_shm, shm_files
+from trtglm.serve.stubs import StubWatch, died_while_ready, restart_model
 from trtglm.serve.tritonserver import EXPORTED_VARS, server_env
 
 log = logging.getLogger(__name__)
@@ -235,11 +236,34 @@ class Supervisor:
     # --- watching ---------------------------------------------------------------------------------
 
     def watch(self) -> Failure | None:
+        stubs = StubWatch()
         while self.stop_signal is None:
-            failure = self.check_ranks()
+            failure = self.check_ranks() or self.check_stubs(stubs)
             if failure is not None:
                 return failure
             time.sleep(POLL_S)
+        return None
+
+    def check_stubs(self, stubs: StubWatch) -> Failure | None:
+        """Restart each python model of rank 0 whose stub died while Triton still calls it ready (stubs.py)."""
+        server = self.ranks.get(0)
+        if server is None:
+            return None
+        url = self.spec.endpoints.urls()["http"]
+        for model in sorted(stubs.died(server)):
+            if not died_while_ready(url, model):
+                continue  # unloaded on purpose (trtglm models unload)
+            where = f"stopped all ranks (logs: {self.log_dir})"
+            if model == LLM_MODEL and self.spec.world_size > 1:
+                return Failure(f"rank 0's {model} process died; the ranks cannot restart it alone; {where}", [0])
+            log.warning("%s: its python process died; loading it again", model)
+            started = time.monotonic()
+            try:
+                restart_model(url, model, self.spec.api_key)
+            except TrtglmError as e:
+                return Failure(f"{model}'s python process died and loading it again failed ({e}); {where}", [0])
+            log.info("%s: running again after %.1f s", model, time.monotonic() - started)
+        stubs.died(server)  # the restarted models' new stubs are known from now on
         return None
 
     def check_ranks(self) -> Failure | None:
