@@ -45,6 +45,7 @@ class Reply:
     status: int
     chunks: list[bytes | None]
     content_type: str = "application/json"
+    ends: bool = True  # False: the connection drops after the chunks, as when the server dies mid-stream
 
 
 @dataclass
@@ -85,7 +86,11 @@ def make_handler(canned: Canned):
                     continue
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                 self.wfile.flush()
-            self.wfile.write(b"0\r\n\r\n")
+            if reply.ends:
+                self.wfile.write(b"0\r\n\r\n")
+            else:
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
 
         def log_message(self, *args):
             pass
@@ -155,6 +160,16 @@ def test_an_error_event_inside_a_200_stream_raises(canned):
     pieces = generate_stream(canned.url, "tensorrt_llm_bls", GenerateRequest("hi", 8, stream=True))
     assert next(pieces) == "The"
     with pytest.raises(ServerError, match="^engine failed at step 3$"):
+        next(pieces)
+
+
+def test_a_stream_that_breaks_off_raises_instead_of_ending(canned):
+    """A server that dies mid-stream sends no final chunk: the reply is incomplete, and said so."""
+    canned.replies["/v2/models/ensemble/generate_stream"] = Reply(
+        200, [event({"text_output": "The"}), event({"text_output": " capital"})], "text/event-stream", ends=False)
+    pieces = generate_stream(canned.url, "ensemble", GenerateRequest("hi", 8, stream=True), timeout=20)
+    assert next(pieces) == "The" and next(pieces) == " capital"
+    with pytest.raises(ServerError, match="broke off"):
         next(pieces)
 
 

@@ -414,3 +414,26 @@ def test_a_full_queue_answers_busy_at_once_and_serving_goes_on(tmp_path, convers
         assert status == 200 and body["text_output"] == conversations[0]["answer"]
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_a_grpc_stream_cut_by_the_servers_death_is_an_error_for_trtglms_client(tmp_path):
+    """No final response means the reply is incomplete: trtglm's gRPC client raises instead of ending quietly.
+    (The fixture's replies are too short to kill Triton inside an HTTP one; test_client covers the HTTP client
+    on a stream that breaks off.)"""
+    pytest.importorskip("pytriton")
+    from trtglm.client import GenerateRequest, ServerError
+    from trtglm.client import grpc as grpc_client
+
+    repo = patch_repo(build_tiny_engine(tmp_path / "engine"), None, tmp_path / "repo")
+    server = Server(repo, 1, tmp_path / "state")
+    try:
+        request = GenerateRequest("What is the capital of France?", 240, stream=True, temperature=5.0, seed=7)
+        pieces = grpc_client.generate_stream(f"127.0.0.1:{server.grpc_port}", "ensemble", request)
+        received = [next(pieces)]
+        tritonserver = next(p for p in repo_processes(repo) if p.name() == "tritonserver")
+        tritonserver.kill()
+        with pytest.raises(ServerError):
+            received += list(pieces)
+    finally:
+        server.kill_leftovers()

@@ -161,6 +161,11 @@ def _lines(server: Server, response: http.client.HTTPResponse) -> Iterator[bytes
                 raise server.unreachable(e) from None
             raise ServerError(f"the event stream from {server.url} broke off") from None
         if not line:
+            # readline() ends a chunked body quietly even when the connection dropped before its last
+            # (empty) chunk, as when the server dies mid-stream; http.client leaves chunk_left at 0 then
+            # and None after a complete body.
+            if response.chunked and response.chunk_left is not None:
+                raise ServerError(f"the event stream from {server.url} broke off (the server stopped answering)")
             return
         yield line
 
