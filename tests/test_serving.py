@@ -419,21 +419,26 @@ def test_a_full_queue_answers_busy_at_once_and_serving_goes_on(tmp_path, convers
 @pytest.mark.slow
 def test_a_grpc_stream_cut_by_the_servers_death_is_an_error_for_trtglms_client(tmp_path):
     """No final response means the reply is incomplete: trtglm's gRPC client raises instead of ending quietly.
-    (The fixture's replies are too short to kill Triton inside an HTTP one; test_client covers the HTTP client
-    on a stream that breaks off.)"""
+    The engine's process is paused so that the request is surely in flight when tritonserver dies (the
+    fixture's replies take milliseconds); test_client covers the HTTP client on a stream that breaks off."""
     pytest.importorskip("pytriton")
+    import threading
+
     from trtglm.client import GenerateRequest, ServerError
     from trtglm.client import grpc as grpc_client
 
     repo = patch_repo(build_tiny_engine(tmp_path / "engine"), None, tmp_path / "repo")
     server = Server(repo, 1, tmp_path / "state")
     try:
-        request = GenerateRequest("What is the capital of France?", 240, stream=True, temperature=5.0, seed=7)
-        pieces = grpc_client.generate_stream(f"127.0.0.1:{server.grpc_port}", "ensemble", request)
-        received = [next(pieces)]
-        tritonserver = next(p for p in repo_processes(repo) if p.name() == "tritonserver")
-        tritonserver.kill()
+        processes = repo_processes(repo)
+        tritonserver = next(p for p in processes if p.name() == "tritonserver")
+        engine = next(p for p in processes if f"{repo / 'tensorrt_llm'}/" in " ".join(p.cmdline()))
+        engine.suspend()
+        killer = threading.Timer(2.0, tritonserver.kill)
+        killer.start()
+        request = GenerateRequest("What is the capital of France?", 64, stream=True)
         with pytest.raises(ServerError):
-            received += list(pieces)
+            list(grpc_client.generate_stream(f"127.0.0.1:{server.grpc_port}", "ensemble", request, timeout=30))
+        killer.join()
     finally:
         server.kill_leftovers()

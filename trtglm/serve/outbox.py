@@ -112,7 +112,7 @@ class Mailbox:
         self._lock = threading.Lock()
         self._pending: list[Output] = []
         self._scheduled = False  # queued for, or being sent by, a sender thread
-        self._sending: tuple[threading.Thread, float] | None = None
+        self._sending_since: float | None = None  # when the send in flight began
         self.error: str | None = None  # set once a delivery failed or stalled: the client is gone
 
     def __call__(self, output: Output) -> None:
@@ -133,20 +133,20 @@ class Mailbox:
             if not outputs or self.error is not None:
                 self._scheduled = False
                 return "idle"
-            self._sending = (thread, time.monotonic())
-        thread.sending_since = self._sending[1]  # type: ignore[attr-defined]
+            self._sending_since = time.monotonic()
+        thread.sending_since = self._sending_since  # type: ignore[attr-defined]
         try:
             self._deliver(merge(outputs))
         except Exception as e:
             thread.sending_since = None  # type: ignore[attr-defined]
             log.debug("a response could not be sent: %s", e)
             with self._lock:
-                self.error, self._pending, self._scheduled, self._sending = \
+                self.error, self._pending, self._scheduled, self._sending_since = \
                     f"a response could not be sent: {e}", [], False, None
             return "failed"
         thread.sending_since = None  # type: ignore[attr-defined]
         with self._lock:
-            self._sending = None
+            self._sending_since = None
             more = bool(self._pending)
             self._scheduled = more
         if more:
@@ -154,7 +154,7 @@ class Mailbox:
         return "stuck" if getattr(thread, "stuck", False) else "sent"  # a replaced sender ends here
 
     def _check_stalled(self) -> None:  # called with the lock held
-        if self.error is not None or self._sending is None:
+        if self.error is not None or self._sending_since is None:
             return
-        if time.monotonic() - self._sending[1] > self._outbox.send_timeout_s:
+        if time.monotonic() - self._sending_since > self._outbox.send_timeout_s:
             self.error = f"a response has waited {self._outbox.send_timeout_s:g} s to be sent: whoever asked is gone"
