@@ -12,6 +12,7 @@ import sentencepiece
 import yaml
 
 from conftest import REPO, run_cli
+from trtglm.convert.staging import staged_output
 from trtglm.engine.build import build_engine
 from trtglm.engine.manifest import read_manifest
 from trtglm.errors import DependencyError, ModelFileError, OutputExistsError, TrtglmError
@@ -219,6 +220,33 @@ def test_manifest_tokenizer_facts_match_chatglm3s_id_layout(torch_engine, fixtur
     assert facts["special_ids"] == {name: n + i for i, name in enumerate(SPECIAL_TOKENS)}
     assert (facts["pad_id"], facts["end_id"], facts["vocab_size"]) == (0, 2, n + len(SPECIAL_TOKENS))
     assert facts["stop_ids"] == [2, n + SPECIAL_TOKENS.index("<|user|>"), n + SPECIAL_TOKENS.index("<|observation|>")]
+
+
+def test_an_interrupted_rebuild_leaves_the_working_engine_as_it_was(tmp_path, monkeypatch):
+    """`build-engine --force` with other conversion settings, stopped during the conversion (Ctrl-C, SIGTERM):
+    the engine already there reads and loads as before, during and after."""
+    from trtglm.convert import writer
+    from trtglm.runtime.model import load_model
+
+    out = build_engine(TINY, output_dir=tmp_path / "tiny")
+    before = read_manifest(out)
+    real = writer.convert_checkpoint
+
+    def interrupted(hf, ckpt, **settings):
+        assert read_manifest(out) == before  # serving from it goes on while the new checkpoint is made
+        with pytest.raises(KeyboardInterrupt):
+            with staged_output(Path(ckpt)):
+                raise KeyboardInterrupt  # stopped halfway through writing the new checkpoint
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(writer, "convert_checkpoint", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        build_engine(TINY, output_dir=out, overrides={"convert.dtype": "float16"}, force=True)
+    assert read_manifest(out) == before and before["dtype"] != "float16"
+    assert load_model(out / "checkpoint").config.vocab_size > 0
+    monkeypatch.setattr(writer, "convert_checkpoint", real)
+    rebuilt = read_manifest(build_engine(TINY, output_dir=out, overrides={"convert.dtype": "float16"}, force=True))
+    assert rebuilt["dtype"] == "float16"
 
 
 def test_existing_engine_needs_force(torch_engine, tmp_path):

@@ -101,9 +101,12 @@ def _build(profile: Profile, hf: Path, out: Path) -> Path:
     model_cfg = _read_model_config(profile, hf)
     tokenizer = _read_tokenizer(hf, model_cfg)
     out.mkdir(parents=True, exist_ok=True)
+    # The conversion is staged (its checkpoint replaces the old one only once complete), so an engine
+    # already here keeps working while it runs, and after an interrupted rebuild; only from here on is
+    # the folder in flux, without a manifest until the new one is whole.
+    sources = ensure_checkpoint(profile, hf, out)
     (out / MANIFEST).unlink(missing_ok=True)
     _remove_engine_files(out)
-    sources = ensure_checkpoint(profile, hf, out)
     engine_files, trtllm_version = [], _installed_trtllm_version()
     if trtllm_build:
         engine_files, trtllm_version = _run_trtllm_build(profile, trtllm_build, out)
