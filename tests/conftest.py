@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -27,15 +28,21 @@ def run_cli(*args: str, check: bool = False, timeout: float = 600) -> subprocess
 
 
 def free_ports(count: int = 3) -> list[int]:
-    """`count` distinct loopback ports that were free a moment ago."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+    """`count` distinct loopback ports that were free a moment ago, below the kernel's ephemeral range: the
+    ephemeral ports that mpirun, gloo and clients bind meanwhile can never take them."""
+    low, _ = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    candidates = random.sample(range(max(1024, low - 12000), low), 200)
+    ports = []
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == count:
+            return ports
+    raise RuntimeError(f"no {count} free ports below {low}")
 
 
 def repo_processes(repo: Path) -> list[psutil.Process]:
