@@ -80,11 +80,7 @@ class LaunchDir:
 
     def api_key(self) -> str | None:
         """The running launch's secret for Triton's restricted APIs, if this user can read it."""
-        try:
-            return (self.read() or {}).get("api_key") or json.loads(
-                (self.path / "spec.json").read_text(encoding="utf-8")).get("api_key")
-        except (OSError, ValueError):
-            return None
+        return (self.read() or {}).get("api_key")
 
     def try_lock(self) -> IO | None:
         """The open, locked lock file, or None when another process holds the lock."""

@@ -23,10 +23,10 @@ import psutil
 
 from trtglm.errors import TrtglmError
 from trtglm.serve.command import API_KEY_HEADER
+from trtglm.serve.tritonserver import STUB
 
 log = logging.getLogger(__name__)
 
-STUB = "triton_python_backend_stub"
 UNLOAD_WAIT_S = 30.0
 UNLOADING_S = 2.0  # a model unloaded on purpose stops being ready within this long of its stub's exit
 LOAD_TIMEOUT_S = 600.0  # the engine's model reloads its weights (and on a GPU its kernels)

@@ -250,7 +250,8 @@ class Supervisor:
         if server is None:
             return None
         url = self.spec.endpoints.urls()["http"]
-        for model in sorted(stubs.died(server)):
+        dead = stubs.died(server)
+        for model in sorted(dead):
             if not died_while_ready(url, model):
                 continue  # unloaded on purpose (trtglm models unload)
             where = f"stopped all ranks (logs: {self.log_dir})"
@@ -263,7 +264,8 @@ class Supervisor:
             except TrtglmError as e:
                 return Failure(f"{model}'s python process died and loading it again failed ({e}); {where}", [0])
             log.info("%s: running again after %.1f s", model, time.monotonic() - started)
-        stubs.died(server)  # the restarted models' new stubs are known from now on
+        if dead:
+            stubs.died(server)  # the restarted models' new stubs are known from now on
         return None
 
     def check_ranks(self) -> Failure | None:

@@ -218,11 +218,9 @@ def engine_info(engine_dir: str | Path) -> EngineInfo:
         raise UsageError(f"{engine_dir} holds a {manifest['engine']} engine; the python backend serves torch engines "
                          "(NVIDIA's tensorrtllm backend serves TensorRT ones)")
     limits, mapping = manifest["limits"], manifest["mapping"]
-    from trtglm.chatglm.tokenizer import ChatGLMTokenizer
-
     return EngineInfo(Path(manifest["checkpoint_dir"]), int(mapping["tp_size"]) * int(mapping["pp_size"]),
                       int(limits["max_batch_size"]), int(limits["max_seq_len"]), int(limits["max_num_tokens"]),
-                      ChatGLMTokenizer(manifest["tokenizer_dir"]).vocab_size)
+                      int(manifest["tokenizer"]["vocab_size"]))
 
 
 def pick_device(info: RankInfo, requested: str | None = None) -> torch.device:
