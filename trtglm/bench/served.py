@@ -1,7 +1,7 @@
 """`trtglm bench served`: a launched repository against the same engine in-process, streaming included.
 
 Against a running server (`trtglm launch`), in one process that also loads the server's engine
-(`InProcess`: trtglm.serve.triton_model.ServedEngine, the executor and slot model the
+(`InProcess`: trtglm.serve.engine.ServedEngine, the executor and slot model the
 server runs, with the repository's tokenizer, end id and stop words):
 
 1. Overhead, one request at a time (`measure_overhead`: HTTP `generate` through
@@ -155,13 +155,15 @@ class Run:
         """Tokens the server generated since the last call (None without a metrics URL or a first call)."""
         return self.server_counts()[0]
 
-    def server_counts(self) -> tuple[int | None, int | None]:
-        """Tokens generated and decode steps run by the server since the last call (None, None without a
-        metrics URL or on a first call)."""
+    def server_counts(self) -> tuple[int | None, int | None, int | None]:
+        """Tokens generated, decode steps run and microseconds spent stepping by the server since the last call
+        (all None without a metrics URL or on a first call)."""
         if not self.settings.metrics_url:
-            return None, None
+            return None, None, None
         before, self.counter = self.counter, stream_load.settled_counters(self.settings.metrics_url)
-        return (None, None) if before is None else (self.counter[0] - before[0], self.counter[1] - before[1])
+        if before is None:
+            return None, None, None
+        return tuple(now - then for now, then in zip(self.counter, before))
 
 
 def bench_served(settings: Settings, out: str | Path | None = None) -> dict:
@@ -257,11 +259,13 @@ def workload_runs(run: Run, runtime: InProcess, workload: stream_load.Workload,
         into["warm_up_error"] = str(e)
     run.counter = None  # the warm-up's tokens are not the next run's
     into["warm_up_s"] = _since(started)
-    started, steps = time.monotonic(), runtime.engine.executor.stats().decode_calls
+    started, before = time.monotonic(), runtime.engine.executor.stats()
     traces, elapsed = stream_load.run_in_process(runtime.engine.executor, workload, end_id, runtime.stop_words,
                                                  timeout=max(s.timeout, 3600.0))
-    steps = runtime.engine.executor.stats().decode_calls - steps
-    local = {"path": "in-process", **stream_load.stats(workload, traces, elapsed, decode_steps=steps),
+    after = runtime.engine.executor.stats()
+    local = {"path": "in-process", **stream_load.stats(workload, traces, elapsed,
+                                                       decode_steps=after.decode_calls - before.decode_calls,
+                                                       step_us=after.step_us - before.step_us),
              "run_s": _since(started)}
     into["runs"].append(local)
     run.save()
@@ -360,6 +364,10 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _percent(value: float | None) -> str:
+    return "–" if value is None else f"{value:.0f}%"
+
+
 def workload_markdown(title: str, part: dict) -> str:
     w = part["workload"]
     lines = [f"**{title}** ({w['name']}): {w['requests']} streamed requests, {w['concurrency']} in flight; prompts "
@@ -367,11 +375,11 @@ def workload_markdown(title: str, part: dict) -> str:
              f"chat template included), max_tokens {w['max_tokens']['min']}–{w['max_tokens']['max']} "
              f"({w['max_tokens']['total']:,} in all):", "",
              "| path | requests (failed) | generated tokens (short requests) | tokens/s | requests/s "
-             "| TTFT p50 / p99 ms | inter-token p50 / p99 ms | ms per decode step | tokens/s vs in-process |",
-             "|---|---|---|---:|---:|---|---|---:|---:|"]
+             "| TTFT p50 / p99 ms | inter-token p50 / p99 ms | ms per decode step | engine busy | tokens/s vs in-process |",
+             "|---|---|---|---:|---:|---|---|---:|---:|---:|"]
     for row in part["runs"]:
         if "requests" not in row:
-            lines.append(f"| {row['path']} | {row.get('error') or row.get('skipped')} | | | | | | | |")
+            lines.append(f"| {row['path']} | {row.get('error') or row.get('skipped')} | | | | | | | | |")
             continue
         counted = _num(row["generated_tokens"])
         if row.get("server_tokens") is not None and row["client_tokens"] != row["server_tokens"]:
@@ -382,7 +390,7 @@ def workload_markdown(title: str, part: dict) -> str:
                      f"| {_num(row['tokens_per_s'])} | {_num(row['requests_per_s'], 2)} "
                      f"| {_num(row['ttft_ms']['p50'])} / {_num(row['ttft_ms']['p99'])} "
                      f"| {_num(row['itl_ms']['p50'], 2)} / {_num(row['itl_ms']['p99'], 2)} "
-                     f"| {_num(row.get('ms_per_decode_step'), 2)} "
+                     f"| {_num(row.get('ms_per_decode_step'), 2)} | {_percent(row.get('engine_busy_pct'))} "
                      f"| {'–' if ratio is None else f'{ratio:.1f}%'}{verdict} |")
     errors = sorted({e for row in part["runs"] for e in row.get("errors", [])})
     if errors:
@@ -391,7 +399,8 @@ def workload_markdown(title: str, part: dict) -> str:
                   "counter where the metrics endpoint was given (tensorrt_llm_bls events merge tokens whose text "
                   "is held back); short requests stopped before max_tokens (end id or a stop word). Inter-token times are "
                   "per token: tokens that arrive together in one response (merged while the previous one was being "
-                  "sent) are 0 ms apart. ms per decode step: the run's time over the engine's decode steps."]
+                  "sent) are 0 ms apart. ms per decode step: the run's time over the engine's decode steps; engine busy: "
+                  "the share of the run the engine spent in its steps (the rest it waited for requests)."]
     return "\n".join(lines)
 
 

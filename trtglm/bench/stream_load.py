@@ -11,7 +11,7 @@ runtime.py drives the executor). Three ways to run it, one function each:
   client and stream per thread, reused for that thread's requests;
 - `run_in_process`: the same prompts (the ids the repository's preprocessing makes of each
   text, with its end id and stop words) submitted straight to an `Executor`, the one
-  `trtglm.serve.triton_model.ServedEngine` runs on its own thread in the server.
+  `trtglm.serve.engine.ServedEngine` runs on its own thread in the server.
 
 Each request's trace holds its send time and one time per generated token; the statistics are
 those of `inflight_run` (`_inflight_stats`: TTFT from the send to the first token, inter-token
@@ -61,6 +61,7 @@ METRIC_TOKENS = "trtglm_generated_tokens_total"
 METRIC_ACTIVE = "trtglm_active_sequences"
 METRIC_QUEUED = "trtglm_queued_requests"
 METRIC_STEPS = "trtglm_decode_steps_total"
+METRIC_STEP_TIME = "trtglm_step_microseconds_total"
 METRICS_PERIOD_S = 0.5  # triton_model.Metrics refreshes the counters this often
 
 
@@ -411,9 +412,10 @@ def run_in_process(executor, workload: Workload, end_id: int | None, stop_words:
 
 
 def stats(workload: Workload, traces: list[Trace], elapsed: float, server_tokens: int | None = None,
-          decode_steps: int | None = None) -> dict:
+          decode_steps: int | None = None, step_us: int | None = None) -> dict:
     """`_inflight_stats` of the run, with failures, response counts, the server's token count and the engine's
-    decode steps (their mean time: whether the engine itself slowed, or only the responses lagged)."""
+    decode steps (their mean time: whether the engine itself slowed, or only the responses lagged) and the share
+    of the run it spent stepping (below 100 %: it waited for requests)."""
     ok = [i for i, trace in enumerate(traces) if trace.error is None]
     result = _inflight_stats(workload.requests, workload.concurrency,
                              [len(ids) for ids in workload.prompt_ids], list(workload.max_tokens),
@@ -433,6 +435,8 @@ def stats(workload: Workload, traces: list[Trace], elapsed: float, server_tokens
     if decode_steps:
         result["decode_steps"] = decode_steps
         result["ms_per_decode_step"] = 1000 * elapsed / decode_steps
+    if step_us is not None and elapsed > 0:
+        result["engine_busy_pct"] = 100 * step_us / 1e6 / elapsed
     return result
 
 
@@ -456,8 +460,9 @@ def settled_tokens(metrics_url: str, timeout: float = 30.0) -> int:
     return settled_counters(metrics_url, timeout)[0]
 
 
-def settled_counters(metrics_url: str, timeout: float = 30.0) -> tuple[int, int]:
-    """The server's generated-token and decode-step counters once nothing runs or waits and they caught up."""
+def settled_counters(metrics_url: str, timeout: float = 30.0) -> tuple[int, int, int]:
+    """The server's generated-token, decode-step and step-time counters once nothing runs or waits and they
+    caught up."""
     deadline = time.monotonic() + timeout
     values = read_metrics(metrics_url)
     while (values.get(METRIC_ACTIVE) or values.get(METRIC_QUEUED)) and time.monotonic() < deadline:
@@ -467,4 +472,4 @@ def settled_counters(metrics_url: str, timeout: float = 30.0) -> tuple[int, int]
     values = read_metrics(metrics_url)
     if METRIC_TOKENS not in values:
         raise ServerError(f"{metrics_url} has no {METRIC_TOKENS} (not trtglm's runtime behind tensorrt_llm?)")
-    return int(values[METRIC_TOKENS]), int(values.get(METRIC_STEPS, 0))
+    return int(values[METRIC_TOKENS]), int(values.get(METRIC_STEPS, 0)), int(values.get(METRIC_STEP_TIME, 0))

@@ -102,6 +102,7 @@ class ExecutorStats:
     decode_calls: int = 0
     generated_tokens: int = 0
     max_decode_batch: int = 0  # the largest number of requests decoded together
+    step_us: int = 0  # time spent in steps (the rest of the time the executor waited for work)
     finished: int = 0
     cancelled: int = 0
     rejected: int = 0
@@ -117,6 +118,28 @@ class Handle:
 
     def cancel(self) -> None:
         self.cancelled = True
+
+
+def check_request(request: Request, vocab: int, max_seq_len: int) -> None:
+    """UsageError when `request` cannot be served by a model of `vocab` ids and `max_seq_len` positions."""
+    prompt = request.prompt
+    if len(prompt) == 0:
+        raise UsageError("the prompt is empty")
+    if request.max_new_tokens < 1:
+        raise UsageError(f"request_output_len must be at least 1, not {request.max_new_tokens}")
+    if len(prompt) + request.max_new_tokens > max_seq_len:
+        raise UsageError(f"the prompt ({len(prompt)} tokens) plus request_output_len ({request.max_new_tokens}) "
+                         f"exceeds max_seq_len ({max_seq_len})")
+    words = [t for word in (*request.stop_words, *request.bad_words) for t in word]
+    ends = [request.end_id] if request.end_id is not None else []
+    bad = [t for t in (*prompt, *words, *ends) if not 0 <= int(t) < vocab]
+    if bad:
+        raise UsageError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    if request.temperature < 0 or request.top_k < 0 or not 0 < request.top_p <= 1:
+        raise UsageError("need temperature >= 0, runtime_top_k >= 0 and 0 < runtime_top_p <= 1")
+    if request.embedding_bias is not None and request.embedding_bias.numel() > vocab:
+        raise UsageError(f"embedding_bias has {request.embedding_bias.numel()} values, more than the vocabulary "
+                         f"({vocab})")
 
 
 class _Sequence:
@@ -177,14 +200,17 @@ class Executor:
     """In-flight batching of `Request`s over `model` (see the module docstring)."""
 
     def __init__(self, model: SlotModel, max_queue: int = 64, max_prefill_tokens: int | None = None,
-                 device: torch.device | str = "cpu", vocab_limit: int | None = None):
+                 device: torch.device | str = "cpu", vocab_limit: int | None = None,
+                 on_step_end: Callable[[], None] | None = None):
         """`vocab_limit`: ids at or above it (the padding of an engine's vocabulary past its tokenizer's) are
-        never chosen."""
+        never chosen. `on_step_end` is called after every step, on the step's thread (to send a step's outputs
+        together)."""
         if max_queue < 0:
             raise UsageError(f"max_queue must be >= 0, not {max_queue}")
         if max_prefill_tokens is not None and max_prefill_tokens < 1:
             raise UsageError(f"max_prefill_tokens must be >= 1, not {max_prefill_tokens}")
         self.model = model
+        self.on_step_end = on_step_end
         self.max_queue = max_queue
         self.max_prefill_tokens = max_prefill_tokens or model.max_seq_len  # whole prompts: no chunks
         self.vocab_limit = min(vocab_limit or model.vocab_size, model.vocab_size)
@@ -224,24 +250,7 @@ class Executor:
 
     def check(self, request: Request) -> None:
         """UsageError when `request` cannot be served by this model."""
-        prompt, vocab = request.prompt, self.model.vocab_size
-        if len(prompt) == 0:
-            raise UsageError("the prompt is empty")
-        if request.max_new_tokens < 1:
-            raise UsageError(f"request_output_len must be at least 1, not {request.max_new_tokens}")
-        if len(prompt) + request.max_new_tokens > self.model.max_seq_len:
-            raise UsageError(f"the prompt ({len(prompt)} tokens) plus request_output_len ({request.max_new_tokens}) "
-                             f"exceeds max_seq_len ({self.model.max_seq_len})")
-        words = [t for word in (*request.stop_words, *request.bad_words) for t in word]
-        ends = [request.end_id] if request.end_id is not None else []
-        bad = [t for t in (*prompt, *words, *ends) if not 0 <= int(t) < vocab]
-        if bad:
-            raise UsageError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        if request.temperature < 0 or request.top_k < 0 or not 0 < request.top_p <= 1:
-            raise UsageError("need temperature >= 0, runtime_top_k >= 0 and 0 < runtime_top_p <= 1")
-        if request.embedding_bias is not None and request.embedding_bias.numel() > vocab:
-            raise UsageError(f"embedding_bias has {request.embedding_bias.numel()} values, more than the vocabulary "
-                             f"({vocab})")
+        check_request(request, self.model.vocab_size, self.model.max_seq_len)
 
     def stats(self) -> ExecutorStats:
         with self._lock:
@@ -280,6 +289,7 @@ class Executor:
 
     def step(self) -> None:
         """One step: drop cancelled requests, prefill the next prompt chunks, decode the running requests."""
+        started = time.perf_counter()
         try:
             self._drop_cancelled()
             running = [s for s in self._active.values() if not s.unprefilled]
@@ -293,6 +303,9 @@ class Executor:
         except Exception as e:
             log.exception("the model failed")
             self._recover(e)
+        self._stats.step_us += int(1e6 * (time.perf_counter() - started))
+        if self.on_step_end is not None:
+            self.on_step_end()
 
     def _drop_cancelled(self) -> None:
         now = time.monotonic()

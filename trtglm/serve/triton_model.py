@@ -1,10 +1,10 @@
 """trtglm's PyTorch runtime as Triton's `tensorrt_llm` model (python backend, NVIDIA's tensor contract).
 
 The engine folder is the `gpt_model_path` parameter (`trtglm build-engine` output with engine
-`torch`). Every rank loads only its own `rank{r}.safetensors` (trtglm.runtime.distributed);
-rank 0 takes the requests and runs the in-flight batching executor (trtglm.runtime.executor)
-on a background thread, the other ranks follow its steps. At load the model runs one short
-request (prefill and decode) so that the first real one is not slow.
+`torch`). The engine runs in a process of its own (serve/engine_process.py: `ServedEngine` of
+serve/engine.py, under its own GIL); this stub parses requests and sends responses. Every rank
+loads only its own `rank{r}.safetensors`; rank 0 takes the requests and runs the in-flight
+batching executor, the other ranks follow its steps.
 
 Inputs (batch size 1 per request, as NVIDIA's in-flight batching backend requires):
 input_ids, input_lengths, request_output_len, end_id, stop_words_list and bad_words_list
@@ -19,8 +19,8 @@ Outputs, as the repository's config declares them (`[batch, beam, …]`, the inp
 included): output_ids and output_log_probs hold the response's tokens, sequence_length how
 many there are, cum_log_probs the sum of the log probabilities so far (zeros unless
 return_log_probs). Not streaming: one response with every token. Streaming: one response per
-step's token, or several tokens in one when sending fell behind (below), the last one flagged final; a request that ends at end_id (never returned) ends with a
-final response of no tokens. The python backend's repository also declares
+step's token, or several tokens in one when sending fell behind (below), the last one flagged
+final; a request that ends at end_id (never returned) ends with a final response of no tokens. The python backend's repository also declares
 `generated_ids` (every token so far) and `is_final` (whether this is the last response),
 which let the ensemble's postprocessing decode a streamed reply exactly; they are sent only
 when requested.
@@ -33,8 +33,8 @@ into the next response; a request whose send has waited outbox.SEND_TIMEOUT_S is
 (whoever asked is gone).
 
 Custom metrics on rank 0: `trtglm_active_sequences`, `trtglm_queued_requests`,
-`trtglm_max_decode_batch`, `trtglm_decode_steps_total`, `trtglm_generated_tokens_total`
-(Triton's /metrics).
+`trtglm_max_decode_batch`, `trtglm_decode_steps_total`, `trtglm_generated_tokens_total`,
+`trtglm_step_microseconds_total` (Triton's /metrics).
 """
 
 from __future__ import annotations
@@ -44,17 +44,14 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from trtglm.engine.manifest import read_manifest
 from trtglm.errors import TrtglmError, UsageError
-from trtglm.runtime.distributed import Distributed, LeaderSlotModel, RankInfo, StepChannel, follow, join, rank_info
-from trtglm.runtime.executor import Executor, Output, QueueFullError, Request
-from trtglm.runtime.slots import SlotModel
+from trtglm.runtime.executor import Output, QueueFullError, Request
+from trtglm.serve.engine import log_to_stderr
+from trtglm.serve.engine_process import EngineProcess
 from trtglm.serve.outbox import Outbox
 
 log = logging.getLogger(__name__)
@@ -65,9 +62,7 @@ INPUTS = ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id"
           "len_penalty", "repetition_penalty", "min_length", "presence_penalty", "frequency_penalty",
           "random_seed", "return_log_probs", "streaming")
 NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}  # refused otherwise
-QUEUE_PER_SLOT = 8  # waiting requests per slot when the config sets no max_queue_size
 DRAIN_S = 2.0  # at unload, how long the last responses (shutdown errors) may take to go out
-WARM_UP_PROMPT = (1, 2, 3, 4)
 
 
 # --- requests -----------------------------------------------------------------------------------------
@@ -199,145 +194,6 @@ class Reply:
             self.send(response_arrays(self.ids, self.log_probs, self.ids, sum(self.log_probs), True), True)
 
 
-# --- the engine in this process -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    checkpoint_dir: Path
-    tp_size: int
-    max_batch_size: int
-    max_seq_len: int
-    max_num_tokens: int
-    tokenizer_size: int  # ids the tokenizer can decode; the engine's vocabulary may be padded past them
-
-
-def engine_info(engine_dir: str | Path) -> EngineInfo:
-    manifest = read_manifest(engine_dir)
-    if manifest["engine"] != "torch":
-        raise UsageError(f"{engine_dir} holds a {manifest['engine']} engine; the python backend serves torch engines "
-                         "(NVIDIA's tensorrtllm backend serves TensorRT ones)")
-    limits, mapping = manifest["limits"], manifest["mapping"]
-    return EngineInfo(Path(manifest["checkpoint_dir"]), int(mapping["tp_size"]) * int(mapping["pp_size"]),
-                      int(limits["max_batch_size"]), int(limits["max_seq_len"]), int(limits["max_num_tokens"]),
-                      int(manifest["tokenizer"]["vocab_size"]))
-
-
-def pick_device(info: RankInfo, requested: str | None = None) -> torch.device:
-    """$TRTGLM_DEVICE or `requested` if given; else this rank's GPU when there are GPUs, else the CPU."""
-    requested = requested or os.environ.get("TRTGLM_DEVICE")
-    if requested:
-        return torch.device(requested)
-    if torch.cuda.is_available():
-        return torch.device("cuda", info.local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
-def slot_model(engine: EngineInfo, info: RankInfo, device: torch.device, group=None) -> SlotModel:
-    """This rank's SlotModel: the fast one on a single GPU when it loads, else the portable one."""
-    from trtglm.runtime.model import load_model
-    from trtglm.runtime.slot_runtime import ShardedSlotModel
-
-    if device.type == "cuda" and info.world_size == 1 and os.environ.get("TRTGLM_RUNTIME", "auto") != "portable":
-        try:
-            from trtglm.runtime.fast import load_fast_model
-
-            return load_fast_model(engine.checkpoint_dir, max_batch=engine.max_batch_size,
-                                   max_seq_len=engine.max_seq_len, device=device)
-        except ImportError as e:
-            log.warning("the fast GPU runtime is not available (%s); using the portable one", e)
-    rank = info.rank if info.world_size > 1 else None
-    model = load_model(engine.checkpoint_dir, device=device, rank=rank, group=group)
-    return ShardedSlotModel(model, engine.max_batch_size, engine.max_seq_len)
-
-
-class ServedEngine:
-    """The engine as one rank of a server runs it: rank 0 an executor, the others a follower thread."""
-
-    def __init__(self, engine_dir: str | Path, max_queue: int | None = None, info: RankInfo | None = None,
-                 device: str | None = None, warm_up: bool = True):
-        started = time.monotonic()
-        self.engine = engine_info(engine_dir)
-        self.info = info or rank_info()
-        if self.info.world_size != self.engine.tp_size:
-            raise UsageError(f"{self.info.world_size} rank(s) serve an engine of tp × pp = {self.engine.tp_size} "
-                             f"({engine_dir}); launch with --world-size {self.engine.tp_size}")
-        self.device = pick_device(self.info, device)
-        if self.device.type == "cpu":
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.info.local_size)))
-        self.distributed: Distributed | None = None
-        if self.info.world_size > 1:
-            self.distributed = join(self.info, self.device)
-            log.info("rank %d: joined %d ranks in %.2f s", self.info.rank, self.info.world_size,
-                     time.monotonic() - started)
-        group = self.distributed.collectives if self.distributed else None
-        log.info("rank %d: loading the model on %s", self.info.rank, self.device)
-        loading = time.monotonic()
-        model = slot_model(self.engine, self.info, self.device, group)
-        log.info("rank %d: model loaded in %.2f s (weights; on one GPU also kernel tuning and CUDA graphs)",
-                 self.info.rank, time.monotonic() - loading)
-        self.executor: Executor | None = None
-        self.follower: threading.Thread | None = None
-        if self.info.rank == 0:
-            if self.distributed:
-                model = LeaderSlotModel(model, StepChannel(self.distributed.control))
-            self.model = model
-            self.executor = Executor(model, max_queue or QUEUE_PER_SLOT * self.engine.max_batch_size,
-                                     max_prefill_tokens=self.engine.max_num_tokens, device=self.device,
-                                     vocab_limit=self.engine.tokenizer_size)
-            self.executor.start()
-            if warm_up:
-                warming = time.monotonic()
-                self.warm_up()
-                log.info("rank 0: warm-up request in %.2f s", time.monotonic() - warming)
-        else:
-            self.model = model
-            self.follower = threading.Thread(target=follow, args=(model, StepChannel(self.distributed.control)),
-                                             name="trtglm-follower", daemon=True)
-            self.follower.start()
-        log.info("rank %d of %d ready on %s: %s", self.info.rank, self.info.world_size, self.device,
-                 self.engine.checkpoint_dir)
-        log.info("rank %d: engine set up in %.2f s", self.info.rank, time.monotonic() - started)
-
-    def warm_up(self) -> None:
-        outputs: list[Output] = []
-        vocab = self.model.vocab_size
-        request = Request([t % vocab for t in WARM_UP_PROMPT], max_new_tokens=2)
-        handle = self.executor.submit(request, outputs.append)
-        handle.done.wait()
-        if outputs and outputs[-1].error:
-            raise TrtglmError(f"warm-up failed: {outputs[-1].error}")
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop taking requests; rank 0 tells the followers to stop; leave the process groups."""
-        if self.executor is not None:
-            self.executor.stop(timeout)
-            if isinstance(self.model, LeaderSlotModel):
-                _with_deadline(self.model.stop_followers, timeout)
-        elif self.follower is not None:
-            self.follower.join(timeout)
-        if self.distributed is not None and (self.follower is None or not self.follower.is_alive()):
-            # The ranks leave together (a barrier), so allow for the slowest one on a busy host.
-            _with_deadline(self.distributed.close, max(timeout, LEAVE_TIMEOUT_S))
-
-
-LEAVE_TIMEOUT_S = 60.0
-
-
-def _with_deadline(call: Callable[[], None], timeout: float) -> None:
-    """Run `call` on a daemon thread; give up waiting after `timeout` (a peer that is gone may block it)."""
-    thread = threading.Thread(target=_quietly, args=(call,), daemon=True)
-    thread.start()
-    thread.join(timeout)
-
-
-def _quietly(call: Callable[[], None]) -> None:
-    try:
-        call()
-    except Exception as e:
-        log.warning("while shutting down: %s", e)
-
-
 # --- Triton ----------------------------------------------------------------------------------------------
 
 
@@ -348,7 +204,7 @@ class TritonPythonModel:
         from trtglm.repo.python_models import triton_io
         from trtglm.repo.python_models.triton_io import pb_utils
 
-        _log_to_stderr()
+        log_to_stderr()
         self.io, self.pb = triton_io, pb_utils
         config = triton_io.model_config(args)
         name = config.get("name", "tensorrt_llm")
@@ -359,14 +215,15 @@ class TritonPythonModel:
         queue = int((config.get("dynamic_batching") or {}).get("default_queue_policy", {}).get("max_queue_size", 0))
         started = time.monotonic()
         log.info("%s: initializing (engine %s)", name, engine_dir)
-        self.engine = ServedEngine(engine_dir, max_queue=queue or None)
-        self.metrics = Metrics(self.engine.executor, pb_utils) if self.engine.executor is not None else None
+        self.engine = EngineProcess.start(engine_dir, max_queue=queue or None, on_death=self._engine_died)
+        self.executor = self.engine if self.engine.limits.takes_requests else None
+        self.metrics = Metrics(self.executor, pb_utils) if self.executor is not None else None
         log.info("%s: initialized in %.2f s", name, time.monotonic() - started)
 
     def execute(self, requests: list):
-        if self.engine.executor is None:  # ranks > 0 serve no clients
-            error = self.io.error_response(UsageError(f"rank {self.engine.info.rank} takes no requests; send them to "
-                                                      "rank 0"))
+        if self.executor is None:  # ranks > 0 serve no clients
+            error = self.io.error_response(UsageError(f"rank {self.engine.limits.rank} takes no requests; send them "
+                                                      "to rank 0"))
             if self.decoupled:
                 for request in requests:
                     self._send_alone(request, error)
@@ -381,8 +238,16 @@ class TritonPythonModel:
     def finalize(self) -> None:
         if self.metrics is not None:
             self.metrics.stop()
-        self.engine.close()
+        self.engine.stop()
         self.outbox.stop(DRAIN_S)
+
+    def _engine_died(self, why: str) -> None:
+        """The engine cannot come back in this stub: let the errors out, then end the stub, so that the
+        launch's supervisor loads the model again (or stops the launch)."""
+        self.outbox.stop(DRAIN_S)
+        log.error("%s: ending this model's stub", why)
+        logging.shutdown()
+        os._exit(1)
 
     # --- requests ---------------------------------------------------------------------------------------
 
@@ -415,7 +280,7 @@ class TritonPythonModel:
 
         try:
             mailbox = self.outbox.mailbox(Reply(streaming, send, fail))
-            self.engine.executor.submit(parsed, mailbox, request.is_cancelled)
+            self.executor.submit(parsed, mailbox, request.is_cancelled)
         except Exception as e:
             self._send_alone(request, self._error(e))
 
@@ -448,7 +313,7 @@ class TritonPythonModel:
                 def fail(message: str, index=index) -> None:
                     responses[index] = self.io.error_response(TrtglmError(message))
 
-                waiting.append(self.engine.executor.submit(parsed, Reply(False, send, fail)))
+                waiting.append(self.executor.submit(parsed, Reply(False, send, fail)))
             except Exception as e:
                 responses[index] = self._error(e)
         for handle in waiting:
@@ -463,10 +328,11 @@ class Metrics:
               "trtglm_queued_requests": ("queued", "requests waiting for a slot"),
               "trtglm_max_decode_batch": ("max_decode_batch", "the most requests decoded together in one step")}
     COUNTERS = {"trtglm_decode_steps_total": ("decode_calls", "decode steps run"),
-                "trtglm_generated_tokens_total": ("generated_tokens", "tokens generated")}
+                "trtglm_generated_tokens_total": ("generated_tokens", "tokens generated"),
+                "trtglm_step_microseconds_total": ("step_us", "time the engine spent in steps")}
     PERIOD_S = 0.5
 
-    def __init__(self, executor: Executor, pb_utils):
+    def __init__(self, executor: EngineProcess, pb_utils):
         self.executor = executor
         self.metrics: dict[str, tuple[str, object, bool]] = {}
         self.families = []  # a metric works only while its family lives
@@ -504,13 +370,3 @@ class Metrics:
         self._thread.join(2)
         self.metrics.clear()  # metrics before their families
         self.families.clear()
-
-
-def _log_to_stderr() -> None:
-    """trtglm's INFO lines reach the server's log (the python backend configures no logging)."""
-    logger = logging.getLogger("trtglm")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("trtglm %(levelname)s %(name)s: %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)

@@ -1,0 +1,172 @@
+"""The engine in a process of its own (trtglm.serve.engine_process), as the tensorrt_llm model's stub uses it:
+a real child process on the fixture's engine, its answers against generate() on the same checkpoint,
+refusals, cancellation, the death of the child, and the rule that a finished request is never asked
+whether it was cancelled (Triton frees it once its final response is sent)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from multiprocessing.connection import Connection
+
+import pytest
+import torch
+from test_distributed import MAX_NEW, build_tiny_engine
+
+from trtglm.chatglm.tokenizer import ChatGLMTokenizer
+from trtglm.errors import UsageError
+from trtglm.runtime.executor import CANCEL_CHECK_S, ExecutorStats, Output, QueueFullError, Request
+from trtglm.runtime.generate import generate
+from trtglm.runtime.model import load_model
+from trtglm.serve.engine import engine_info
+from trtglm.serve.engine_process import EngineProcess, Limits, Wire
+
+STOPS = [[518], [520]]  # <|user|>, <|observation|>
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    return build_tiny_engine(tmp_path_factory.mktemp("engine") / "tp1")
+
+
+@pytest.fixture(scope="module")
+def prompts(fixture_dir) -> list[list[int]]:
+    tok = ChatGLMTokenizer(fixture_dir)
+    conversations = [json.loads(line) for line in (fixture_dir / "conversations.jsonl").read_text().splitlines()]
+    return [tok.build_chat_input(c["messages"]) for c in conversations[::6]]
+
+
+@pytest.fixture(scope="module")
+def expected(engine_dir, prompts) -> list[list[int]]:
+    model = load_model(engine_dir / "checkpoint")
+    out = []
+    for prompt in prompts:
+        tokens = generate(model, prompt, MAX_NEW, end_id=2, stop_ids=[518, 520])
+        out.append(tokens + [518] if len(tokens) < MAX_NEW else tokens)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(engine_dir):
+    deaths: list[str] = []
+    process = EngineProcess.start(str(engine_dir), max_queue=4, on_death=deaths.append)
+    process.deaths, process.engine_dir = deaths, engine_dir
+    yield process
+    process.stop()
+
+
+def collect(engine: EngineProcess, request: Request, is_cancelled=None) -> tuple[list[Output], object]:
+    outputs: list[Output] = []
+    return outputs, engine.submit(request, outputs.append, is_cancelled)
+
+
+def test_answers_are_those_of_generate_on_the_same_checkpoint(engine, prompts, expected):
+    runs = [collect(engine, Request(p, MAX_NEW, end_id=2, stop_words=STOPS)) for p in prompts]
+    for outputs, handle in runs:
+        assert handle.done.wait(60)
+    assert [[t for o in outputs for t in o.tokens] for outputs, _ in runs] == expected
+    assert all(outputs[-1].finished and not outputs[-1].error for outputs, _ in runs)
+    info = engine_info(engine.engine_dir)
+    assert engine.limits == Limits(0, True, 576, info.max_seq_len, 4 + info.max_batch_size)  # vocabulary padded
+    time.sleep(0.3)  # the counters come with the outputs
+    stats = engine.stats()
+    assert stats.finished >= len(prompts) and stats.generated_tokens >= sum(map(len, expected))
+
+
+def test_bad_requests_and_a_full_queue_are_refused_at_once(engine, prompts):
+    with pytest.raises(UsageError, match="exceeds max_seq_len"):
+        engine.submit(Request(prompts[0], 10_000), lambda output: None)
+    with pytest.raises(UsageError, match="outside the vocabulary"):
+        engine.submit(Request([10**6], 4), lambda output: None)
+    long = Request(prompts[0], 200, min_length=200)  # never stops early
+    cancelled = threading.Event()
+    runs = [collect(engine, long, cancelled.is_set) for _ in range(engine.limits.capacity)]
+    with pytest.raises(QueueFullError, match="busy"):
+        engine.submit(long, lambda output: None)
+    cancelled.set()
+    for outputs, handle in runs:
+        assert handle.done.wait(30)
+        assert outputs[-1].reason == "cancelled"
+    outputs, handle = collect(engine, Request(prompts[0], 4))  # the slots are free again
+    assert handle.done.wait(30) and len([t for o in outputs for t in o.tokens]) == 4
+
+
+def test_a_failing_callback_stops_its_request_in_the_engine(engine, prompts):
+    calls = []
+
+    def gone(output: Output) -> None:
+        calls.append(output)
+        raise ConnectionError("the client is gone")
+
+    handle = engine.submit(Request(prompts[0], 200, min_length=200), gone)
+    assert handle.done.wait(10) and len(calls) == 1
+    deadline = time.monotonic() + 10
+    while engine.stats().active and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.stats().active == 0  # the engine freed the slot too
+
+
+def test_a_finished_request_is_never_asked_whether_it_was_cancelled():
+    """The stub's side alone, the engine's side played here: the final output's callback takes long (a slow
+    send), and the cancellation watcher must not ask the request meanwhile."""
+    ours, theirs = socket.socketpair()
+    sleeper = subprocess.Popen(["sleep", "60"])
+    engine = EngineProcess(sleeper, Wire(Connection(ours.detach())), Limits(0, True, 100, 64, 4))
+    them = Wire(Connection(theirs.detach()))
+    asked_after_final, final_sent = [], threading.Event()
+
+    def is_cancelled() -> bool:
+        if final_sent.is_set():
+            asked_after_final.append(time.monotonic())
+        return False
+
+    def on_output(output: Output) -> None:
+        if output.finished:
+            final_sent.set()
+            time.sleep(10 * CANCEL_CHECK_S)  # the watcher runs several times meanwhile
+
+    handle = engine.submit(Request([1, 2], 2), on_output, is_cancelled)
+    assert them.receive()[0] == "submit"
+    time.sleep(3 * CANCEL_CHECK_S)  # asked while running: fine
+    them.send(("outputs", [(handle.id, Output([5], finished=True, reason="length"))], ExecutorStats()))
+    assert handle.done.wait(5)
+    assert asked_after_final == []
+    sleeper.kill()
+    engine.stop(timeout=1)
+
+
+def test_a_bad_engine_folder_fails_the_start_with_one_line(tmp_path):
+    with pytest.raises(Exception, match="trtglm.json") as caught:
+        EngineProcess.start(str(tmp_path))
+    assert "\n" not in str(caught.value)
+
+
+def test_when_the_engine_process_dies_requests_end_with_an_error_and_the_owner_is_told(engine_dir, prompts):
+    deaths: list[str] = []
+    process = EngineProcess.start(str(engine_dir), on_death=deaths.append)
+    outputs, handle = collect(process, Request(prompts[0], 200, min_length=200))
+    while not outputs:
+        time.sleep(0.01)
+    os.kill(process.process.pid, signal.SIGKILL)
+    assert handle.done.wait(5)
+    assert outputs[-1].finished and "engine's process ended" in outputs[-1].error
+    assert deaths and "exit code -9" in deaths[0]
+    with pytest.raises(Exception, match="engine's process ended"):
+        process.submit(Request(prompts[0], 4), lambda output: None)
+    process.stop(timeout=1)
+
+
+def test_the_engine_process_ends_when_its_stub_is_gone(engine_dir):
+    """A SIGKILLed stub cannot ask: the engine's process sees the end of its socket and exits by itself."""
+    process = EngineProcess.start(str(engine_dir))
+    child = process.process
+    end = socket.socket(fileno=os.dup(process.wire.connection.fileno()))
+    end.shutdown(socket.SHUT_RDWR)  # what the kernel does for a dead stub's socket
+    end.close()
+    assert child.wait(30) == 0
+    process.stop(timeout=1)

@@ -1,0 +1,176 @@
+"""The engine as one rank of a server runs it: rank 0 an in-flight batching executor, the others a
+follower thread (trtglm.runtime.distributed). Every rank loads only its own `rank{r}.safetensors`. At load
+rank 0 runs one short request (prefill and decode) so that the first real one is not slow.
+
+The `tensorrt_llm` model runs a `ServedEngine` in a process of its own (serve/engine_process.py); the
+benchmarks run one in theirs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trtglm.engine.manifest import read_manifest
+from trtglm.errors import TrtglmError, UsageError
+from trtglm.runtime.distributed import Distributed, LeaderSlotModel, RankInfo, StepChannel, follow, join, rank_info
+from trtglm.runtime.executor import Executor, Output, Request
+from trtglm.runtime.slots import SlotModel
+
+log = logging.getLogger(__name__)
+
+QUEUE_PER_SLOT = 8  # waiting requests per slot when the config sets no max_queue_size
+WARM_UP_PROMPT = (1, 2, 3, 4)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    checkpoint_dir: Path
+    tp_size: int
+    max_batch_size: int
+    max_seq_len: int
+    max_num_tokens: int
+    tokenizer_size: int  # ids the tokenizer can decode; the engine's vocabulary may be padded past them
+
+
+def engine_info(engine_dir: str | Path) -> EngineInfo:
+    manifest = read_manifest(engine_dir)
+    if manifest["engine"] != "torch":
+        raise UsageError(f"{engine_dir} holds a {manifest['engine']} engine; the python backend serves torch engines "
+                         "(NVIDIA's tensorrtllm backend serves TensorRT ones)")
+    limits, mapping = manifest["limits"], manifest["mapping"]
+    return EngineInfo(Path(manifest["checkpoint_dir"]), int(mapping["tp_size"]) * int(mapping["pp_size"]),
+                      int(limits["max_batch_size"]), int(limits["max_seq_len"]), int(limits["max_num_tokens"]),
+                      int(manifest["tokenizer"]["vocab_size"]))
+
+
+def pick_device(info: RankInfo, requested: str | None = None) -> torch.device:
+    """$TRTGLM_DEVICE or `requested` if given; else this rank's GPU when there are GPUs, else the CPU."""
+    requested = requested or os.environ.get("TRTGLM_DEVICE")
+    if requested:
+        return torch.device(requested)
+    if torch.cuda.is_available():
+        return torch.device("cuda", info.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def slot_model(engine: EngineInfo, info: RankInfo, device: torch.device, group=None) -> SlotModel:
+    """This rank's SlotModel: the fast one on a single GPU when it loads, else the portable one."""
+    from trtglm.runtime.model import load_model
+    from trtglm.runtime.slot_runtime import ShardedSlotModel
+
+    if device.type == "cuda" and info.world_size == 1 and os.environ.get("TRTGLM_RUNTIME", "auto") != "portable":
+        try:
+            from trtglm.runtime.fast import load_fast_model
+
+            return load_fast_model(engine.checkpoint_dir, max_batch=engine.max_batch_size,
+                                   max_seq_len=engine.max_seq_len, device=device)
+        except ImportError as e:
+            log.warning("the fast GPU runtime is not available (%s); using the portable one", e)
+    rank = info.rank if info.world_size > 1 else None
+    model = load_model(engine.checkpoint_dir, device=device, rank=rank, group=group)
+    return ShardedSlotModel(model, engine.max_batch_size, engine.max_seq_len)
+
+
+class ServedEngine:
+    """The engine as one rank of a server runs it: rank 0 an executor, the others a follower thread."""
+
+    def __init__(self, engine_dir: str | Path, max_queue: int | None = None, info: RankInfo | None = None,
+                 device: str | None = None, warm_up: bool = True):
+        started = time.monotonic()
+        self.engine = engine_info(engine_dir)
+        self.info = info or rank_info()
+        if self.info.world_size != self.engine.tp_size:
+            raise UsageError(f"{self.info.world_size} rank(s) serve an engine of tp × pp = {self.engine.tp_size} "
+                             f"({engine_dir}); launch with --world-size {self.engine.tp_size}")
+        self.device = pick_device(self.info, device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.info.local_size)))
+        self.distributed: Distributed | None = None
+        if self.info.world_size > 1:
+            self.distributed = join(self.info, self.device)
+            log.info("rank %d: joined %d ranks in %.2f s", self.info.rank, self.info.world_size,
+                     time.monotonic() - started)
+        group = self.distributed.collectives if self.distributed else None
+        log.info("rank %d: loading the model on %s", self.info.rank, self.device)
+        loading = time.monotonic()
+        model = slot_model(self.engine, self.info, self.device, group)
+        log.info("rank %d: model loaded in %.2f s (weights; on one GPU also kernel tuning and CUDA graphs)",
+                 self.info.rank, time.monotonic() - loading)
+        self.executor: Executor | None = None
+        self.follower: threading.Thread | None = None
+        if self.info.rank == 0:
+            if self.distributed:
+                model = LeaderSlotModel(model, StepChannel(self.distributed.control))
+            self.model = model
+            self.executor = Executor(model, max_queue or QUEUE_PER_SLOT * self.engine.max_batch_size,
+                                     max_prefill_tokens=self.engine.max_num_tokens, device=self.device,
+                                     vocab_limit=self.engine.tokenizer_size)
+            self.executor.start()
+            if warm_up:
+                warming = time.monotonic()
+                self.warm_up()
+                log.info("rank 0: warm-up request in %.2f s", time.monotonic() - warming)
+        else:
+            self.model = model
+            self.follower = threading.Thread(target=follow, args=(model, StepChannel(self.distributed.control)),
+                                             name="trtglm-follower", daemon=True)
+            self.follower.start()
+        log.info("rank %d of %d ready on %s: %s", self.info.rank, self.info.world_size, self.device,
+                 self.engine.checkpoint_dir)
+        log.info("rank %d: engine set up in %.2f s", self.info.rank, time.monotonic() - started)
+
+    def warm_up(self) -> None:
+        outputs: list[Output] = []
+        vocab = self.model.vocab_size
+        request = Request([t % vocab for t in WARM_UP_PROMPT], max_new_tokens=2)
+        handle = self.executor.submit(request, outputs.append)
+        handle.done.wait()
+        if outputs and outputs[-1].error:
+            raise TrtglmError(f"warm-up failed: {outputs[-1].error}")
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop taking requests; rank 0 tells the followers to stop; leave the process groups."""
+        if self.executor is not None:
+            self.executor.stop(timeout)
+            if isinstance(self.model, LeaderSlotModel):
+                _with_deadline(self.model.stop_followers, timeout)
+        elif self.follower is not None:
+            self.follower.join(timeout)
+        if self.distributed is not None and (self.follower is None or not self.follower.is_alive()):
+            # The ranks leave together (a barrier), so allow for the slowest one on a busy host.
+            _with_deadline(self.distributed.close, max(timeout, LEAVE_TIMEOUT_S))
+
+
+LEAVE_TIMEOUT_S = 60.0
+
+
+def _with_deadline(call: Callable[[], None], timeout: float) -> None:
+    """Run `call` on a daemon thread; give up waiting after `timeout` (a peer that is gone may block it)."""
+    thread = threading.Thread(target=_quietly, args=(call,), daemon=True)
+    thread.start()
+    thread.join(timeout)
+
+
+def _quietly(call: Callable[[], None]) -> None:
+    try:
+        call()
+    except Exception as e:
+        log.warning("while shutting down: %s", e)
+
+
+def log_to_stderr() -> None:
+    """trtglm's INFO lines reach the server's log (the python backend configures no logging)."""
+    logger = logging.getLogger("trtglm")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("trtglm %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
