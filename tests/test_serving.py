@@ -383,6 +383,23 @@ def test_bad_requests_get_4xx_with_a_message_and_the_server_goes_on(server, conv
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_two_sequences_in_one_request_of_a_decoupled_repository(server, conversations, model):
+    """gRPC streaming (not streamed) and HTTP generate: both replies in one response; test_reliability covers
+    HTTP infer and gRPC's unary call, which need a repository that is not decoupled."""
+    if server.world != 1:
+        pytest.skip("the sequences of a request are rank 0's executor's, the same for every world size")
+    pair = [conversations[0], next(c for c in conversations if c["answer"] != conversations[0]["answer"])]
+    inputs = {"text_input": np.array([[chat(c).encode()] for c in pair], dtype=np.object_),
+              "max_tokens": np.array([[64], [64]], np.int32)}
+    responses = server.grpc_stream(model, inputs)
+    texts = [r.as_numpy("text_output") for r in responses if r.as_numpy("text_output") is not None]
+    assert len(texts) == 1 and [t.decode() for t in texts[0].reshape(-1)] == [c["answer"] for c in pair]
+    status, body = server.generate(model, {"text_input": [chat(c) for c in pair], "max_tokens": [64, 64]})
+    assert status == 200 and body["text_output"] == [c["answer"] for c in pair], body
+
+
+@pytest.mark.slow
 def test_a_cancelled_request_stops_generating(server, tok):
     if server.world != 1:
         pytest.skip("cancellation is the executor's, the same for every world size")
