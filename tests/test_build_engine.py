@@ -5,6 +5,10 @@ import json
 import os
 import shlex
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,9 +28,11 @@ SPECIAL_TOKENS = ["[MASK]", "[gMASK]", "[sMASK]", "sop", "eop",  # chatglm3.md, 
                   "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
 
 
-def expected_trtllm_argv(out: Path) -> list[str]:
-    """trtllm-build's argv for tiny.yaml with engine tensorrt (limits as written in tiny.yaml)."""
-    return ["--checkpoint_dir", str(out / "checkpoint"), "--output_dir", str(out), "--max_batch_size", "8",
+def expected_trtllm_argv(out: Path, staged: bool = True) -> list[str]:
+    """trtllm-build's argv for tiny.yaml with engine tensorrt (limits as written in tiny.yaml); a build writes
+    into its staging folder (this process's), a --dry-run shows OUT itself."""
+    output_dir = out / f".trtllm-build.tmp-{os.getpid()}" if staged else out
+    return ["--checkpoint_dir", str(out / "checkpoint"), "--output_dir", str(output_dir), "--max_batch_size", "8",
             "--max_input_len", "256", "--max_seq_len", "512", "--max_num_tokens", "2048", "--max_beam_width", "1",
             "--kv_cache_type", "paged", "--gemm_plugin", "auto", "--gpt_attention_plugin", "auto",
             "--context_fmha", "enable", "--remove_input_padding", "enable", "--use_paged_context_fmha", "disable",
@@ -77,7 +83,7 @@ def test_dry_run_prints_the_exact_commands_and_needs_nothing(hf, tmp_path, monke
     assert [shlex.split(c) for c in commands] == [
         ["trtglm", "convert", "--model-dir", str(hf), "--output-dir", str(out / "checkpoint"), "--dtype", "float16",
          "--tp-size", "1", "--pp-size", "1", "--chatglm-version", "chatglm3", "--force"],
-        ["trtllm-build", *expected_trtllm_argv(out)],
+        ["trtllm-build", *expected_trtllm_argv(out, staged=False)],
     ]
     assert not out.exists()
 
@@ -163,6 +169,52 @@ def test_failed_trtllm_build_leaves_no_manifest_and_keeps_the_checkpoint(hf, tmp
     caplog.set_level("INFO")
     build_engine(TINY, model_dir=hf, output_dir=out, overrides=TENSORRT)  # no engine there yet: no --force needed
     assert "reusing checkpoint" in caplog.text and read_manifest(out)["engine"] == "tensorrt"
+
+
+def engine_bytes(out: Path) -> dict[str, bytes]:
+    """The engine's files (manifest, engine config, rank files) as they are on disk."""
+    return {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "checkpoint.source.json"}
+
+
+def test_a_killed_tensorrt_rebuild_leaves_the_old_engine_working(hf, tmp_path, stand_in, monkeypatch):
+    """`build-engine --force` killed (SIGKILL, trtllm-build with it) while trtllm-build writes: the engine
+    already there is untouched, since trtllm-build writes into a staging folder; the next run removes that
+    folder and replaces the engine."""
+    out = tmp_path / "engine"
+    build_engine(TINY, model_dir=hf, output_dir=out, overrides=TENSORRT)
+    before = engine_bytes(out)
+    monkeypatch.setenv("TRTLLM_STANDIN_PAUSE", "60")
+    monkeypatch.setenv("TRTLLM_STANDIN_BUILD_CONFIG", json.dumps({"rebuilt": True}))
+    monkeypatch.delenv("TRTLLM_STANDIN_EXPECT", raising=False)
+    rebuild = subprocess.Popen(
+        [sys.executable, "-m", "trtglm", "build-engine", "--config", str(TINY), "--model-dir", str(hf),
+         "--output-dir", str(out), "--set", "build.engine=tensorrt", "--set", "convert.dtype=float16", "--force"],
+        cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(out.glob(".trtllm-build.tmp-*/config.json")) and time.monotonic() < deadline:
+            assert rebuild.poll() is None, rebuild.stderr.read().decode()
+            time.sleep(0.1)
+        assert list(out.glob(".trtllm-build.tmp-*/config.json")), "trtllm-build never started writing"
+    finally:
+        os.killpg(rebuild.pid, signal.SIGKILL)
+        rebuild.wait()
+    assert engine_bytes(out) == before  # manifest, config.json and rank0.engine as they were
+    assert read_manifest(out)["engine"] == "tensorrt"
+    monkeypatch.delenv("TRTLLM_STANDIN_PAUSE")
+    build_engine(TINY, model_dir=hf, output_dir=out, overrides=TENSORRT, force=True)
+    assert json.loads((out / "config.json").read_text())["build_config"]["rebuilt"] is True
+    assert not list(out.glob(".trtllm-build*")), "the killed run's staging folder was left"
+
+
+def test_a_failed_tensorrt_rebuild_keeps_the_old_engine(hf, tmp_path, stand_in, monkeypatch):
+    out = tmp_path / "engine"
+    build_engine(TINY, model_dir=hf, output_dir=out, overrides=TENSORRT)
+    before = engine_bytes(out)
+    monkeypatch.setenv("TRTLLM_STANDIN_BUILD_CONFIG", json.dumps({"max_seq_len": 1024}))  # not the profile's
+    with pytest.raises(ModelFileError, match="engine limits differ from the profile"):
+        build_engine(TINY, model_dir=hf, output_dir=out, overrides=TENSORRT, force=True)
+    assert engine_bytes(out) == before and not list(out.glob(".trtllm-build*"))
 
 
 def test_without_trtllm_build_the_error_names_the_container(hf, tmp_path, monkeypatch):

@@ -47,7 +47,7 @@ from test_serving import Server
 
 from trtglm.repo import patch_repo
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.reliability]
 
 BOUND_S = 5.0  # every affected request must have its error within this many seconds of the kill
 RESTART_S = 15.0  # the supervisor must have loaded the dead model again within this many seconds of the kill

@@ -249,6 +249,7 @@ def test_the_same_seed_gives_the_same_tokens_whatever_runs_beside(model, tok, pr
     assert first != alone(model, tok, prompts[0])[:12]
 
 
+@pytest.mark.reliability
 def test_a_degenerate_request_never_hurts_the_others(model, tok, prompts):
     """A temperature of 1e-40 samples like greedy; a bias of -inf on every id ends that request alone."""
     executor = Executor(ShardedSlotModel(model, max_batch=4, max_seq_len=MAX_SEQ))

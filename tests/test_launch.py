@@ -275,6 +275,7 @@ def test_two_ranks_under_mpirun_rank0_serves_and_ctrl_c_cleans_up(env2):
     env2.assert_clean(shm_base)
 
 
+@pytest.mark.reliability
 def test_a_killed_rank_stops_every_rank_and_shows_its_log(env2):
     needs_mpirun()
     proc = env2.start("--world-size", "2")

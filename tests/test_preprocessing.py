@@ -101,9 +101,14 @@ def test_json_is_never_evaluated(tok):
         preprocess(tok, LIMITS, request(text))
 
 
-@pytest.mark.parametrize("max_tokens", [0, -3])
-def test_max_tokens_must_be_positive(tok, max_tokens):
-    with pytest.raises(UsageError, match=f"max_tokens must be at least 1, not {max_tokens}"):
+@pytest.mark.parametrize("max_tokens, message", [
+    (0, "max_tokens must be between 1 and 2147483647, not 0$"),
+    # 2**31 sent as JSON reaches the model as the low 32 bits of it: the message names what was sent
+    (-2**31, r"max_tokens must be between 1 and 2147483647, not -2147483648 \(over HTTP JSON Triton keeps only the "
+             r"low 32 bits of a larger number: 2147483648 arrives as -2147483648\)"),
+])
+def test_max_tokens_must_fit_and_be_positive(tok, max_tokens, message):
+    with pytest.raises(UsageError, match=message):
         preprocess(tok, LIMITS, request("hi", max_tokens=max_tokens))
 
 

@@ -29,7 +29,7 @@ from trtglm.errors import UsageError
 from trtglm.repo import patch_repo
 from trtglm.repo.python_models.words import stack_word_lists, word_list
 from trtglm.runtime.executor import Output
-from trtglm.serve.triton_model import Reply, engine_request, word_sequences
+from trtglm.serve.triton_model import Gathered, Reply, engine_request, engine_requests, word_sequences
 
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 WORLD_SIZES = (1, 2, 4)
@@ -71,7 +71,10 @@ def test_sampling_follows_tensorrt_llms_rules(sampling, expected):
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"input_ids": np.zeros((2, 3), np.int32)}, "one sequence per request"),
+    ({"input_ids": np.zeros((2, 3), np.int32)}, "input_lengths has 1 rows for the 2 sequences of input_ids"),
+    ({"request_output_len": np.array([-2**31], np.int32)}, r"request_output_len must be between 1 and 2147483647, "
+                                                           r"not -2147483648 \(over HTTP JSON .* 2147483648 arrives"),
+    ({"runtime_top_k": np.array([-1], np.int32)}, "runtime_top_k must be between 0 and 2147483647, not -1"),
     ({"beam_width": np.array([2], np.int32)}, "does not search beams"),
     ({"repetition_penalty": np.array([1.2], np.float32)}, "repetition_penalty 1.2 is not supported"),
     ({"input_lengths": np.array([9], np.int32)}, "input_lengths 9 must be between 1 and the 4 ids"),
@@ -79,9 +82,58 @@ def test_sampling_follows_tensorrt_llms_rules(sampling, expected):
 ])
 def test_requests_outside_the_contract_are_usage_errors(extra, message):
     with pytest.raises(UsageError, match=message):
-        engine_request({**arrays(), **extra})
+        engine_requests({**arrays(), **extra})
     with pytest.raises(UsageError, match="request_output_len is required"):
-        engine_request({k: v for k, v in arrays().items() if k != "request_output_len"})
+        engine_requests({k: v for k, v in arrays().items() if k != "request_output_len"})
+
+
+def two_sequences(**values) -> dict[str, np.ndarray]:
+    """A request of two sequences, as Triton gives it (every input batch first)."""
+    base = {"input_ids": np.array([[5, 6, 7, 0], [8, 9, 10, 11]], np.int32), "input_lengths": np.array([3, 4], np.int32),
+            "request_output_len": np.array([4, 6], np.int32), "streaming": np.array([[False], [False]])}
+    return {**base, **values}
+
+
+def test_each_sequence_of_a_batch_is_a_request_of_its_own():
+    (first, second), streaming = engine_requests(two_sequences(end_id=np.array([2, 3], np.int32)))
+    assert (list(first.prompt), first.max_new_tokens, first.end_id) == ([5, 6, 7], 4, 2)
+    assert (list(second.prompt), second.max_new_tokens, second.end_id) == ([8, 9, 10, 11], 6, 3)
+    assert streaming is False
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"request_output_len": np.array([4, 0], np.int32)}, "sequence 1 of 2: request_output_len must be between 1"),
+    ({"streaming": np.array([[True], [True]])}, "streaming takes one sequence per request; this one has 2"),
+    ({"streaming": np.array([[True], [False]])}, "streaming must be the same for every sequence"),
+])
+def test_a_batch_with_a_bad_sequence_is_refused_whole(extra, message):
+    with pytest.raises(UsageError, match=message):
+        engine_requests(two_sequences(**extra))
+
+
+def test_a_batchs_replies_go_out_together_in_one_response():
+    sent, failed = [], []
+    gathered = Gathered(2, lambda arrays, final: sent.append((arrays, final)), failed.append)
+    second, first = gathered.reply(1), gathered.reply(0)
+    second(Output([21], finished=True, reason="end_id"))
+    assert sent == []  # the first sequence is still running
+    first(Output([11, 12]))
+    first(Output([13], finished=True, reason="length"))
+    assert len(sent) == 1 and sent[0][1] is True and not failed
+    arrays = sent[0][0]
+    assert arrays["output_ids"].tolist() == [[[11, 12, 13]], [[21, -1, -1]]]  # padded as NVIDIA pads beams
+    assert arrays["sequence_length"].tolist() == [[3], [1]] and arrays["is_final"].tolist() == [[True], [True]]
+    assert arrays["generated_ids"].tolist() == [[[11, 12, 13]], [[21, -1, -1]]]
+
+
+def test_the_first_failing_sequence_fails_the_batch_and_stops_the_others():
+    sent, failed = [], []
+    gathered = Gathered(2, lambda arrays, final: sent.append(arrays), failed.append)
+    gathered.reply(0)(Output([], finished=True, reason="error", error="no next token could be chosen"))
+    assert gathered.failed() and [str(e) for e in failed] == ["no next token could be chosen"]
+    gathered.reply(1)(Output([], finished=True, reason="cancelled"))  # stopped because the batch failed
+    gathered.reply(1)(Output([4], finished=True, reason="length"))
+    assert sent == [] and len(failed) == 1
 
 
 def test_word_lists_read_back_as_preprocessing_writes_them():
@@ -315,7 +367,7 @@ def test_bad_requests_get_4xx_with_a_message_and_the_server_goes_on(server, conv
     for model in ("ensemble", "tensorrt_llm_bls"):
         cases = {
             json.dumps({"max_tokens": 8}): "text_input",
-            json.dumps({"text_input": "hi", "max_tokens": -1}): "max_tokens must be at least 1, not -1",
+            json.dumps({"text_input": "hi", "max_tokens": -1}): "max_tokens must be between 1 and 2147483647, not -1",
             json.dumps({"text_input": "hi " * 400, "max_tokens": 8}): "more than the engine's max_input_len (256)",
             json.dumps({"text_input": '[{"role": "robot", "content": "x"}]', "max_tokens": 8}): "role must be one of",
         }
@@ -328,6 +380,23 @@ def test_bad_requests_get_4xx_with_a_message_and_the_server_goes_on(server, conv
         assert status >= 400 and "failed to parse the request JSON buffer" in json.loads(text)["error"]
         status, body = server.generate(model, {"text_input": chat(conversations[0]), "max_tokens": 64})
         assert status == 200 and body["text_output"] == conversations[0]["answer"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_two_sequences_in_one_request_of_a_decoupled_repository(server, conversations, model):
+    """gRPC streaming (not streamed) and HTTP generate: both replies in one response; test_reliability covers
+    HTTP infer and gRPC's unary call, which need a repository that is not decoupled."""
+    if server.world != 1:
+        pytest.skip("the sequences of a request are rank 0's executor's, the same for every world size")
+    pair = [conversations[0], next(c for c in conversations if c["answer"] != conversations[0]["answer"])]
+    inputs = {"text_input": np.array([[chat(c).encode()] for c in pair], dtype=np.object_),
+              "max_tokens": np.array([[64], [64]], np.int32)}
+    responses = server.grpc_stream(model, inputs)
+    texts = [r.as_numpy("text_output") for r in responses if r.as_numpy("text_output") is not None]
+    assert len(texts) == 1 and [t.decode() for t in texts[0].reshape(-1)] == [c["answer"] for c in pair]
+    status, body = server.generate(model, {"text_input": [chat(c) for c in pair], "max_tokens": [64, 64]})
+    assert status == 200 and body["text_output"] == [c["answer"] for c in pair], body
 
 
 @pytest.mark.slow

@@ -35,3 +35,16 @@ class DependencyError(TrtglmError):
     """A needed package or tool is not installed."""
 
     exit_code = 6
+
+
+INT32_MAX = 2**31 - 1
+
+
+def int32_range_error(name: str, value: int, low: int) -> UsageError:
+    """`name` is an INT32 input outside low..INT32_MAX. Triton's HTTP frontend keeps only the low 32 bits of a
+    larger JSON number, so a negative value may be what a number past INT32_MAX became: the message names it."""
+    message = f"{name} must be between {low} and {INT32_MAX}, not {value}"
+    if value < 0:
+        message += (f" (over HTTP JSON Triton keeps only the low 32 bits of a larger number: {value + 2**32} "
+                    f"arrives as {value})")
+    return UsageError(message)

@@ -14,11 +14,13 @@ files (names, sizes, mtimes, config.json bytes), the conversion settings and trt
 version, and the checkpoint's own files must be unchanged. Otherwise it is reused (logged).
 
 Engine `tensorrt` runs `trtllm-build` (needs TensorRT-LLM, as in NVIDIA's
-`nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3` containers) and then checks the
-engine's config.json and rank files against the profile. Engine `torch` is the checkpoint
-plus the manifest, for trtglm's PyTorch runtime. `trtglm.json` is removed before anything
-changes and written (temp file + rename) only once everything is in place, so a folder
-with a manifest always holds a complete engine.
+`nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3` containers) into a staging folder
+(`OUT/.trtllm-build.tmp-PID`) and checks the engine's config.json and rank files against the
+profile there; only then do they replace the engine in OUT, so a rebuild that fails or is
+killed leaves the engine already there working (the next run removes what it left). Engine
+`torch` is the checkpoint plus the manifest, for trtglm's PyTorch runtime. `trtglm.json` is
+removed just before the engine files are replaced and written (temp file + rename) only once
+everything is in place, so a folder with a manifest always holds a complete engine.
 
 `--dry-run` prints the commands (shell-quoted) and needs nothing installed; `--target
 trtllm-0.7` prints TensorRT-LLM v0.7.1's single-step `examples/chatglm/build.py` command.
@@ -34,12 +36,15 @@ import re
 import shlex
 import shutil
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import trtglm
 from trtglm.chatglm.config import ChatGLMConfig
+from trtglm.convert.staging import remove_stale
 from trtglm.engine.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, digest, file_listing, hf_fingerprint,
                                     write_json_atomic, write_manifest)
 from trtglm.engine.trtllm_cmd import (TRTLLM_BUILD, convert_argv, engine_limits, trtllm07_build_argv,
@@ -105,11 +110,14 @@ def _build(profile: Profile, hf: Path, out: Path) -> Path:
     # already here keeps working while it runs, and after an interrupted rebuild; only from here on is
     # the folder in flux, without a manifest until the new one is whole.
     sources = ensure_checkpoint(profile, hf, out)
-    (out / MANIFEST).unlink(missing_ok=True)
-    _remove_engine_files(out)
     engine_files, trtllm_version = [], _installed_trtllm_version()
-    if trtllm_build:
-        engine_files, trtllm_version = _run_trtllm_build(profile, trtllm_build, out)
+    with _staged_engine(out) as staging:
+        if trtllm_build:
+            engine_files, trtllm_version = _run_trtllm_build(profile, trtllm_build, out, staging)
+        (out / MANIFEST).unlink(missing_ok=True)
+        _remove_engine_files(out)
+        for name in engine_files:
+            os.replace(staging / name, out / name)
     _copy_tokenizer(hf, out / TOKENIZER)
     manifest = make_manifest(profile, model_cfg, tokenizer, sources, engine_files, trtllm_version)
     path = write_manifest(out, manifest)
@@ -129,7 +137,7 @@ def _is_engine_file(name: str) -> bool:
 def _is_known(name: str) -> bool:
     """Names `build-engine` writes in an engine folder, with their temporary forms (`.NAME.tmp-PID`, ...)."""
     base = re.sub(r"\.(tmp|old)-\d+$", "", name.lstrip("."))
-    return _is_engine_file(base) or base in (CHECKPOINT, CHECKPOINT_RECORD, TOKENIZER)
+    return _is_engine_file(base) or base in (CHECKPOINT, CHECKPOINT_RECORD, TOKENIZER, TRTLLM_BUILD)
 
 
 def check_engine_output(out: Path, force: bool) -> None:
@@ -234,8 +242,23 @@ def _installed_trtllm_version() -> str | None:
         return None
 
 
-def _run_trtllm_build(profile: Profile, executable: str, out: Path) -> tuple[list[str], str | None]:
-    argv = trtllm_build_argv(profile, str(out / CHECKPOINT), str(out))
+@contextmanager
+def _staged_engine(out: Path) -> Iterator[Path]:
+    """A staging folder for trtllm-build's output (`OUT/.trtllm-build.tmp-PID`): the engine already in OUT is
+    replaced only once the new one is complete and checked, and a build killed midway leaves it as it was.
+    Staging folders of runs that were killed are removed first."""
+    remove_stale(out / f".{TRTLLM_BUILD}")
+    staging = out / f".{TRTLLM_BUILD}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _run_trtllm_build(profile: Profile, executable: str, out: Path, staging: Path) -> tuple[list[str], str | None]:
+    argv = trtllm_build_argv(profile, str(out / CHECKPOINT), str(staging))
     log.info("running: %s", shlex.join(argv))
     try:
         result = subprocess.run([executable, *argv[1:]], check=False)
@@ -243,7 +266,7 @@ def _run_trtllm_build(profile: Profile, executable: str, out: Path) -> tuple[lis
         raise DependencyError(f"cannot run {executable}: {e}") from None
     if result.returncode != 0:
         raise TrtglmError(f"{TRTLLM_BUILD} failed (exit status {result.returncode}); its messages are above")
-    return check_trtllm_engine(profile, out)
+    return check_trtllm_engine(profile, staging)
 
 
 def check_trtllm_engine(profile: Profile, out: Path) -> tuple[list[str], str | None]:

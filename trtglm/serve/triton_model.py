@@ -6,7 +6,8 @@ serve/engine.py, under its own GIL); this stub parses requests and sends respons
 loads only its own `rank{r}.safetensors`; rank 0 takes the requests and runs the in-flight
 batching executor, the other ranks follow its steps.
 
-Inputs (batch size 1 per request, as NVIDIA's in-flight batching backend requires):
+Inputs (batch first; each sequence of a request is a request of its own to the in-flight batcher,
+as in NVIDIA's backend):
 input_ids, input_lengths, request_output_len, end_id, stop_words_list and bad_words_list
 (TensorRT-LLM's [2, n] ids/offsets layout), embedding_bias, min_length, temperature,
 runtime_top_k, runtime_top_p, random_seed, return_log_probs, streaming. pad_id and
@@ -18,10 +19,13 @@ presence or frequency penalties are refused with an error naming them.
 Outputs, as the repository's config declares them (`[batch, beam, …]`, the input never
 included): output_ids and output_log_probs hold the response's tokens, sequence_length how
 many there are, cum_log_probs the sum of the log probabilities so far (zeros unless
-return_log_probs). Not streaming: one response with every token. Streaming: one response per
-step's token, or several tokens in one when sending fell behind (below), the last one flagged
-final; a request that ends at end_id (never returned) ends with a final response of no tokens. The python backend's repository also declares
-`generated_ids` (every token so far) and `is_final` (whether this is the last response),
+return_log_probs). Not streaming: one response with every token of every sequence, sent once
+the last one finishes (rows shorter than the longest padded with -1; sequence_length tells
+each row's count); the first sequence to fail fails the request and stops the others.
+Streaming (one sequence per request): one response per step's token, or several tokens in
+one when sending fell behind (below), the last one flagged final; a request that ends at
+end_id (never returned) ends with a final response of no tokens. The python backend's
+repository also declares `generated_ids` (every token so far) and `is_final` (whether this is the last response),
 which let the ensemble's postprocessing decode a streamed reply exactly; they are sent only
 when requested.
 
@@ -48,7 +52,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
-from trtglm.errors import TrtglmError, UsageError
+from trtglm.errors import TrtglmError, UsageError, int32_range_error
 from trtglm.runtime.executor import Output, QueueFullError, Request
 from trtglm.serve.engine import log_to_stderr
 from trtglm.serve.engine_process import EngineProcess
@@ -92,18 +96,51 @@ def _one(arrays: Mapping[str, np.ndarray | None], name: str, default=None):
         return default
     values = np.asarray(array).reshape(-1)
     if values.size != 1:
-        raise UsageError(f"{name} must hold one value for the request's one sequence, not {values.size}")
+        raise UsageError(f"{name} must hold one value for each sequence, not {values.size}")
     return values[0].item()
 
 
+def engine_requests(arrays: Mapping[str, np.ndarray | None]) -> tuple[list[Request], bool]:
+    """One executor Request per sequence of a request's input arrays (batch first), and whether to stream.
+
+    As in NVIDIA's backend, each sequence of a batch is a request of its own to the in-flight batcher."""
+    ids = arrays.get("input_ids")
+    if ids is None:
+        raise UsageError("input_ids is required")
+    if ids.ndim != 2 or ids.shape[0] < 1:
+        raise UsageError(f"input_ids must be [batch, ids], not {list(ids.shape)}")
+    batch = ids.shape[0]
+    for name, array in arrays.items():
+        if array is not None and (array.ndim == 0 or array.shape[0] != batch):
+            raise UsageError(f"{name} has {array.shape[0] if array.ndim else 0} rows for the {batch} sequences of "
+                             "input_ids")
+    parsed = [_row_request(arrays, row, batch) for row in range(batch)]
+    streaming = {stream for _, stream in parsed}
+    if len(streaming) > 1:
+        raise UsageError("streaming must be the same for every sequence of a request")
+    if batch > 1 and True in streaming:
+        raise UsageError(f"streaming takes one sequence per request; this one has {batch}: stream each as its own "
+                         "request, or leave streaming off to have every reply in one response")
+    return [request for request, _ in parsed], streaming.pop()
+
+
+def _row_request(arrays: Mapping[str, np.ndarray | None], row: int, batch: int) -> tuple[Request, bool]:
+    one_row = {name: None if array is None else array[row:row + 1] for name, array in arrays.items()}
+    try:
+        return engine_request(one_row)
+    except UsageError as e:
+        if batch == 1:
+            raise
+        raise UsageError(f"sequence {row} of {batch}: {e}") from None
+
+
 def engine_request(arrays: Mapping[str, np.ndarray | None]) -> tuple[Request, bool]:
-    """The executor's Request and whether to stream, from a request's input arrays (batch first)."""
+    """The executor's Request and whether to stream, from one sequence's input arrays (batch 1 first)."""
     ids = arrays.get("input_ids")
     if ids is None:
         raise UsageError("input_ids is required")
     if ids.ndim != 2 or ids.shape[0] != 1:
-        raise UsageError(f"tensorrt_llm takes one sequence per request (batch size 1); input_ids is "
-                         f"{list(ids.shape)}: send each sequence as its own request")
+        raise UsageError(f"input_ids must be [1, ids] for one sequence, not {list(ids.shape)}")
     length = int(_one(arrays, "input_lengths", ids.shape[1]))
     if not 0 < length <= ids.shape[1]:
         raise UsageError(f"input_lengths {length} must be between 1 and the {ids.shape[1]} ids given")
@@ -115,16 +152,21 @@ def engine_request(arrays: Mapping[str, np.ndarray | None]) -> tuple[Request, bo
         if value != neutral:
             raise UsageError(f"{name} {value:g} is not supported by trtglm's runtime (leave it out, or {neutral:g})")
     top_k, top_p = int(_one(arrays, "runtime_top_k", 0)), float(_one(arrays, "runtime_top_p", 0.0))
+    output_len, min_length = int(_one(arrays, "request_output_len")), int(_one(arrays, "min_length", 0))
+    for name, value, low in (("request_output_len", output_len, 1), ("runtime_top_k", top_k, 0),
+                             ("min_length", min_length, 0)):
+        if value < low:
+            raise int32_range_error(name, value, low)
     sampled = top_k > 0 or top_p > 0
     end_id = int(_one(arrays, "end_id", -1))
     bias, seed = arrays.get("embedding_bias"), arrays.get("random_seed")
     request = Request(
         prompt=[int(t) for t in ids[0, :length]],
-        max_new_tokens=int(_one(arrays, "request_output_len")),
+        max_new_tokens=output_len,
         end_id=end_id if end_id >= 0 else None,
         stop_words=_words(arrays, "stop_words_list"),
         bad_words=_words(arrays, "bad_words_list"),
-        min_length=int(_one(arrays, "min_length", 0)),
+        min_length=min_length,
         embedding_bias=torch.from_numpy(np.asarray(bias, np.float32).reshape(-1).copy())
         if bias is not None and bias.size else None,
         temperature=float(_one(arrays, "temperature", 1.0)) if sampled else 0.0,
@@ -141,7 +183,7 @@ def _words(arrays: Mapping[str, np.ndarray | None], name: str) -> list[list[int]
     if array is None:
         return []
     if array.ndim != 3 or array.shape[0] != 1:
-        raise UsageError(f"{name} must be [1, 2, n] for the request's one sequence, not {list(array.shape)}")
+        raise UsageError(f"{name} must be [1, 2, n] for each sequence, not {list(array.shape)}")
     return word_sequences(array[0], name)
 
 
@@ -192,6 +234,55 @@ class Reply:
                                       output.finished), output.finished)
         elif output.finished:
             self.send(response_arrays(self.ids, self.log_probs, self.ids, sum(self.log_probs), True), True)
+
+
+PADDING = -1  # past a sequence's length in a response of several (NVIDIA's padding of shorter beams)
+
+
+def stacked(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Several sequences' response arrays as one response's ([batch, …]), the shorter padded with PADDING."""
+    if len(parts) == 1:
+        return parts[0]
+    out = {}
+    for name in parts[0]:
+        arrays = [part[name] for part in parts]
+        width = max(array.shape[-1] for array in arrays)
+        out[name] = np.concatenate([np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, width - a.shape[-1])],
+                                           constant_values=PADDING) for a in arrays])
+    return out
+
+
+class Gathered:
+    """A request's sequences answered together in one response once every one has finished (each its whole
+    reply); the first error fails the request, and `failed()` then tells the others to stop."""
+
+    def __init__(self, count: int, send: Callable[[dict, bool], None], fail: Callable[[Exception], None]):
+        self.send, self.fail = send, fail
+        self.parts: list[dict | None] = [None] * count
+        self._failed = False
+        self._lock = threading.Lock()
+
+    def reply(self, index: int) -> Reply:
+        """The Reply that turns sequence `index`'s outputs into its part."""
+        return Reply(False, lambda arrays, _last: self._arrived(index, arrays),
+                     lambda message: self.error(TrtglmError(message)))
+
+    def error(self, error: Exception) -> None:
+        with self._lock:
+            if self._failed:
+                return
+            self._failed = True
+        self.fail(error)
+
+    def failed(self) -> bool:
+        return self._failed
+
+    def _arrived(self, index: int, arrays: dict) -> None:
+        with self._lock:
+            self.parts[index] = arrays
+            if self._failed or any(part is None for part in self.parts):
+                return
+        self.send(stacked(self.parts), True)
 
 
 # --- Triton ----------------------------------------------------------------------------------------------
@@ -251,8 +342,8 @@ class TritonPythonModel:
 
     # --- requests ---------------------------------------------------------------------------------------
 
-    def _parse(self, request) -> tuple[Request, bool]:
-        return engine_request(self.io.input_arrays(request, INPUTS))
+    def _parse(self, request) -> tuple[list[Request], bool]:
+        return engine_requests(self.io.input_arrays(request, INPUTS))
 
     def _wanted(self, request) -> set[str]:
         names = set(request.requested_output_names())
@@ -266,7 +357,7 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         try:
-            parsed, streaming = self._parse(request)
+            sequences, streaming = self._parse(request)
             wanted = self._wanted(request)
         except Exception as e:
             self._send_alone(request, self._error(e))
@@ -275,14 +366,28 @@ class TritonPythonModel:
         def send(arrays: dict, last: bool) -> None:
             sender.send(self._response(arrays, wanted), flags=final if last else 0)
 
-        def fail(message: str) -> None:
-            sender.send(self.io.error_response(TrtglmError(message)), flags=final)
+        if streaming:  # one sequence (engine_requests refuses more)
+            reply = Reply(True, send, lambda message: sender.send(self.io.error_response(TrtglmError(message)),
+                                                                  flags=final))
+            try:
+                self.executor.submit(sequences[0], self.outbox.mailbox(reply), request.is_cancelled)
+            except Exception as e:
+                self._send_alone(request, self._error(e))
+            return
+        gathered = Gathered(len(sequences), send, lambda error: self._send_alone(request, self._error(error)))
+        self._submit(sequences, gathered, lambda: request.is_cancelled() or gathered.failed(), self.outbox.mailbox)
 
-        try:
-            mailbox = self.outbox.mailbox(Reply(streaming, send, fail))
-            self.executor.submit(parsed, mailbox, request.is_cancelled)
-        except Exception as e:
-            self._send_alone(request, self._error(e))
+    def _submit(self, sequences: list[Request], gathered: Gathered, is_cancelled: Callable[[], bool],
+                deliver: Callable[[Reply], Callable[[Output], None]] = lambda reply: reply) -> list:
+        """Queue each sequence with its part of `gathered`; the executor's handles of those queued."""
+        handles = []
+        for index, sequence in enumerate(sequences):
+            try:
+                handles.append(self.executor.submit(sequence, deliver(gathered.reply(index)), is_cancelled))
+            except Exception as e:
+                gathered.error(e)
+                break
+        return handles
 
     def _send_alone(self, request, response) -> None:
         """Send a request's one and final response from a thread of its own (a send may never return)."""
@@ -298,24 +403,26 @@ class TritonPythonModel:
         return self.io.error_response(error)
 
     def _answer_all(self, requests: list) -> list:
-        """Non-decoupled: every request of the batch runs together; one response each."""
+        """Non-decoupled: every sequence of every request runs together; one response per request."""
         waiting, responses = [], [None] * len(requests)
         for index, request in enumerate(requests):
             try:
-                parsed, streaming = self._parse(request)
+                sequences, streaming = self._parse(request)
                 if streaming:
                     raise UsageError("streaming needs a decoupled tensorrt_llm (decoupled_mode true)")
                 wanted = self._wanted(request)
-
-                def send(arrays: dict, _last: bool, index=index, wanted=wanted) -> None:
-                    responses[index] = self._response(arrays, wanted)
-
-                def fail(message: str, index=index) -> None:
-                    responses[index] = self.io.error_response(TrtglmError(message))
-
-                waiting.append(self.executor.submit(parsed, Reply(False, send, fail)))
             except Exception as e:
                 responses[index] = self._error(e)
+                continue
+
+            def send(arrays: dict, _last: bool, index=index, wanted=wanted) -> None:
+                responses[index] = self._response(arrays, wanted)
+
+            def fail(error: Exception, index=index) -> None:
+                responses[index] = self._error(error)
+
+            gathered = Gathered(len(sequences), send, fail)
+            waiting += self._submit(sequences, gathered, gathered.failed)
         for handle in waiting:
             handle.done.wait()
         return responses

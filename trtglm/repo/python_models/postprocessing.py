@@ -6,7 +6,8 @@ the first stop id, blank metadata line dropped, decoded as a whole so spaces and
 are intact). With GENERATED_IDS [batch, beams, ids] (every id generated so far) and IS_FINAL
 [batch, 1] (no more responses follow), which trtglm's runtime sends to the ensemble, TOKENS_BATCH
 holds only the response's new ids and each OUTPUT is `reply.reply_piece`: the text those ids
-add, so a streamed reply's pieces join to exactly its whole text. Where a layout declares
+add, so a streamed reply's pieces join to exactly its whole text (negative ids are the padding
+of rows shorter than a batch's longest, and are dropped). Where a layout declares
 OUT_CUM_LOG_PROBS / OUT_OUTPUT_LOG_PROBS (NVIDIA's v0.7.1), they pass CUM_LOG_PROBS /
 OUTPUT_LOG_PROBS through.
 
@@ -44,8 +45,8 @@ def postprocess(tokenizer: ChatGLMTokenizer, tokens: np.ndarray | None, lengths:
             or np.asarray(final).reshape(len(rows), -1).shape[1] != 1:
         raise UsageError("postprocessing needs GENERATED_IDS [batch, beams, ids] and IS_FINAL [batch, 1] together")
     done = np.asarray(final).reshape(-1)
-    return [[reply_piece(tokenizer, generated[row, beam].tolist(), int(lengths[row, beam]), bool(done[row]))
-             for beam in beams] for row in rows]
+    return [[reply_piece(tokenizer, [i for i in generated[row, beam].tolist() if i >= 0], int(lengths[row, beam]),
+                         bool(done[row])) for beam in beams] for row in rows]
 
 
 class TritonPythonModel:

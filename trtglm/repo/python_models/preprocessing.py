@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
-from trtglm.errors import UsageError
+from trtglm.errors import UsageError, int32_range_error
 from trtglm.repo.python_models import triton_io
 from trtglm.repo.python_models.prompt import prompt_ids
 from trtglm.repo.python_models.triton_io import pb_utils
@@ -91,7 +91,7 @@ def prepare(tokenizer: ChatGLMTokenizer, limits: Limits, inputs: dict, row: int)
     ids = prompt_ids(tokenizer, text)
     output_len = _one_int(inputs, "REQUEST_OUTPUT_LEN", row)
     if output_len < 1:
-        raise UsageError(f"max_tokens must be at least 1, not {output_len}")
+        raise int32_range_error("max_tokens", output_len, 1)
     if len(ids) > limits.max_input_len:
         raise UsageError(f"the prompt is {len(ids)} tokens, more than the engine's max_input_len "
                          f"({limits.max_input_len})")

@@ -1,0 +1,443 @@
+"""Reliability: bad input of every kind, each followed by a request that must still get the fixture's exact
+answer; several sequences in one request; and, on request only, a long load.
+
+One server (the fixture's engine, launched once for the module, repository not decoupled so that HTTP
+infer and gRPC's unary ModelInfer serve it) takes a matrix of bad requests over HTTP generate, HTTP infer
+and gRPC, through ensemble, tensorrt_llm_bls and tensorrt_llm: malformed JSON, wrong types and shapes,
+out-of-range numbers, bad sampling options, bad word lists, over-long prompts. Each one must get an error
+with a message saying what was wrong (4xx, or for what Triton itself decides before any model sees the
+request, the status Triton gives it: docs/troubleshooting.md), and the next good request on the same path
+must answer exactly the fixture's answer.
+
+The rest of the reliability suite lives beside the code it exercises and carries the same marker
+(`pytest -m reliability` runs it all): one request's degenerate sampling among concurrent ones
+(test_executor), a python model's process killed mid-stream and loaded again within its bound
+(test_dead_submodel), a rank killed and every rank stopped with its log shown (test_launch).
+
+The load part (marker `load`: 1,000 requests, 64 in flight, no error, bounded server memory) runs
+only when TRTGLM_LOAD=1 is set; its recorded result is in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+from conftest import FIXTURE, repo_processes
+from test_distributed import build_tiny_engine
+from test_serving import Server
+
+from trtglm.chatglm.tokenizer import ChatGLMTokenizer
+from trtglm.repo import patch_repo
+from trtglm.repo.python_models.reply import reply_text
+from trtglm.repo.python_models.words import stack_word_lists, word_list
+
+pytestmark = pytest.mark.reliability
+
+CLIENT_MODELS = ("ensemble", "tensorrt_llm_bls")
+HUGE = "hi " * 400_000  # 1.2 MB: refused by its size before it is tokenized
+TRITON_JSON = "Unable to parse"  # Triton's HTTP frontend: a JSON value that does not fit the input's type (500)
+
+
+def conversations() -> list[dict]:
+    return [json.loads(line) for line in (FIXTURE / "conversations.jsonl").read_text().splitlines()]
+
+
+GOOD = conversations()[0]
+CHAT = json.dumps({"messages": GOOD["messages"]}, ensure_ascii=False)
+
+
+@pytest.fixture(scope="module")
+def tok() -> ChatGLMTokenizer:
+    return ChatGLMTokenizer(FIXTURE)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    pytest.importorskip("pytriton")
+    pytest.importorskip("tritonclient.grpc")
+    root = tmp_path_factory.mktemp("reliability")
+    repo = patch_repo(build_tiny_engine(root / "engine", **{"serve.decoupled": False}), None, root / "repo")
+    server = Server(repo, 1, root / "state")
+    yield server
+    server.stop()
+
+
+# --- the three ways in -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int | str  # HTTP status, or the gRPC status code's name
+    error: str | None
+    outputs: dict
+
+
+def http_generate(server: Server, model: str, body: dict | bytes) -> Answer:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    status, text = server.post(f"/v2/models/{model}/generate", data)
+    reply = json.loads(text)
+    return Answer(status, reply.get("error"), reply)
+
+
+def http_infer(server: Server, model: str, inputs: dict[str, tuple[str, list, list]]) -> Answer:
+    """`inputs`: name -> (Triton datatype, shape, data as JSON values)."""
+    body = {"inputs": [{"name": name, "datatype": kind, "shape": shape, "data": data}
+                       for name, (kind, shape, data) in inputs.items()]}
+    status, text = server.post(f"/v2/models/{model}/infer", json.dumps(body).encode())
+    reply = json.loads(text)
+    outputs = {out["name"]: out["data"] for out in reply.get("outputs", [])}
+    return Answer(status, reply.get("error"), outputs)
+
+
+def grpc_infer(server: Server, model: str, inputs: dict[str, tuple[str, np.ndarray]]) -> Answer:
+    """`inputs`: name -> (Triton datatype, array)."""
+    import tritonclient.grpc as grpc
+    from tritonclient.utils import InferenceServerException
+
+    tensors = []
+    for name, (kind, array) in inputs.items():
+        tensor = grpc.InferInput(name, list(array.shape), kind)
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    with grpc.InferenceServerClient(f"127.0.0.1:{server.grpc_port}") as client:
+        try:
+            result = client.infer(model, tensors, client_timeout=120)
+        except InferenceServerException as e:
+            return Answer(e.status().removeprefix("StatusCode."), e.message(), {})
+    return Answer("OK", None, {out.name: result.as_numpy(out.name) for out in result.get_response().outputs})
+
+
+def text_array(*texts: str | bytes) -> np.ndarray:
+    return np.array([[t.encode() if isinstance(t, str) else t] for t in texts], dtype=np.object_)
+
+
+def client_grpc_inputs(text=CHAT, max_tokens=64, **extra) -> dict:
+    return {"text_input": ("BYTES", text_array(text)), "max_tokens": ("INT32", np.array([[max_tokens]], np.int32)),
+            **extra}
+
+
+def client_http_inputs(text=CHAT, max_tokens=64, **extra) -> dict:
+    return {"text_input": ("BYTES", [1, 1], [text]), "max_tokens": ("INT32", [1, 1], [max_tokens]), **extra}
+
+
+def engine_arrays(tok: ChatGLMTokenizer, messages=None, **extra) -> dict[str, tuple[str, np.ndarray]]:
+    """tensorrt_llm's inputs for the fixture's conversation, ending where the served pipeline ends it."""
+    ids = tok.build_chat_input(messages or GOOD["messages"])
+    stops = stack_word_lists([word_list([[tok.special_ids["<|user|>"]], [tok.special_ids["<|observation|>"]]])])
+    base = {"input_ids": ("INT32", np.array([ids], np.int32)),
+            "input_lengths": ("INT32", np.array([[len(ids)]], np.int32)),
+            "request_output_len": ("INT32", np.array([[64]], np.int32)),
+            "end_id": ("INT32", np.array([[tok.eos_id]], np.int32)),
+            "stop_words_list": ("INT32", stops)}
+    return {**base, **extra}
+
+
+def as_http(inputs: dict[str, tuple[str, np.ndarray]]) -> dict[str, tuple[str, list, list]]:
+    return {name: (kind, list(array.shape), array.reshape(-1).tolist()) for name, (kind, array) in inputs.items()}
+
+
+# --- the good request after each bad one -------------------------------------------------------------------
+
+
+def answered_exactly(server: Server, tok: ChatGLMTokenizer, model: str, transport: str) -> str:
+    """The fixture's answer to its first conversation, asked on this path ('' when it is exact)."""
+    if model == "tensorrt_llm":
+        arrays = engine_arrays(tok)
+        answer = grpc_infer(server, model, arrays) if transport == "grpc" else http_infer(server, model,
+                                                                                          as_http(arrays))
+        ids = np.asarray(answer.outputs.get("output_ids", [])).reshape(-1).tolist()
+        text = reply_text(tok, ids) if answer.error is None else None
+    else:
+        answer = {"generate": lambda: http_generate(server, model, {"text_input": CHAT, "max_tokens": 64}),
+                  "infer": lambda: http_infer(server, model, client_http_inputs()),
+                  "grpc": lambda: grpc_infer(server, model, client_grpc_inputs())}[transport]()
+        text = answer.outputs.get("text_output")
+        text = text if isinstance(text, str) else _first_text(text)
+    return "" if text == GOOD["answer"] else f"after it, {model} over {transport} answered {answer}"
+
+
+def _first_text(values) -> str | None:
+    if values is None or len(values) == 0:
+        return None
+    value = np.asarray(values, dtype=object).reshape(-1)[0]
+    return value.decode() if isinstance(value, bytes) else value
+
+
+# --- the matrix ----------------------------------------------------------------------------------------------
+
+# (case, body of HTTP generate, expected status, words of the error). A 500 is Triton's own answer to JSON
+# that does not fit an input's declared type, decided before any model runs (docs/troubleshooting.md).
+GENERATE_CASES = [
+    ("malformed JSON", b'{"text_input": "hi", "max_tokens": ', 500, "failed to parse the request JSON buffer"),
+    ("JSON not an object", b'["hi", 8]', 500, "attempt to get members for non-object"),
+    ("text_input missing", {"max_tokens": 8}, 400, "text_input"),
+    ("max_tokens missing", {"text_input": "hi"}, 400, "max_tokens"),
+    ("max_tokens 0", {"text_input": "hi", "max_tokens": 0}, 400, "max_tokens must be between 1 and 2147483647, not 0"),
+    ("max_tokens -1", {"text_input": "hi", "max_tokens": -1}, 400, "4294967295 arrives as -1"),
+    ("max_tokens 2^31", {"text_input": "hi", "max_tokens": 2**31}, 400, "2147483648 arrives as -2147483648"),
+    ("max_tokens 2^32-1", {"text_input": "hi", "max_tokens": 2**32 - 1}, 400, "4294967295 arrives as -1"),
+    ("max_tokens past max_seq_len", {"text_input": "hi", "max_tokens": 600}, 400, "exceeds the engine's max_seq_len"),
+    ("max_tokens 2^64", {"text_input": "hi", "max_tokens": 2**64}, 500, TRITON_JSON),
+    ("max_tokens a string", {"text_input": "hi", "max_tokens": "8"}, 500, TRITON_JSON),
+    ("max_tokens a fraction", {"text_input": "hi", "max_tokens": 1.5}, 500, TRITON_JSON),
+    ("text_input a number", {"text_input": 5, "max_tokens": 8}, 500, TRITON_JSON),
+    ("text_input an object", {"text_input": {"role": "user"}, "max_tokens": 8}, 500, TRITON_JSON),
+    ("text_input null", {"text_input": None, "max_tokens": 8}, 500, TRITON_JSON),
+    ("text_input two rows, max_tokens one", {"text_input": ["a", "b"], "max_tokens": 8}, 400,
+     "batch size does not match"),
+    ("prompt past max_input_len", {"text_input": "hi " * 400, "max_tokens": 8}, 400,
+     "more than the engine's max_input_len (256)"),
+    ("prompt of 1.2 MB", {"text_input": HUGE, "max_tokens": 8}, 400, "bytes) is longer than the engine's max_input_len"),
+    ("chat with an unknown role", {"text_input": '[{"role": "robot", "content": "x"}]', "max_tokens": 8}, 400,
+     "role must be one of"),
+    ("chat of no messages", {"text_input": '{"messages": []}', "max_tokens": 8}, 400, ""),
+    ("top_k -1", {"text_input": "hi", "max_tokens": 8, "top_k": -1}, 400,
+     "runtime_top_k must be between 0 and 2147483647, not -1"),
+    ("top_p above 1", {"text_input": "hi", "max_tokens": 8, "top_k": 4, "top_p": 1.5}, 400, "0 < runtime_top_p <= 1"),
+    ("temperature below 0", {"text_input": "hi", "max_tokens": 8, "top_k": 4, "temperature": -1.0}, 400,
+     "temperature >= 0"),
+    ("top_p a string", {"text_input": "hi", "max_tokens": 8, "top_p": "high"}, 500, TRITON_JSON),
+    ("repetition_penalty", {"text_input": "hi", "max_tokens": 8, "repetition_penalty": 1.3}, 400,
+     "repetition_penalty 1.3 is not supported"),
+    ("beam_width 4", {"text_input": "hi", "max_tokens": 8, "beam_width": 4}, 400, "does not search beams"),
+    ("min_length -1", {"text_input": "hi", "max_tokens": 8, "min_length": -1}, 400,
+     "min_length must be between 0 and 2147483647, not -1"),
+    ("random_seed -1", {"text_input": "hi", "max_tokens": 8, "random_seed": -1}, 500, TRITON_JSON),
+    ("stream on a repository not decoupled", {"text_input": "hi", "max_tokens": 8, "stream": True}, 400,
+     "decoupled"),
+    ("stream a string", {"text_input": "hi", "max_tokens": 8, "stream": "yes"}, 500, TRITON_JSON),
+    ("bad_words a number", {"text_input": "hi", "max_tokens": 8, "bad_words": 5}, 500, TRITON_JSON),
+    ("stop_words holding a number", {"text_input": "hi", "max_tokens": 8, "stop_words": ["a", 5]}, 500, TRITON_JSON),
+    ("end_id past the vocabulary", {"text_input": "hi", "max_tokens": 8, "end_id": 99999}, 400, "is not a token id"),
+    ("pad_id negative", {"text_input": "hi", "max_tokens": 8, "pad_id": -3}, 400, "is not a token id"),
+    ("bias words without weights", {"text_input": "hi", "max_tokens": 8, "embedding_bias_words": ["Paris"]}, 400,
+     "embedding_bias_words has 1 entries but embedding_bias_weights has 0"),
+]
+
+GRPC_CASES = [  # (case, inputs, expected status code name, words)
+    ("max_tokens sent as INT64", {**client_grpc_inputs(), "max_tokens": ("INT64", np.array([[2**32 + 5]], np.int64))},
+     "INVALID_ARGUMENT", "data-type is 'INT64', but model"),
+    ("max_tokens -2^31", client_grpc_inputs(max_tokens=-2**31), "INVALID_ARGUMENT",
+     "max_tokens must be between 1 and 2147483647, not -2147483648"),
+    ("text_input not UTF-8", client_grpc_inputs(text=b"\xff\xfe hi"), "INVALID_ARGUMENT", "not valid UTF-8"),
+    ("text_input of two strings in a row", {**client_grpc_inputs(),
+                                            "text_input": ("BYTES", np.array([[b"a", b"b"]], np.object_))},
+     "INVALID_ARGUMENT", "text_input"),
+    ("text_input as INT32", {**client_grpc_inputs(), "text_input": ("INT32", np.array([[5]], np.int32))},
+     "INVALID_ARGUMENT", "data-type is 'INT32', but model"),
+    ("batch of 9 past max_batch_size 8", {"text_input": ("BYTES", text_array(*["hi"] * 9)),
+                                          "max_tokens": ("INT32", np.full((9, 1), 8, np.int32))},
+     "INVALID_ARGUMENT", "batch-size must be <= 8"),
+    ("a bias weight of NaN", client_grpc_inputs(embedding_bias_words=("BYTES", text_array("Paris")),
+                                                embedding_bias_weights=("FP32", np.array([[np.nan]], np.float32))),
+     "INVALID_ARGUMENT", "no next token could be chosen: the logits hold NaN"),
+]
+
+
+def engine_cases(tok: ChatGLMTokenizer) -> list[tuple[str, dict, str]]:
+    """(case, tensorrt_llm inputs, words of the error)."""
+    ids = tok.build_chat_input(GOOD["messages"])
+    return [
+        ("input_ids past the vocabulary", {"input_ids": ("INT32", np.array([[*ids[:-1], 99999]], np.int32))},
+         "token id 99999 is outside the vocabulary"),
+        ("input_lengths 0", {"input_lengths": ("INT32", np.array([[0]], np.int32))}, "input_lengths 0 must be between"),
+        ("input_lengths past the ids", {"input_lengths": ("INT32", np.array([[len(ids) + 5]], np.int32))},
+         "must be between 1 and the"),
+        ("request_output_len 0", {"request_output_len": ("INT32", np.array([[0]], np.int32))},
+         "request_output_len must be between 1 and 2147483647, not 0"),
+        ("request_output_len -2^31", {"request_output_len": ("INT32", np.array([[-2**31]], np.int32))},
+         "2147483648 arrives as -2147483648"),
+        ("request_output_len past max_seq_len", {"request_output_len": ("INT32", np.array([[2**31 - 1]], np.int32))},
+         "exceeds max_seq_len"),
+        ("stop_words_list offsets out of order", {"stop_words_list": ("INT32", np.array([[[1, 2], [3, -1]]], np.int32))},
+         "offset 3 does not follow 0 within 2 ids"),
+        ("bad_words_list of one row", {"bad_words_list": ("INT32", np.array([[[1, 2]]], np.int32))}, ""),
+        ("embedding_bias longer than the vocabulary", {"embedding_bias": ("FP32", np.zeros((1, 5000), np.float32))},
+         "more than the vocabulary"),
+        ("beam_width 2", {"beam_width": ("INT32", np.array([[2]], np.int32))}, "does not search beams"),
+        ("runtime_top_p 2", {"runtime_top_k": ("INT32", np.array([[3]], np.int32)),
+                             "runtime_top_p": ("FP32", np.array([[2.0]], np.float32))}, "0 < runtime_top_p <= 1"),
+        ("streaming on a model not decoupled", {"streaming": ("BOOL", np.array([[True]]))}, "decoupled"),
+        ("end_id past the vocabulary", {"end_id": ("INT32", np.array([[70000]], np.int32))}, "outside the vocabulary"),
+    ]
+
+
+def bad_then_good(server, tok, model, transport, ask, expected_status, words) -> list[str]:
+    answer = ask()
+    problems = []
+    if answer.status != expected_status or words not in (answer.error or ""):
+        problems.append(f"got {answer.status} {answer.error!r}, expected {expected_status} with {words!r}")
+    if answer.error is not None and ("\n" in answer.error or "Traceback" in answer.error):
+        problems.append(f"the error is not one line: {answer.error!r}")
+    return problems + [p for p in [answered_exactly(server, tok, model, transport)] if p]
+
+
+@pytest.mark.parametrize("model", CLIENT_MODELS)
+@pytest.mark.parametrize("case, body, status, words", GENERATE_CASES, ids=[c[0] for c in GENERATE_CASES])
+def test_bad_http_generate_requests(server, tok, model, case, body, status, words):
+    problems = bad_then_good(server, tok, model, "generate", lambda: http_generate(server, model, body), status, words)
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("model", CLIENT_MODELS)
+@pytest.mark.parametrize("case, inputs, status, words", GRPC_CASES, ids=[c[0] for c in GRPC_CASES])
+def test_bad_grpc_requests(server, tok, model, case, inputs, status, words):
+    problems = bad_then_good(server, tok, model, "grpc", lambda: grpc_infer(server, model, inputs),
+                             status, words)
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("transport", ["infer", "grpc"])
+def test_bad_requests_to_tensorrt_llm(server, tok, transport):
+    problems = {}
+    for case, extra, words in engine_cases(tok):
+        arrays = engine_arrays(tok, **extra)
+        ask = (lambda: grpc_infer(server, "tensorrt_llm", arrays)) if transport == "grpc" else \
+            (lambda: http_infer(server, "tensorrt_llm", as_http(arrays)))
+        expected = "INVALID_ARGUMENT" if transport == "grpc" else 400
+        found = bad_then_good(server, tok, "tensorrt_llm", transport, ask, expected, words)
+        if found:
+            problems[case] = found
+    assert not problems, problems
+
+
+def test_bad_http_infer_bodies(server, tok):
+    """HTTP infer's own JSON: inputs of the wrong shape or type, before or in the model."""
+    cases = [
+        ("max_tokens 2^31", client_http_inputs(max_tokens=2**31), 400, "2147483648 arrives as -2147483648"),
+        ("data shorter than the shape", {**client_http_inputs(), "text_input": ("BYTES", [2, 1], ["a"])}, 400, ""),
+        ("random_seed as INT64", client_http_inputs(random_seed=("INT64", [1, 1], [-1])), 400,
+         "data-type is 'INT64', but model"),
+        ("an input no model declares", client_http_inputs(max_new_tokens=("INT32", [1, 1], [8])), 400,
+         "unexpected inference input 'max_new_tokens'"),
+        ("text_input a number", client_http_inputs(text=5), 500, TRITON_JSON),
+    ]
+    problems = {}
+    for model in CLIENT_MODELS:
+        for case, inputs, status, words in cases:
+            found = bad_then_good(server, tok, model, "infer", lambda: http_infer(server, model, inputs), status,
+                                  words)
+            if found:
+                problems[(model, case)] = found
+    assert not problems, problems
+
+
+def test_json_numbers_past_32_bits_arrive_wrapped(server):
+    """What trtglm cannot refuse (docs/troubleshooting.md): Triton's HTTP frontend keeps the low 32 bits of
+    a JSON number for an INT32 input, so 2^32 + 5 arrives as 5 and is served as max_tokens 5."""
+    answer = http_generate(server, "ensemble", {"text_input": CHAT, "max_tokens": 2**32 + 5})
+    assert answer.status == 200 and len(answer.outputs["output_log_probs"]) == 5
+
+
+# --- several sequences in one request ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_conversations() -> list[dict]:
+    """Two conversations with different answers, the second's longer (its row is padded in the engine)."""
+    chosen = conversations()
+    first = chosen[0]
+    second = next(c for c in chosen if len(c["answer"]) > len(first["answer"]) + 10 and c["messages"][0]["role"]
+                  == "user")
+    return [first, second]
+
+
+def chats(conversations_: list[dict]) -> list[str]:
+    return [json.dumps({"messages": c["messages"]}, ensure_ascii=False) for c in conversations_]
+
+
+@pytest.mark.parametrize("model", CLIENT_MODELS)
+def test_a_batch_of_two_prompts_over_http_infer(server, model, two_conversations):
+    texts = chats(two_conversations)
+    answer = http_infer(server, model, {"text_input": ("BYTES", [2, 1], texts),
+                                        "max_tokens": ("INT32", [2, 1], [64, 64])})
+    assert answer.status == 200, answer
+    assert answer.outputs["text_output"] == [c["answer"] for c in two_conversations]
+
+
+@pytest.mark.parametrize("model", CLIENT_MODELS)
+def test_a_batch_of_two_prompts_over_grpc(server, model, two_conversations):
+    texts = chats(two_conversations)
+    answer = grpc_infer(server, model, {"text_input": ("BYTES", text_array(*texts)),
+                                        "max_tokens": ("INT32", np.array([[64], [64]], np.int32)),
+                                        "return_log_probs": ("BOOL", np.array([[True], [True]]))})
+    assert answer.status == "OK", answer
+    assert [t.decode() for t in answer.outputs["text_output"].reshape(-1)] == [c["answer"] for c in two_conversations]
+    log_probs = answer.outputs["output_log_probs"]
+    assert log_probs.shape[0] == 2 and (log_probs[0] < 0).any() and (log_probs[1] < 0).any()
+
+
+def test_a_batch_of_two_to_tensorrt_llm(server, tok, two_conversations):
+    prompts = [tok.build_chat_input(c["messages"]) for c in two_conversations]
+    width = max(map(len, prompts))
+    stops = word_list([[tok.special_ids["<|user|>"]], [tok.special_ids["<|observation|>"]]])
+    arrays = {"input_ids": ("INT32", np.array([p + [0] * (width - len(p)) for p in prompts], np.int32)),
+              "input_lengths": ("INT32", np.array([[len(p)] for p in prompts], np.int32)),
+              "request_output_len": ("INT32", np.array([[64], [64]], np.int32)),
+              "end_id": ("INT32", np.array([[tok.eos_id]] * 2, np.int32)),
+              "stop_words_list": ("INT32", stack_word_lists([stops, stops]))}
+    answer = grpc_infer(server, "tensorrt_llm", arrays)
+    assert answer.status == "OK", answer
+    ids, lengths = answer.outputs["output_ids"], answer.outputs["sequence_length"]
+    texts = [reply_text(tok, ids[row, 0, :lengths[row, 0]].tolist()) for row in range(2)]
+    assert texts == [c["answer"] for c in two_conversations]
+
+
+def test_a_batch_with_one_bad_sequence_is_refused_whole(server, tok):
+    answer = http_infer(server, "ensemble", {"text_input": ("BYTES", [2, 1], [CHAT, "hi " * 400]),
+                                             "max_tokens": ("INT32", [2, 1], [64, 64])})
+    assert answer.status == 400 and "max_input_len" in answer.error
+    assert answered_exactly(server, tok, "ensemble", "infer") == ""
+
+
+# --- load (on request) ----------------------------------------------------------------------------------------
+
+LOAD_REQUESTS, LOAD_IN_FLIGHT = 1000, 64
+RSS_GROWTH_LIMIT = 1.5  # the server's memory after the run, over its memory after the first 64 requests
+
+
+def server_rss(repo: Path) -> int:
+    total = 0
+    for proc in repo_processes(repo):
+        try:
+            total += proc.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+@pytest.mark.load
+@pytest.mark.skipif(os.environ.get("TRTGLM_LOAD") != "1", reason="the load run is long: set TRTGLM_LOAD=1")
+def test_1000_requests_at_64_in_flight(server):
+    """Every conversation of the fixture over and over through the ensemble, 64 at a time: every reply
+    exact, no error, and the server's resident memory (all its processes) bounded."""
+    chosen = (conversations() * (LOAD_REQUESTS // len(conversations()) + 1))[:LOAD_REQUESTS]
+
+    def ask(conversation: dict) -> str:
+        answer = http_generate(server, "ensemble", {"text_input": json.dumps({"messages": conversation["messages"]},
+                                                                            ensure_ascii=False), "max_tokens": 64})
+        return "" if answer.status == 200 and answer.outputs["text_output"] == conversation["answer"] \
+            else f"{answer.status} {answer.error or answer.outputs.get('text_output')!r}"
+
+    with ThreadPoolExecutor(LOAD_IN_FLIGHT) as pool:
+        warm = list(pool.map(ask, chosen[:LOAD_IN_FLIGHT]))
+        rss_warm = server_rss(server.repo)
+        started = time.monotonic()
+        rest = list(pool.map(ask, chosen[LOAD_IN_FLIGHT:]))
+        elapsed = time.monotonic() - started
+    rss_after = server_rss(server.repo)
+    errors = [e for e in warm + rest if e]
+    print(f"\nload: {LOAD_REQUESTS} requests, {LOAD_IN_FLIGHT} in flight: {len(errors)} errors; "
+          f"{len(rest) / elapsed:.1f} requests/s after warm-up; server RSS {rss_warm / 2**20:.0f} MiB after "
+          f"{LOAD_IN_FLIGHT}, {rss_after / 2**20:.0f} MiB after {LOAD_REQUESTS}")
+    assert errors == [], errors[:5]
+    assert rss_after < RSS_GROWTH_LIMIT * rss_warm
+
