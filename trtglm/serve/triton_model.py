@@ -50,6 +50,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trtglm.chatglm.chat import word_sequences
 from trtglm.engine.manifest import read_manifest
 from trtglm.errors import TrtglmError, UsageError
 from trtglm.runtime.distributed import Distributed, LeaderSlotModel, RankInfo, StepChannel, follow, join, rank_info
@@ -71,22 +72,6 @@ WARM_UP_PROMPT = (1, 2, 3, 4)
 
 
 # --- requests -----------------------------------------------------------------------------------------
-
-
-def word_sequences(word_list: np.ndarray, name: str) -> list[list[int]]:
-    """TensorRT-LLM's [2, n] word list (ids, then each word's end offset; -1 pads) as id sequences."""
-    if word_list.ndim != 2 or word_list.shape[0] != 2:
-        raise UsageError(f"{name} must be [2, n] (ids over end offsets), not {list(word_list.shape)}")
-    ids, ends = word_list[0].tolist(), word_list[1].tolist()
-    words, start = [], 0
-    for end in ends:
-        if end < 0:
-            break
-        if not start < end <= len(ids):
-            raise UsageError(f"{name}: offset {end} does not follow {start} within {len(ids)} ids")
-        words.append(ids[start:end])
-        start = end
-    return words
 
 
 def _one(arrays: Mapping[str, np.ndarray | None], name: str, default=None):
