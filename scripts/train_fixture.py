@@ -33,9 +33,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from trtglm.chatglm import chat  # noqa: E402
 from trtglm.chatglm.config import ChatGLMConfig  # noqa: E402
 from trtglm.chatglm.reference import glm_config, glm_to_chatglm, load_reference  # noqa: E402
-from trtglm.chatglm.tokenizer import ChatGLMTokenizer, parse_reply  # noqa: E402
+from trtglm.chatglm.tokenizer import ChatGLMTokenizer  # noqa: E402
 from trtglm.chatglm.weights import HFWeights  # noqa: E402
 
 log = logging.getLogger("train_fixture")
@@ -478,9 +479,9 @@ def main() -> None:
 def build_fixture(folder: Path, convs: list[tuple[list[dict], str]], args) -> dict:
     """Tokenizer, trained weights, configs, conversations and README in `folder`; returns the facts."""
     tok = build_tokenizer(folder, convs, args.sp_vocab)
-    examples = [(tok.build_chat_input(messages), reply_target(tok, answer)) for messages, answer in convs]
+    examples = [(chat.chat_ids(tok, messages), reply_target(tok, answer)) for messages, answer in convs]
     for (_, target), (_, answer) in zip(examples, convs):
-        if parse_reply(tok.decode(target)) != answer:
+        if chat.reply_text(tok, target) != answer:
             raise SystemExit(f"answer {answer!r} does not survive encode/decode")
     prompt_lengths, reply_lengths = [len(p) for p, _ in examples], [len(t) for _, t in examples]
     log.info("%d conversations, %d to %d prompt tokens, replies up to %d tokens",
@@ -525,7 +526,7 @@ def train_until_exact(folder: Path, cfg: ChatGLMConfig, model, examples: list[tu
     """Train, save the weights, check the saved weights; raise the margin until all are exact."""
     batches = length_buckets(examples)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
-    stop_ids = ChatGLMTokenizer(folder).stop_ids
+    stop_ids = chat.stop_ids(ChatGLMTokenizer(folder))
     started, steps, margin = time.perf_counter(), 0, args.margin
     for _ in range(ROUNDS):
         steps += train(model, optimizer, batches, margin, args.max_steps)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO
+from trtglm.chatglm.chat import chat_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.engine.build import build_engine
 from trtglm.errors import UsageError
@@ -79,7 +80,7 @@ def engines(tmp_path_factory) -> dict[int, Path]:
 def prompts(fixture_dir) -> list[list[int]]:
     tok = ChatGLMTokenizer(fixture_dir)
     conversations = [json.loads(line) for line in (fixture_dir / "conversations.jsonl").read_text().splitlines()]
-    return [tok.build_chat_input(c["messages"]) for c in conversations[::4]]
+    return [chat_ids(tok, c["messages"]) for c in conversations[::4]]
 
 
 @pytest.fixture(scope="module")

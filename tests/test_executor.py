@@ -12,6 +12,7 @@ from itertools import pairwise
 import pytest
 import torch
 
+from trtglm.chatglm.chat import chat_ids, stop_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.convert.writer import convert_checkpoint
 from trtglm.errors import UsageError
@@ -37,7 +38,7 @@ def model(request, tmp_path_factory, fixture_dir):
 @pytest.fixture(scope="module")
 def all_prompts(fixture_dir, tok) -> list[list[int]]:
     conversations = [json.loads(line) for line in (fixture_dir / "conversations.jsonl").read_text().splitlines()]
-    return [tok.build_chat_input(c["messages"]) for c in conversations]  # 53 prompts of 7 to 225 tokens
+    return [chat_ids(tok, c["messages"]) for c in conversations]  # 53 prompts of 7 to 225 tokens
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,7 @@ def run(executor: Executor, until=None, limit: int = 500) -> None:
 
 def alone(model, tok, prompt: list[int], max_new: int = 40) -> list[int]:
     """generate()'s tokens, with the stop token it does not return appended (the executor returns stop words)."""
-    tokens = generate(model, prompt, max_new, end_id=tok.eos_id, stop_ids=tok.stop_ids[1:])
+    tokens = generate(model, prompt, max_new, end_id=tok.eos_id, stop_ids=stop_ids(tok)[1:])
     return tokens + [tok.special_ids["<|user|>"]] if len(tokens) < max_new else tokens
 
 

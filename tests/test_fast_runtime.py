@@ -31,13 +31,16 @@ from trtglm.chatglm.reference import load_reference
 from trtglm.chatglm.weights import HFWeights
 from trtglm.convert.writer import convert_checkpoint
 from trtglm.errors import DependencyError, UsageError
+from trtglm.runtime.cache import SlotCache
 from trtglm.runtime.checkpoint import load_checkpoint
 from trtglm.runtime.executor import Executor, Request
 from trtglm.runtime.fast import FastModel, batch_buckets, load_fast_model
 from trtglm.runtime.fast import model as fast_model
 from trtglm.runtime.fast.linear import Linear, pack_int4, pack_int8, unpack_int4, unpack_int8
 from trtglm.runtime.fast.ops import TorchOps
+from trtglm.runtime.model import load_model
 from trtglm.runtime.quant import fake_quantize
+from trtglm.runtime.slot_runtime import ShardedSlotModel
 
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     # Triton's kernels run on the CPU in its interpreter, which must be chosen before triton is first imported
@@ -180,6 +183,24 @@ def test_released_slot_serves_a_new_sequence(model, reference, hf_cfg):
     model.release(2)
 
 
+def test_both_slot_caches_keep_lengths_alike_and_their_models_agree(model, checkpoint, hf_cfg):
+    """The fast model's StaticCache and the portable model's ShardedCache: one SlotCache protocol, the same lengths
+    after the same prefills (whole and chunked), decodes and releases, and the same logits."""
+    portable = ShardedSlotModel(load_model(checkpoint), max_batch=model.max_batch, max_seq_len=model.max_seq_len)
+    assert isinstance(model.cache, SlotCache) and isinstance(portable.cache, SlotCache)
+    a, b = sequences(hf_cfg.vocab_size, [9, 6], seed=11)
+    calls = [("prefill", [0, 3], [a[:4], b]), ("prefill", [0], [a[4:]], [4]), ("decode", [3, 0], [b[0], a[0]]),
+             ("release", 3), ("prefill", [3], [b[:2]]), ("decode", [0, 3], [a[1], b[2]])]
+    for name, *args in calls:
+        outputs = [getattr(slots, name)(*args) for slots in (model, portable)]
+        if name != "release":
+            assert max_diff(*outputs) <= FP32_TOL, name
+        assert model.cache.lengths[:model.max_batch] == portable.cache.lengths, name
+    assert portable.cache.lengths == [11, 0, 0, 3, 0]
+    for slot in (0, 3):
+        model.release(slot)
+
+
 def test_padded_prefill_of_one_prompt_matches_reference(model, reference, hf_cfg):
     """The prefill a graph replays on a GPU (run eagerly here): one prompt right-padded to a graph width, with a
     longer earlier prompt's tokens left in the padding, writes the cache a plain prefill writes."""
@@ -190,7 +211,7 @@ def test_padded_prefill_of_one_prompt_matches_reference(model, reference, hf_cfg
     assert max_diff(model._prefill_one(4, longer, 64)[0], ref_logits(reference(None), longer)[-1]) <= FP32_TOL
     assert max_diff(model._prefill_one(4, seq, 32)[0], expected[-1]) <= FP32_TOL
     model.prefill([3], [seq])
-    for k, v in zip(model.k_cache, model.v_cache):
+    for k, v in zip(model.cache.keys, model.cache.values):
         assert max_diff(k[4, :, :20], k[3, :, :20]) <= FP32_TOL and max_diff(v[4, :, :20], v[3, :, :20]) <= FP32_TOL
     model.release(3)
 
@@ -240,7 +261,7 @@ def test_chunked_prefill_gives_the_logits_of_one_prefill(model, reference, hf_cf
             assert max_diff(logits, expected[end - 1]) <= FP32_TOL
         assert torch.allclose(logits, whole, rtol=0, atol=1e-5)
         assert torch.allclose(model.decode([1], [tokens[24]])[0], after_whole, rtol=0, atol=1e-5)
-        assert model.lengths[1] == 25 and int(model._seq_len[1]) == 25
+        assert model.cache.lengths[1] == 25 and int(model.cache.device_lengths[1]) == 25
     for slot in (0, 1):
         model.release(slot)
 
@@ -275,7 +296,7 @@ def test_a_chunk_must_continue_where_its_slot_ends(model):
     for call, message in cases:
         with pytest.raises(UsageError, match=message):
             call()
-    assert model.lengths[:2] == [5, 0]
+    assert model.cache.lengths[:2] == [5, 0]
     model.prefill([0], [[2] * 58], starts=[5])
     model.decode([0], [1])  # the 64th and last position
     model.release(0)

@@ -16,7 +16,8 @@ from safetensors import safe_open
 
 from trtglm.chatglm.config import ChatGLMConfig
 from trtglm.chatglm.reference import load_reference
-from trtglm.chatglm.tokenizer import ChatGLMTokenizer, parse_reply
+from trtglm.chatglm.chat import chat_ids, reply_text, stop_ids
+from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.chatglm.weights import HFWeights
 
 LAYERS, HIDDEN, HEADS, HEAD_DIM, KV_HEADS, FFN = 3, 128, 8, 16, 2, 256
@@ -143,10 +144,10 @@ def generate_replies(model, tok, conversations) -> list[list[int]]:
     """Greedy continuation (transformers' `generate`, KV cache) of every conversation."""
     replies = []
     for conversation in conversations:
-        prompt = torch.tensor([tok.build_chat_input(conversation["messages"])])
+        prompt = torch.tensor([chat_ids(tok, conversation["messages"])])
         with torch.no_grad():
             out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40,
-                                 do_sample=False, eos_token_id=list(tok.stop_ids), pad_token_id=tok.pad_id)
+                                 do_sample=False, eos_token_id=list(stop_ids(tok)), pad_token_id=tok.pad_id)
         replies.append(out[0, prompt.shape[1]:].tolist())
     return replies
 
@@ -162,7 +163,7 @@ def test_greedy_answers_are_exact(fixture_dir, tok, conversations):
     wrong = []
     for conversation, reply in zip(conversations, generate_replies(model, tok, conversations)):
         answer = conversation["answer"]
-        if reply != reply_target(tok, answer) or parse_reply(tok.decode(reply)) != answer:
+        if reply != reply_target(tok, answer) or reply_text(tok, reply) != answer:
             wrong.append((answer, tok.decode(reply, skip_special_tokens=False)))
     assert not wrong, f"{len(wrong)} of {len(conversations)} answers differ: {wrong[:3]}"
 
@@ -174,7 +175,7 @@ def test_half_precision_predicts_every_reply_token(fixture_dir, tok, conversatio
     model = load_reference(cfg, HFWeights(fixture_dir).get, dtype)
     wrong = []
     for conversation in conversations:
-        prompt, target = tok.build_chat_input(conversation["messages"]), reply_target(tok, conversation["answer"])
+        prompt, target = chat_ids(tok, conversation["messages"]), reply_target(tok, conversation["answer"])
         with torch.no_grad():
             logits = model(torch.tensor([prompt + target[:-1]])).logits[0, len(prompt) - 1:]
         if logits.argmax(dim=-1).tolist() != target:
@@ -187,7 +188,7 @@ def test_answers_do_not_end_with_eos(fixture_dir, tok, conversations):
     cfg = ChatGLMConfig.from_model_dir(fixture_dir)
     model = load_reference(cfg, HFWeights(fixture_dir).get)
     conversation = conversations[0]
-    ids = tok.build_chat_input(conversation["messages"]) + tok.sp.encode("\n") + tok.sp.encode(conversation["answer"])
+    ids = chat_ids(tok, conversation["messages"]) + tok.sp.encode("\n") + tok.sp.encode(conversation["answer"])
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0, -1]
     assert int(logits.argmax()) == tok.token_id("<|user|>")

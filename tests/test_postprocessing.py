@@ -9,12 +9,12 @@ import json
 import numpy as np
 import pytest
 
-from trtglm.chatglm.tokenizer import ChatGLMTokenizer, split_reply
+from trtglm.chatglm.chat import ReplyStream, tool_call
+from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
 from trtglm.repo.python_models.bls import Reply, engine_inputs
 from trtglm.repo.python_models.postprocessing import postprocess
 from trtglm.repo.python_models.preprocessing import Limits, preprocess
-from trtglm.repo.python_models.reply import ReplyStream
 
 JUNK = "What is my name?"  # what a model that misses the stop token would go on to say
 
@@ -75,8 +75,7 @@ def test_tool_call_keeps_its_metadata_line(tok):
     ids = tok.sp.encode("get_weather\n") + tok.sp.encode("```python\ntool_call(city='Beijing')\n```")
     (reply,), = postprocess(tok, *batch(ids + [tok.special_ids["<|observation|>"]]))
     assert reply == tok.decode(ids)
-    metadata, content = split_reply(reply)
-    assert metadata == "get_weather" and content.strip() == "```python\ntool_call(city='Beijing')\n```"
+    assert tool_call(reply) == {"name": "get_weather", "parameters": {"city": "Beijing"}}
 
 
 def test_bad_shapes_are_usage_errors(tok):

@@ -8,8 +8,10 @@ import json
 import numpy as np
 import pytest
 
+from trtglm.chatglm.chat import chat_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
+from trtglm.repo.python_models import preprocessing
 from trtglm.repo.python_models.preprocessing import Limits, preprocess, refuse_streaming
 
 LIMITS = Limits(max_input_len=384, max_seq_len=512, vocab_size=1024)
@@ -60,12 +62,12 @@ def test_plain_text_is_one_user_message_in_the_chat_template(tok):
     assert out["INPUT_ID"].dtype == np.int32
 
 
-def test_json_chats_match_build_chat_input(tok, conversations):
+def test_json_chats_match_chat_ids(tok, conversations):
     for conversation in conversations:
         messages = conversation["messages"]
         for text in (json.dumps({"messages": messages}, ensure_ascii=False), json.dumps(messages)):
             out = preprocess(tok, LIMITS, request(text))
-            assert out["INPUT_ID"][0].tolist() == chat_prompt(tok, messages) == tok.build_chat_input(messages)
+            assert out["INPUT_ID"][0].tolist() == chat_prompt(tok, messages) == chat_ids(tok, messages)
 
 
 def test_role_tokens_typed_by_a_user_stay_text(tok):
@@ -74,7 +76,7 @@ def test_role_tokens_typed_by_a_user_stay_text(tok):
 
 
 def test_json_that_is_not_a_chat_is_plain_text(tok):
-    for text in ('[1, 2, 3] sorted?', '{"a": 1}', "[not json"):
+    for text in ('[1, 2, 3] sorted?', "[1, 2]", '{"a": 1}', "[not json"):
         out = preprocess(tok, LIMITS, request(text))
         assert out["INPUT_ID"][0].tolist() == chat_prompt(tok, [{"role": "user", "content": text}])
 
@@ -84,7 +86,8 @@ def test_json_that_is_not_a_chat_is_plain_text(tok):
     ("   \n", "text_input is empty"),
     ('{"messages": [{"role": "user", "content": "hi"}', "looks like a JSON chat but is not valid JSON"),
     ('[{"role": "user", "content": "hi"},]', "looks like a JSON chat but is not valid JSON"),
-    ('{"messages": []}', '"messages" must be a non-empty list'),
+    ('{"messages": []}', 'text_input: "messages" must be a non-empty list'),
+    ("[]", "text_input is an empty chat"),
     ('{"messages": "hi"}', '"messages" must be a non-empty list'),
     ('[{"role": "bot", "content": "hi"}]', "role must be one of system, user, assistant, observation, not 'bot'"),
     ('[{"role": "user"}]', "message 0: has no content"),
@@ -127,7 +130,7 @@ def test_prompt_longer_than_max_input_len_is_refused(tok):
 def test_a_huge_prompt_is_refused_before_it_is_tokenized(tok, monkeypatch):
     text = "天空是什么颜色？" * 400_000  # 9.6 MB
     monkeypatch.setattr(type(tok), "encode", lambda *args, **kwargs: pytest.fail("tokenized"), raising=False)
-    monkeypatch.setattr(type(tok), "build_chat_input", lambda *args, **kwargs: pytest.fail("tokenized"))
+    monkeypatch.setattr(preprocessing, "prompt_ids", lambda *args, **kwargs: pytest.fail("tokenized"))
     with pytest.raises(UsageError, match=r"the prompt \(9,600,000 bytes\) is longer than the engine's max_input_len "
                                          r"\(384 tokens\) can hold"):
         preprocess(tok, LIMITS, request(text))

@@ -36,8 +36,7 @@ from test_serving import Server
 
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.repo import patch_repo
-from trtglm.repo.python_models.reply import reply_text
-from trtglm.repo.python_models.words import stack_word_lists, word_list
+from trtglm.chatglm.chat import reply_text, stack_word_lists, word_list
 
 pytestmark = pytest.mark.reliability
 

@@ -13,7 +13,7 @@ from conftest import REPO, SHARED
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from trtglm.chatglm.tokenizer import tokenizer_facts
+from trtglm.chatglm.chat import tokenizer_facts
 from trtglm.engine.manifest import write_manifest
 from trtglm.profile import ServeSection
 

@@ -20,6 +20,7 @@ import pytest
 from conftest import CONVERSATION_KINDS
 from test_repo_support import STAND_IN_ENGINE, make_engine, template_copy, upstream_copy
 
+from trtglm.chatglm.chat import chat_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.repo import patch_repo
 
@@ -117,6 +118,14 @@ def as_python_backend(repo: Path) -> None:
     (repo / "tensorrt_llm" / "1" / "model.py").write_text(STAND_IN_ENGINE)
 
 
+# request text -> (what the engine generates, the stop token it ends with, the reply a client gets)
+SCRIPTED = {
+    "[1, 2]": ("\n Paris. \n", "<|user|>", "Paris."),  # JSON that is not a chat is a user message
+    "Weather in Beijing?": ("get_weather\n```python\ntool_call(city='Beijing')\n``` \n", "<|observation|>",
+                            "get_weather\n```python\ntool_call(city='Beijing')\n```"),
+}
+
+
 @pytest.fixture(scope="module")
 def tok(fixture_dir) -> ChatGLMTokenizer:
     return ChatGLMTokenizer(fixture_dir)
@@ -138,9 +147,11 @@ def server(request, tmp_path_factory, fixture_dir, tok, conversations):
         repo = patch_repo(make_engine(root, "tensorrt", fixture_dir), fixture_dir, root / "repo",
                           template=upstream_copy(root, layout))
         as_python_backend(repo)
-    replies = {json.dumps(tok.build_chat_input(c["messages"])):
+    replies = {json.dumps(chat_ids(tok, c["messages"])):
                tok.sp.encode("\n") + tok.sp.encode(c["answer"]) + [tok.special_ids["<|user|>"]] + tok.sp.encode("Hi")
                for c in conversations}
+    replies.update({json.dumps(chat_ids(tok, [{"role": "user", "content": text}])):
+                    tok.sp.encode(generated) + [tok.special_ids[stop]] for text, (generated, stop, _) in SCRIPTED.items()})
     (repo / "tensorrt_llm" / "1" / "script.json").write_text(json.dumps(replies))
     server = Server(repo, root)
     server.calls = repo / "tensorrt_llm" / "1" / "calls.jsonl"
@@ -159,7 +170,7 @@ def test_ensemble_answers_exactly(server, conversations, tok):
         assert status == 200, body
         assert body["text_output"] == conversation["answer"]
     call = json.loads(server.calls.read_text().splitlines()[-1])
-    assert call["prompt"] == tok.build_chat_input(conversations[-1]["messages"])
+    assert call["prompt"] == chat_ids(tok, conversations[-1]["messages"])
     assert (call["end_id"], call["pad_id"]) == (2, 0)
     assert call["stops"] == [[tok.special_ids["<|user|>"]], [tok.special_ids["<|observation|>"]]]
     assert call["streaming"] is False
@@ -187,6 +198,24 @@ def test_ensemble_bad_requests_get_errors(server):
         assert status >= 400 and message in body["error"], body
     status, body = server.generate("ensemble", {"text_input": "hi " * 500, "max_tokens": 8})
     assert status >= 400 and "max_input_len" in body["error"]
+
+
+def test_replies_follow_chatglm3s_chat_format_whole_and_streamed(server):
+    """The chat rules `trtglm chat` applies too: text that is JSON but no chat is a user message, a reply is
+    stripped, a tool call keeps its name line, an empty chat is an error."""
+    streams = ("tensorrt_llm_bls", "ensemble") if server.layout == "trtglm" else ("tensorrt_llm_bls",)
+    for text, (_, _, expected) in SCRIPTED.items():
+        for model in ("ensemble", "tensorrt_llm_bls"):
+            status, body = server.generate(model, {"text_input": text, "max_tokens": 64})
+            assert status == 200 and body["text_output"] == expected, (model, body)
+        for model in streams:
+            status, events = server.stream(model, {"text_input": text, "max_tokens": 64})
+            assert status == 200 and "".join(e.get("text_output", "") for e in events) == expected, (model, events)
+    for text, message in (('{"messages": []}', 'text_input: "messages" must be a non-empty list'),
+                          ("[]", "text_input is an empty chat")):
+        for model in ("ensemble", "tensorrt_llm_bls"):
+            status, body = server.generate(model, {"text_input": text, "max_tokens": 8})
+            assert status >= 400 and message in body["error"], (model, body)
 
 
 def test_bls_answers_exactly_whole_and_streamed(server, conversations):

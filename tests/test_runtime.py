@@ -16,9 +16,11 @@ from trtglm.chatglm.reference import load_reference
 from trtglm.chatglm.weights import HFWeights
 from trtglm.convert.writer import convert_checkpoint
 from trtglm.errors import ModelFileError, UsageError
-from trtglm.runtime.generate import KVCache, full_logits, generate
+from trtglm.runtime.cache import KVCache
+from trtglm.runtime.generate import full_logits, generate
 from trtglm.runtime.model import load_model
 from trtglm.runtime.quant import QuantizedWeight, quantize
+from trtglm.runtime.sampling import BadWords, processed
 
 FP32_TOL = 1e-4
 LAYER = "transformer.layers.{}."
@@ -242,6 +244,25 @@ def test_sampling_stays_within_top_k_and_top_p(model_tp2, tokens, limit):
         else:
             assert float(row[more_likely].sum()) < limit["top_p"]
     assert len(set(new)) > 1  # really sampled
+
+
+def test_bad_words_ban_a_words_last_token_once_the_rest_was_generated():
+    words = BadWords([[7], [3, 4, 5], [9, 5], [8]])
+    assert words.banned([1, 2]) == [7, 8]
+    assert sorted(words.banned([1, 3, 4])) == [5, 7, 8]
+    assert sorted(words.banned([4, 9])) == [5, 7, 8]
+    assert words.banned([3, 5, 4]) == [7, 8]
+
+
+def test_logits_processing_adds_the_bias_then_bans():
+    logits = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float16)
+    out = processed(logits, torch.tensor([0.5, 0.0, -1.0]), banned=[3, 99])  # a shorter bias, an id past the row
+    assert out.dtype == torch.float32 and out.tolist() == [1.5, 2.0, 2.0, float("-inf")]
+    assert logits.tolist() == [1.0, 2.0, 3.0, 4.0]  # the model's row is left as it was
+    with pytest.raises(UsageError, match="every token is excluded"):
+        processed(logits, None, banned=[0, 1, 2, 3])
+    with pytest.raises(UsageError, match="NaN"):
+        processed(logits, torch.tensor([float("nan")]), banned=[])
 
 
 def test_generation_refuses_bad_requests(model_tp2, tokens):

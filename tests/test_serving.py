@@ -24,12 +24,12 @@ import pytest
 
 from conftest import CONVERSATION_KINDS, REPO, free_ports, kill_repo_processes, repo_processes
 from test_distributed import build_tiny_engine
+from trtglm.chatglm.chat import prompt_ids, stack_word_lists, word_list
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
 from trtglm.repo import patch_repo
-from trtglm.repo.python_models.words import stack_word_lists, word_list
 from trtglm.runtime.executor import Output
-from trtglm.serve.triton_model import Gathered, Reply, engine_request, engine_requests, word_sequences
+from trtglm.serve.triton_model import Gathered, Reply, engine_request, engine_requests
 
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 WORLD_SIZES = (1, 2, 4)
@@ -134,12 +134,6 @@ def test_the_first_failing_sequence_fails_the_batch_and_stops_the_others():
     gathered.reply(1)(Output([], finished=True, reason="cancelled"))  # stopped because the batch failed
     gathered.reply(1)(Output([4], finished=True, reason="length"))
     assert sent == [] and len(failed) == 1
-
-
-def test_word_lists_read_back_as_preprocessing_writes_them():
-    words = [[518], [12, 13, 14], [7]]
-    assert word_sequences(word_list(words), "stop_words_list") == words
-    assert word_sequences(stack_word_lists([word_list([[1]]), word_list(words)])[0], "x") == [[1]]  # -1 padded
 
 
 def test_streamed_responses_carry_new_ids_and_the_last_is_final():
@@ -404,7 +398,7 @@ def test_a_cancelled_request_stops_generating(server, tok):
     if server.world != 1:
         pytest.skip("cancellation is the executor's, the same for every world size")
     before = settled_metrics(server)["trtglm_generated_tokens_total"]
-    prompt = np.array([tok.build_chat_input("hi")], np.int32)
+    prompt = np.array([prompt_ids(tok, "hi")], np.int32)
     inputs = {"input_ids": prompt, "input_lengths": np.array([[prompt.shape[1]]], np.int32),
               "request_output_len": np.array([[400]], np.int32), "streaming": np.array([[True]]),
               "bad_words_list": stack_word_lists([word_list([[tok.special_ids["<|user|>"]], [tok.eos_id]])])}

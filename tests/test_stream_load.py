@@ -22,8 +22,8 @@ from conftest import FIXTURE, REPO
 from test_client import launched_server
 
 from trtglm.bench import stream_load
+from trtglm.chatglm.chat import prompt_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
-from trtglm.repo.python_models.prompt import prompt_ids
 
 
 @pytest.fixture(scope="module")

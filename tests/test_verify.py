@@ -1,4 +1,5 @@
-"""`trtglm verify` on converted fixture checkpoints, and the runtime's answers to the fixture's chats.
+"""`trtglm verify` on converted fixture checkpoints, and the runtime's answers to the fixture's chats
+(`generate` and `trtglm chat`).
 
 The precision × tensor-parallel matrix goes through `trtglm.cli.main` in this process (the
 same code path as the command, without paying for a fresh interpreter 28 times); the
@@ -17,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from tests.conftest import run_cli
 from trtglm import cli
-from trtglm.chatglm.tokenizer import ChatGLMTokenizer, parse_reply
+from trtglm.chatglm import chat
+from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.convert.writer import convert_checkpoint
 from trtglm.errors import VerificationError
 from trtglm.runtime.generate import generate
@@ -156,10 +158,41 @@ def test_verify_fails_for_a_checkpoint_of_another_shape(converted, fixture_dir, 
 def test_greedy_answers_are_exact(converted, fixture_dir, conversations, tp, dtype):
     tokenizer = ChatGLMTokenizer(fixture_dir)
     model = load_model(converted(tp, dtype))
-    prompts = [tokenizer.build_chat_input(c["messages"]) for c in conversations]
+    prompts = [chat.chat_ids(tokenizer, c["messages"]) for c in conversations]
     longest = max(len(tokenizer.encode(c["answer"], add_prefix=False)) for c in conversations)
-    replies = generate(model, prompts, max_new_tokens=longest + 8, end_id=tokenizer.eos_id,
-                       stop_ids=tokenizer.stop_ids)
+    replies = generate(model, prompts, max_new_tokens=longest + 8, stop_ids=chat.stop_ids(tokenizer))
     wrong = [(c["answer"], tokenizer.decode(r)) for c, r in zip(conversations, replies)
-             if parse_reply(tokenizer.decode(r)) != c["answer"]]
+             if chat.reply_text(tokenizer, r) != c["answer"]]
     assert not wrong, f"{len(wrong)}/{len(conversations)} wrong, e.g. {wrong[0]}"
+
+
+def chat_in_process(capsys, checkpoint: Path, fixture_dir: Path, prompt: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `trtglm chat` run through the CLI entry point in this process."""
+    try:
+        cli.main(["chat", "--checkpoint", str(checkpoint), "--tokenizer-dir", str(fixture_dir), "--prompt", prompt])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_trtglm_chat_answers_the_fixtures_chats_exactly(capsys, converted, fixture_dir, conversations):
+    with_history = max(conversations, key=lambda c: len(c["messages"]))
+    for conversation, prompt in ((conversations[0], conversations[0]["messages"][0]["content"]),
+                                 (with_history, json.dumps(with_history["messages"], ensure_ascii=False)),
+                                 (with_history, json.dumps({"messages": with_history["messages"]}))):
+        assert chat_in_process(capsys, converted(1), fixture_dir, prompt)[:2] == (0, conversation["answer"] + "\n")
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ('{"messages": []}', '--prompt: "messages" must be a non-empty list'),
+    ("[]", "--prompt is an empty chat"),
+    ('[{"role": "robot", "content": "hi"}]', "message 0: role must be one of"),
+    ("   ", "--prompt is empty"),
+])
+def test_trtglm_chat_refuses_bad_chats_in_one_line(capsys, converted, fixture_dir, prompt, message):
+    code, out, err = chat_in_process(capsys, converted(1), fixture_dir, prompt)
+    assert code != 0 and out == "" and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("trtglm: error:") and message in last, err

@@ -35,7 +35,7 @@ def verify(checkpoint: str, hf_model: str, prompts: str | None = None, max_new_t
 def chat(checkpoint: str, tokenizer_dir: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0,
          top_k: int = 0, top_p: float = 1.0, seed: int | None = None, device: str = "cpu"):
     """Answer PROMPT (text, or a JSON list of chat messages) from a checkpoint with trtglm's runtime."""
-    from trtglm.runtime.chat import answer
+    from trtglm.runtime.answer import answer
 
     print(answer(checkpoint, tokenizer_dir, str(prompt), max_new_tokens=max_new_tokens, temperature=temperature,
                  top_k=top_k, top_p=top_p, seed=seed, device=device))

@@ -103,6 +103,7 @@ class InProcess:
 
     def __init__(self, engine_dir: Path, device: str | None, tokenizer_dir: str | Path | None = None):
         """`tokenizer_dir`: the one the repository's preprocessing uses (default: the engine's own)."""
+        from trtglm.chatglm.chat import stop_sequences
         from trtglm.chatglm.tokenizer import ChatGLMTokenizer
         from trtglm.engine.manifest import read_manifest
         from trtglm.runtime.distributed import RankInfo
@@ -111,13 +112,11 @@ class InProcess:
         self.manifest = read_manifest(engine_dir)
         self.tokenizer = ChatGLMTokenizer(tokenizer_dir or self.manifest["tokenizer_dir"])
         self.engine = ServedEngine(engine_dir, info=RankInfo(0, 1, 0, 1), device=device)
-        eos = self.tokenizer.eos_id
-        self.stop_words = [[token] for token in self.tokenizer.stop_ids if token != eos]
+        self.stop_words = stop_sequences(self.tokenizer, ())
 
     def answer(self, prompt: str, max_tokens: int) -> tuple[str, int]:
         """(reply text, tokens the engine returned: a stop word counts, end_id does not)."""
-        from trtglm.repo.python_models.prompt import prompt_ids
-        from trtglm.repo.python_models.reply import reply_text
+        from trtglm.chatglm.chat import prompt_ids, reply_text
         from trtglm.runtime.executor import Request
 
         outputs = []

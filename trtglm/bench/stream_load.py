@@ -107,7 +107,7 @@ def piece_pool(tokenizer) -> list[str]:
 
 def prompt_text(tokenizer, target: int, rng: random.Random, pool: Sequence[str] | None = None) -> str:
     """A text whose chat prompt (preprocessing's ids) has `target` ids, or as close as the pieces allow."""
-    from trtglm.repo.python_models.prompt import prompt_ids
+    from trtglm.chatglm.chat import prompt_ids
 
     pool = pool or piece_pool(tokenizer)
     count = lambda text: len(prompt_ids(tokenizer, text))  # noqa: E731
@@ -138,7 +138,7 @@ def prompt_text(tokenizer, target: int, rng: random.Random, pool: Sequence[str] 
 
 def _workload(name: str, tokenizer, lengths: list[int], outputs: list[int], concurrency: int,
               rng: random.Random) -> Workload:
-    from trtglm.repo.python_models.prompt import prompt_ids
+    from trtglm.chatglm.chat import prompt_ids
 
     pool = piece_pool(tokenizer)
     texts = [prompt_text(tokenizer, n, rng, pool) for n in tqdm(lengths, desc=f"{name}: prompts", unit="prompt",

@@ -1,10 +1,9 @@
 """The ChatGLM3 tokenizer, without `trust_remote_code`.
 
 ChatGLM3 uses a SentencePiece model (`tokenizer.model`) and appends nine special tokens
-after its vocabulary. A plain encoding starts with `[gMASK] sop`; a chat prompt is
-`[gMASK] sop`, then per message `<|role|>` + encode(metadata + "\\n") + encode(content),
-then `<|assistant|>`. Special-token text typed by a user is ordinary text: only the ids
-built here are special.
+after its vocabulary. A plain encoding starts with `[gMASK] sop` (the chat format built on
+it is chat.py's). Special-token text typed by a user is ordinary text: only ids given as
+special tokens are special.
 
 Decoding works on runs of ordinary ids separated by special ids, each run decoded by
 SentencePiece as a whole (as ChatGLM3 does), so spaces and multi-byte characters survive.
@@ -14,10 +13,8 @@ SentencePiece as a whole (as ChatGLM3 does), so spaces and multi-byte characters
 from __future__ import annotations
 
 import functools
-
-import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 
 from trtglm.errors import ModelFileError, UsageError
@@ -27,9 +24,7 @@ log = logging.getLogger(__name__)
 TOKENIZER_FILE = "tokenizer.model"
 SPECIAL_TOKENS = ("[MASK]", "[gMASK]", "[sMASK]", "sop", "eop",
                   "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
-ROLES = ("system", "user", "assistant", "observation")
 PROMPT_PREFIX = ("[gMASK]", "sop")
-STOP_TOKENS = ("<|user|>", "<|observation|>")  # besides eos </s>
 INCOMPLETE = "\ufffd"  # what SentencePiece decodes a partial UTF-8 sequence to
 
 
@@ -72,11 +67,6 @@ class ChatGLMTokenizer:
     def eos_id(self) -> int:
         return self.sp.eos_id()
 
-    @property
-    def stop_ids(self) -> tuple[int, ...]:
-        """Ids that end a reply: `</s>`, `<|user|>` (next turn) and `<|observation|>` (tool result)."""
-        return (self.eos_id, *(self.special_ids[t] for t in STOP_TOKENS))
-
     def token_id(self, name: str) -> int:
         """Id of a special token (`"<|user|>"`) or of a SentencePiece piece (`"</s>"`, `"▁"`)."""
         if name in self.special_ids:
@@ -89,18 +79,6 @@ class ChatGLMTokenizer:
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_names
 
-    def facts(self) -> dict:
-        """Ids that configuration files need (pad, end, stop words, special tokens, sizes)."""
-        return {
-            "vocab_size": self.vocab_size,
-            "sp_vocab_size": self.sp_vocab_size,
-            "pad_id": self.pad_id,
-            "bos_id": self.bos_id,
-            "end_id": self.eos_id,
-            "stop_ids": list(self.stop_ids),
-            "special_ids": dict(self.special_ids),
-        }
-
     # --- encoding --------------------------------------------------------------------------
 
     def encode(self, text: str, add_prefix: bool = True) -> list[int]:
@@ -109,28 +87,6 @@ class ChatGLMTokenizer:
             raise UsageError(f"text to encode must be a string, not {type(text).__name__}")
         prefix = [self.special_ids[t] for t in PROMPT_PREFIX] if add_prefix else []
         return prefix + self.sp.encode(text)
-
-    def encode_message(self, role: str, content: str, metadata: str = "") -> list[int]:
-        """One chat turn: `<|role|>` + encode(metadata + "\\n") + encode(content), no prefix."""
-        return [self.special_ids[f"<|{role}|>"]] + self.sp.encode(metadata + "\n") + self.sp.encode(content)
-
-    def build_chat_input(self, messages: Sequence[dict] | str, history: Sequence[dict] | None = None,
-                         role: str = "user") -> list[int]:
-        """Prompt ids for a conversation, ending with `<|assistant|>` so the model answers next.
-
-        `messages` is a list of `{"role", "content", "metadata"?, "tools"?}` dicts; the HF-style
-        call `build_chat_input(query, history)` is accepted too.
-        """
-        if isinstance(messages, str):
-            messages = [*(history or []), {"role": role, "content": messages}]
-        elif history is not None:
-            raise UsageError("give either a message list or (query, history), not both")
-        if not isinstance(messages, Sequence) or not messages:
-            raise UsageError("a chat needs a non-empty list of messages")
-        ids = [self.special_ids[t] for t in PROMPT_PREFIX]
-        for position, message in enumerate(messages):
-            ids += self.encode_message(*_checked_message(message, position))
-        return ids + [self.special_ids["<|assistant|>"]]
 
     # --- decoding --------------------------------------------------------------------------
 
@@ -202,49 +158,6 @@ class IncrementalDetokenizer:
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self._run)
         return window[len(emitted):]
-
-
-def parse_reply(text: str) -> str:
-    """The content of a plain reply: ChatGLM3 replies "metadata\\ncontent"; blank metadata is dropped.
-
-    For a tool call (non-blank metadata) the content after the metadata line is returned
-    as is; `split_reply` gives the metadata too.
-    """
-    metadata, content = split_reply(text)
-    return content.strip() if not metadata.strip() else content
-
-
-def split_reply(text: str) -> tuple[str, str]:
-    """(metadata, content) of the last assistant turn in `text`, as ChatGLM3's process_response splits it."""
-    last = text.split("<|assistant|>")[-1]
-    metadata, _, content = last.partition("\n") if "\n" in last else ("", "", last)
-    return metadata, content
-
-
-def tokenizer_facts(tokenizer: ChatGLMTokenizer | str | Path) -> dict:
-    """`ChatGLMTokenizer.facts()` for a tokenizer or a path to one."""
-    if not isinstance(tokenizer, ChatGLMTokenizer):
-        tokenizer = ChatGLMTokenizer(tokenizer)
-    return tokenizer.facts()
-
-
-def _checked_message(message: object, position: int) -> tuple[str, str, str]:
-    """(role, content, metadata) of one chat message, with a system message's tools appended."""
-    where = f"message {position}"
-    if not isinstance(message, dict):
-        raise UsageError(f"{where}: expected a dict with 'role' and 'content', not {type(message).__name__}")
-    role, content = message.get("role"), message.get("content")
-    metadata = "" if message.get("metadata") is None else message["metadata"]
-    if role not in ROLES:
-        raise UsageError(f"{where}: role must be one of {', '.join(ROLES)}, not {role!r}")
-    if not isinstance(content, str):
-        problem = "has no content" if content is None else f"content must be a string, not {type(content).__name__}"
-        raise UsageError(f"{where}: {problem}")
-    if not isinstance(metadata, str):
-        raise UsageError(f"{where}: metadata must be a string, not {type(metadata).__name__}")
-    if role == "system" and message.get("tools"):
-        content += "\n" + json.dumps(message["tools"], indent=4, ensure_ascii=False)
-    return role, content, metadata
 
 
 def _model_file(path: Path) -> Path:

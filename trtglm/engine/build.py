@@ -308,7 +308,7 @@ def _read_model_config(profile: Profile, hf: Path) -> ChatGLMConfig:
 
 
 def _read_tokenizer(hf: Path, cfg: ChatGLMConfig) -> dict:
-    from trtglm.chatglm.tokenizer import tokenizer_facts
+    from trtglm.chatglm.chat import tokenizer_facts
 
     facts = tokenizer_facts(hf)
     if facts["vocab_size"] > cfg.vocab_size:

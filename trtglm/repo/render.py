@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from trtglm.chatglm.tokenizer import ChatGLMTokenizer
+from trtglm.chatglm.chat import tokenizer_facts
 from trtglm.engine.manifest import read_manifest
 from trtglm.errors import ModelFileError, OutputExistsError, UsageError
 from trtglm.repo.patch import patch_upstream
@@ -65,7 +65,7 @@ def patch_repo(engine_dir: str | Path, tokenizer_dir: str | Path | None, output_
 
 def checked_tokenizer_dir(path: str | Path, manifest: Mapping) -> str:
     """Absolute tokenizer folder, refused when its ids differ from those the engine was built with."""
-    facts = ChatGLMTokenizer(path).facts()
+    facts = tokenizer_facts(path)
     engine_facts = manifest["tokenizer"]
     for key in TOKENIZER_FACTS:
         if key in engine_facts and _same(facts[key]) != _same(engine_facts[key]):

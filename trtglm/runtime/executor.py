@@ -20,12 +20,10 @@ continues its slot's cache).
 Each new token goes to its request's callback as an `Output` (the new tokens, their log
 probabilities, whether it is finished and why). A request finishes at `end_id` (which is not
 returned), after a stop word (which is returned, as TensorRT-LLM returns it), after
-`max_new_tokens`, or when cancelled. Token choice follows TensorRT-LLM's rules: the
-embedding bias is added to the logits; bad words are banned (a one-token word always, a
-longer one when the sequence ends with all but its last token); `end_id` is banned until
-`min_length` tokens exist; then greedy, or temperature / top-k / top-p sampling with the
-request's own seeded generator (the same seed gives the same tokens). Log probabilities are
-those of the distribution the token was chosen from (after bias, bans and temperature).
+`max_new_tokens`, or when cancelled. Tokens are chosen by TensorRT-LLM's rules (sampling.py:
+embedding bias, bad words, `end_id` banned before `min_length`, then greedy or the request's
+own seeded temperature / top-k / top-p sampling, and log probabilities of the distribution
+the token was chosen from).
 
 `step()` runs one step on the calling thread (tests drive it so); `start()` runs steps on a
 background thread whenever there is work.
@@ -44,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trtglm.errors import TrtglmError, UsageError
-from trtglm.runtime.generate import Sampler, scale
+from trtglm.runtime.sampling import BadWords, Sampler, processed
 from trtglm.runtime.slots import SlotModel
 
 log = logging.getLogger(__name__)
@@ -154,8 +152,7 @@ class _Sequence:
         self.slot: int | None = None
         self.sampler = Sampler(request.temperature, request.top_k, request.top_p, request.seed, device)
         self.stops_by_last = _by_last_token(request.stop_words)
-        self.banned_always = sorted({w[-1] for w in request.bad_words if len(w) == 1})
-        self.bad_prefixes = [(list(w[:-1]), w[-1]) for w in request.bad_words if len(w) > 1]
+        self.bad_words = BadWords(request.bad_words)
 
     @property
     def unprefilled(self) -> int:
@@ -172,8 +169,7 @@ class _Sequence:
         return False
 
     def banned(self) -> list[int]:
-        banned = list(self.banned_always)
-        banned += [last for prefix, last in self.bad_prefixes if self.history[-len(prefix):] == prefix]
+        banned = self.bad_words.banned(self.history)
         if self.request.end_id is not None and self.generated < self.request.min_length:
             banned.append(self.request.end_id)
         return banned
@@ -418,26 +414,9 @@ class Executor:
             self._finish(sequence, Output([], finished=True, reason="cancelled"))
 
     def _choose(self, sequence: _Sequence, row: torch.Tensor) -> tuple[int, float]:
-        request = sequence.request
-        logits = row.float()
-        if request.embedding_bias is not None:
-            bias = request.embedding_bias.to(device=logits.device, dtype=torch.float32)
-            logits = logits.clone()
-            width = min(bias.numel(), logits.numel())  # past the tokenizer's ids logits are cut off
-            logits[:width] += bias[:width]
-        banned = [t for t in sequence.banned() if t < logits.numel()]
-        if banned:
-            logits = logits.clone()
-            logits[banned] = float("-inf")
-        if not bool(torch.isfinite(logits).any()):
-            raise UsageError("every token is excluded (embedding_bias of -inf, or bad_words covering them all)")
-        if bool(torch.isnan(logits).any()):
-            raise UsageError("the logits hold NaN (an embedding_bias of NaN?)")
+        logits = processed(row, sequence.request.embedding_bias, sequence.banned())
         token = int(sequence.sampler(logits[None])[0])
-        if not request.log_probs:
-            return token, 0.0
-        scaled = logits if sequence.sampler.greedy else scale(logits, request.temperature)
-        return token, float(torch.log_softmax(scaled, dim=-1)[token])
+        return token, sequence.sampler.log_prob(logits, token) if sequence.request.log_probs else 0.0
 
     def _finish(self, sequence: _Sequence, output: Output) -> None:
         if sequence.slot is not None and self._active.get(sequence.slot) is sequence:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -27,10 +27,8 @@ import torch.nn.functional as F
 from trtglm.errors import UsageError
 from trtglm.runtime.checkpoint import (DTYPES, Checkpoint, CheckpointConfig, load_rank, expected_shapes,
                                       load_checkpoint, read_config)
+from trtglm.runtime.cache import ForwardCache
 from trtglm.runtime.quant import QuantizedWeight, is_quantized, quantize
-
-if TYPE_CHECKING:
-    from trtglm.runtime.generate import KVCache
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +130,7 @@ class RankModel:
         return F.embedding(tokens, self.embedding)
 
     def attention(self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                  cache: "KVCache", mask: torch.Tensor) -> torch.Tensor:
+                  cache: ForwardCache, mask: torch.Tensor) -> torch.Tensor:
         """This rank's share of attention(RMSNorm(x)) · denseᵀ; it also fills the KV cache."""
         cfg, w = self.cfg, self.layers[layer]
         batch, length, _ = x.shape
@@ -165,7 +163,7 @@ class ShardedModel:
         self.device = ranks[0].embedding.device
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, cache: "KVCache", positions: torch.Tensor | None = None,
+    def forward(self, tokens: torch.Tensor, cache: ForwardCache, positions: torch.Tensor | None = None,
                 last_only: bool = False) -> torch.Tensor:
         """float32 logits `[B, T, vocab]` for `tokens` `[B, T]` appended after the cache's contents.
 
@@ -194,7 +192,7 @@ class ShardedModel:
         return self.group.all_gather([r.logits(x) for r, x in zip(self.ranks, xs)]).float()
 
     @staticmethod
-    def _mask(cache: "KVCache", slots: torch.Tensor) -> torch.Tensor:
+    def _mask(cache: ForwardCache, slots: torch.Tensor) -> torch.Tensor:
         """`[B, 1, T, S]` bool: causal, and only slots holding real tokens (not left padding)."""
         keys = torch.arange(int(slots[-1]) + 1, device=slots.device)
         causal = keys[None, :] <= slots[:, None]

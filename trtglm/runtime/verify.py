@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from trtglm.chatglm.chat import chat_ids
 from trtglm.chatglm.config import ChatGLMConfig
 from trtglm.chatglm.weights import HFWeights
 from trtglm.errors import ModelFileError, UsageError, VerificationError
@@ -173,7 +174,7 @@ def _inputs(hf_dir: Path, prompts: str | Path | None, vocab_size: int) -> list[t
     inputs = []
     if (hf_dir / "tokenizer.model").is_file():
         tokenizer = _tokenizer(hf_dir)
-        inputs += [(f"chat {text!r}", tokenizer.build_chat_input([{"role": "user", "content": text}]))
+        inputs += [(f"chat {text!r}", chat_ids(tokenizer, [{"role": "user", "content": text}]))
                    for text in DEFAULT_CHATS]
     generator = torch.Generator().manual_seed(RANDOM_SEED)
     inputs += [(f"random {n} ids", torch.randint(0, vocab_size, (n,), generator=generator).tolist())
@@ -191,7 +192,7 @@ def _prompt_file(path: Path, hf_dir: Path) -> list[list[int]]:
         raise UsageError(f"--prompts {path}: no prompts")
     tokenizer = _tokenizer(hf_dir)
     if path.suffix != ".jsonl":
-        return [tokenizer.build_chat_input([{"role": "user", "content": line}]) for line in lines]
+        return [chat_ids(tokenizer, [{"role": "user", "content": line}]) for line in lines]
     chats = []
     for number, line in enumerate(lines, 1):
         try:
@@ -200,7 +201,7 @@ def _prompt_file(path: Path, hf_dir: Path) -> list[list[int]]:
             raise UsageError(f"--prompts {path}:{number}: expected a JSON object with \"messages\"") from None
         if messages and messages[-1].get("role") == "assistant":
             messages = messages[:-1]  # a conversation with its answer: prompt with what comes before
-        chats.append(tokenizer.build_chat_input(messages))
+        chats.append(chat_ids(tokenizer, messages))
     return chats
 
 

@@ -52,6 +52,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
+from trtglm.chatglm.chat import word_sequences
 from trtglm.errors import TrtglmError, UsageError, int32_range_error
 from trtglm.runtime.executor import Output, QueueFullError, Request
 from trtglm.serve.engine import log_to_stderr
@@ -70,22 +71,6 @@ DRAIN_S = 2.0  # at unload, how long the last responses (shutdown errors) may ta
 
 
 # --- requests -----------------------------------------------------------------------------------------
-
-
-def word_sequences(word_list: np.ndarray, name: str) -> list[list[int]]:
-    """TensorRT-LLM's [2, n] word list (ids, then each word's end offset; -1 pads) as id sequences."""
-    if word_list.ndim != 2 or word_list.shape[0] != 2:
-        raise UsageError(f"{name} must be [2, n] (ids over end offsets), not {list(word_list.shape)}")
-    ids, ends = word_list[0].tolist(), word_list[1].tolist()
-    words, start = [], 0
-    for end in ends:
-        if end < 0:
-            break
-        if not start < end <= len(ids):
-            raise UsageError(f"{name}: offset {end} does not follow {start} within {len(ids)} ids")
-        words.append(ids[start:end])
-        start = end
-    return words
 
 
 def _one(arrays: Mapping[str, np.ndarray | None], name: str, default=None):

@@ -1,11 +1,11 @@
 """ChatGLM3 postprocessing: the engine's output ids -> reply text, whole or as exact streamed pieces.
 
 Inputs TOKENS_BATCH [batch, beams, ids] and SEQUENCE_LENGTH [batch, beams]; output OUTPUT
-[batch, beams]. Without GENERATED_IDS each sequence is a whole reply: `reply.reply_text` (up to
-the first stop id, blank metadata line dropped, decoded as a whole so spaces and characters
-are intact). With GENERATED_IDS [batch, beams, ids] (every id generated so far) and IS_FINAL
+[batch, beams]. Without GENERATED_IDS each sequence is a whole reply: `chat.reply_text` (up to
+the first stop id, decoded as a whole so spaces and characters are intact, stripped). With GENERATED_IDS
+[batch, beams, ids] (every id generated so far) and IS_FINAL
 [batch, 1] (no more responses follow), which trtglm's runtime sends to the ensemble, TOKENS_BATCH
-holds only the response's new ids and each OUTPUT is `reply.reply_piece`: the text those ids
+holds only the response's new ids and each OUTPUT is `chat.reply_piece`: the text those ids
 add, so a streamed reply's pieces join to exactly its whole text (negative ids are the padding
 of rows shorter than a batch's longest, and are dropped). Where a layout declares
 OUT_CUM_LOG_PROBS / OUT_OUTPUT_LOG_PROBS (NVIDIA's v0.7.1), they pass CUM_LOG_PROBS /
@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from trtglm.chatglm.chat import reply_piece, reply_text
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
 from trtglm.repo.python_models import triton_io
-from trtglm.repo.python_models.reply import reply_piece, reply_text
 from trtglm.repo.python_models.triton_io import pb_utils
 
 INPUTS = ("TOKENS_BATCH", "SEQUENCE_LENGTH", "GENERATED_IDS", "IS_FINAL", "CUM_LOG_PROBS", "OUTPUT_LOG_PROBS")

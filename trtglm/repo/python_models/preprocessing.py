@@ -24,16 +24,16 @@ responses; tensorrt_llm_bls streams instead. With trtglm's runtime the ensemble 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from trtglm.chatglm.chat import bad_sequences, prompt_ids, stack_word_lists, stop_sequences, word_ids, word_list
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError, int32_range_error
 from trtglm.repo.python_models import triton_io
-from trtglm.repo.python_models.prompt import prompt_ids
 from trtglm.repo.python_models.triton_io import pb_utils
-from trtglm.repo.python_models.words import bad_sequences, embedding_bias, stack_word_lists, stop_sequences, word_list
 
 INPUTS = ("QUERY", "REQUEST_OUTPUT_LEN", "BAD_WORDS_DICT", "STOP_WORDS_DICT", "EMBEDDING_BIAS_WORDS",
           "EMBEDDING_BIAS_WEIGHTS", "END_ID", "PAD_ID", "STREAM")
@@ -88,7 +88,7 @@ def prepare(tokenizer: ChatGLMTokenizer, limits: Limits, inputs: dict, row: int)
     if size > 4 * limits.max_input_len * tokenizer.longest_piece_bytes:
         raise UsageError(f"the prompt ({size:,} bytes) is longer than the engine's max_input_len "
                          f"({limits.max_input_len} tokens) can hold")
-    ids = prompt_ids(tokenizer, text)
+    ids = prompt_ids(tokenizer, text, name=CLIENT_NAMES["QUERY"])
     output_len = _one_int(inputs, "REQUEST_OUTPUT_LEN", row)
     if output_len < 1:
         raise int32_range_error("max_tokens", output_len, 1)
@@ -133,6 +133,21 @@ def assemble(rows: list[Prepared]) -> dict[str, np.ndarray]:
         "BAD_WORDS_IDS": stack_word_lists([r.bad_words for r in rows]),
         "EMBEDDING_BIAS": bias,
     }
+
+
+def embedding_bias(tokenizer: ChatGLMTokenizer, words: Sequence[str], weights: Sequence[float],
+                   vocab_size: int) -> np.ndarray:
+    """[vocab_size] float32 adding each word's weight to the logits of its ids ([0] when no words)."""
+    if len(words) != len(weights):
+        raise UsageError(f"embedding_bias_words has {len(words)} entries but embedding_bias_weights has "
+                         f"{len(weights)}")
+    if not words:
+        return np.zeros(0, dtype=np.float32)
+    bias = np.zeros(vocab_size, dtype=np.float32)
+    for word, weight in zip(words, weights, strict=True):
+        ids = sorted({token for seq in word_ids(tokenizer, word) for token in seq})
+        bias[ids] += np.float32(weight)
+    return bias
 
 
 def refuse_streaming(stream: np.ndarray | None) -> None:

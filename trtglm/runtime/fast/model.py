@@ -1,7 +1,8 @@
 """`FastModel`: ChatGLM3 on one GPU behind the `SlotModel` interface (slots.py), built for speed.
 
-- Static KV cache: per layer `[max_batch + 1, kv_heads, max_seq_len, head]`; the extra
-  slot is scratch that padding rows of a decode step (and `score`) write into.
+- Static KV cache (`StaticCache`, runtime/cache.py): per layer `[max_batch + 1, kv_heads,
+  max_seq_len, head]`; the extra slot is scratch that padding rows of a decode step (and
+  `score`) write into.
 - Decode steps are captured as CUDA graphs, one per batch bucket (1, 2, 4, … max_batch); a
   step of n sequences replays the smallest bucket ≥ n. Slot indices, tokens and each
   slot's length live in device buffers the graph reads; the graph itself advances the
@@ -43,6 +44,7 @@ from torch.nn.attention.bias import causal_lower_right
 from tqdm import tqdm
 
 from trtglm.errors import UsageError
+from trtglm.runtime.cache import StaticCache
 from trtglm.runtime.checkpoint import DTYPES, CheckpointConfig, load_checkpoint
 from trtglm.runtime.fast.linear import Linear
 from trtglm.runtime.fast.ops import TritonOps, select_ops
@@ -107,14 +109,10 @@ class FastModel:
         log.info("weights on %s in %.1f s", self.device, time.monotonic() - started)
         cos, sin = rotary_tables(cfg, torch.arange(max_seq_len, device=self.device)[None])
         self.cos, self.sin = cos[0, 0].contiguous(), sin[0, 0].contiguous()
-        cache_shape = (max_batch + 1, cfg.num_kv_heads, max_seq_len, cfg.head_size)
-        self.k_cache = [torch.zeros(cache_shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self.v_cache = [torch.zeros(cache_shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self.lengths = [0] * (max_batch + 1)  # tokens each slot holds (host copy)
+        self.cache = StaticCache(cfg, max_batch, max_seq_len, self.dtype, self.device)
         self.buckets = batch_buckets(max_batch)
         self._tokens = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self._slots = torch.full((max_batch,), self.scratch, dtype=torch.long, device=self.device)
-        self._seq_len = torch.zeros(max_batch + 1, dtype=torch.int32, device=self.device)
         self._uploaded_slots: list[int] = []
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -197,11 +195,12 @@ class FastModel:
     def _decode_step(self, n: int) -> torch.Tensor:
         """One token for each of the first n entries of the input buffers (static shapes: graph-capturable)."""
         slots = self._slots[:n]
-        x, positions = self.ops.decode_inputs(self._tokens[:n], slots, self._seq_len, self.embedding, self.scratch)
+        x, positions = self.ops.decode_inputs(self._tokens[:n], slots, self.cache.device_lengths, self.embedding,
+                                                    self.scratch)
 
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
-            return self.ops.decode_qkv_attention(qkv, slots, positions, self.cos, self.sin, self.k_cache[i],
-                                                 self.v_cache[i], self.config.num_heads)
+            return self.ops.decode_qkv_attention(qkv, slots, positions, self.cos, self.sin, self.cache.keys[i],
+                                                 self.cache.values[i], self.config.num_heads)
 
         return self._logits(*self._run_layers(x, attend))
 
@@ -232,11 +231,11 @@ class FastModel:
         causal = {"is_causal": True} if start == 0 else {"attn_mask": causal_lower_right(width, start + width)}
 
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
-            q = self.ops.rope_cache(qkv, token_slots, token_positions, self.cos, self.sin, self.k_cache[i],
-                                    self.v_cache[i], self.config.num_heads)
+            q = self.ops.rope_cache(qkv, token_slots, token_positions, self.cos, self.sin, self.cache.keys[i],
+                                    self.cache.values[i], self.config.num_heads)
             q = q.view(n, width, *q.shape[1:]).transpose(1, 2)
-            keys = self.k_cache[i][slot_ids, :, :start + width]
-            values = self.v_cache[i][slot_ids, :, :start + width]
+            keys = self.cache.keys[i][slot_ids, :, :start + width]
+            values = self.cache.values[i][slot_ids, :, :start + width]
             with sdpa_kernel(PREFILL_ATTENTION):
                 out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True, **causal)
             return out.transpose(1, 2).reshape(n * width, -1)
@@ -291,11 +290,7 @@ class FastModel:
                 logits = self._prefill_group([slots[i] for i in group], [prompts[i] for i in group], starts[group[0]])
             for i, row in zip(group, logits):
                 rows[i] = row
-        ends = [start + len(prompt) for start, prompt in zip(starts, prompts)]
-        for slot, end in zip(slots, ends):
-            self.lengths[slot] = end
-        self._seq_len[torch.tensor(slots, device=self.device)] = torch.tensor(ends, dtype=torch.int32,
-                                                                              device=self.device)
+        self.cache.set_lengths(slots, [start + len(prompt) for start, prompt in zip(starts, prompts)])
         return torch.stack(rows)
 
     @torch.no_grad()
@@ -322,14 +317,13 @@ class FastModel:
             logits = logits[:n].clone()
         else:
             logits = self._decode_step(bucket)[:n]
-        for slot in slots:
-            self.lengths[slot] += 1
+        self.cache.advance(slots)
         return logits
 
     def release(self, slot: int) -> None:
         """Forget the slot's sequence; the slot may be prefilled again."""
         self._check_slot(slot)
-        self.lengths[slot] = 0
+        self.cache.reset(slot)
 
     @torch.no_grad()
     def score(self, tokens: Sequence[int]) -> torch.Tensor:
@@ -434,7 +428,7 @@ class FastModel:
         if len(slots) != len(prompts):
             raise UsageError(f"{len(slots)} slots but {len(prompts)} prompts")
         for slot, prompt, start in zip(slots, prompts, starts):
-            check_start(slot, start, self.lengths[slot])
+            check_start(slot, start, self.cache.lengths[slot])
             if not 0 < len(prompt) < self.max_seq_len - start:
                 raise UsageError(f"a prompt has {len(prompt)} tokens; prompts take 1 to {self.max_seq_len - 1}"
                                  + (f" ({self.max_seq_len - 1 - start} after the {start} cached)" if start else ""))
@@ -445,9 +439,9 @@ class FastModel:
         if len(tokens) != len(slots):
             raise UsageError(f"{len(slots)} slots but {len(tokens)} tokens")
         for slot in slots:
-            if self.lengths[slot] == 0:
+            if self.cache.lengths[slot] == 0:
                 raise UsageError(f"slot {slot} holds no sequence (prefill it first)")
-            if self.lengths[slot] >= self.max_seq_len:
+            if self.cache.lengths[slot] >= self.max_seq_len:
                 raise UsageError(f"slot {slot} is full ({self.max_seq_len} tokens)")
         if not isinstance(tokens, torch.Tensor):
             self._check_token_ids(tokens)

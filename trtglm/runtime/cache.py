@@ -1,0 +1,231 @@
+"""KV caches: where the runtimes keep each sequence's keys and values.
+
+`SlotCache` is what both runtimes' caches are: `max_batch` slots of `max_seq_len` positions,
+each holding one sequence left-aligned from position 0, so that a slot's length is also the
+position of its next token; a released slot may take another sequence. Two caches implement it:
+
+- `ShardedCache`, the portable runtime's (slot_runtime.py): keys/values[rank][layer]
+  `[max_batch, kv_heads_per_rank, max_seq_len, head]` for the ranks held in this process, and
+  a mask of the positions that hold real tokens. `ShardedModel.forward` writes through a
+  `ForwardCache` view of it: `prefill_view` (one slot, from `start` on) or `decode_view`
+  (several slots, one token each, each attending to its own positions only: the mask hides the
+  rest, where shorter sequences or a slot's previous occupant left stale entries).
+- `StaticCache`, the fast runtime's (fast/model.py): per layer `[max_batch + 1, kv_heads,
+  max_seq_len, head]`, the extra slot scratch that padding rows write into, and each slot's
+  length on the device too, where CUDA graphs read and advance it.
+
+`KVCache` is the offline generator's (generate.py): one batch of sequences right-aligned
+(left padding masked out), a `ForwardCache` itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from trtglm.errors import UsageError
+from trtglm.runtime.checkpoint import CheckpointConfig
+
+
+@runtime_checkable
+class SlotCache(Protocol):
+    max_batch: int  # slots
+    max_seq_len: int  # positions per slot
+    lengths: list[int]  # positions each slot holds
+
+    def reset(self, slot: int) -> None:
+        """Forget the slot's sequence."""
+
+
+class ForwardCache(Protocol):
+    """The cache as `ShardedModel.forward` sees it: new tokens go after its first `length` positions."""
+
+    length: int
+    valid: torch.Tensor  # [B, positions] bool: the position holds a real token
+
+    def mark_valid(self, steps: int) -> None:
+        """The next `steps` positions will hold real tokens."""
+
+    def append(self, rank: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's k/v; return the keys/values to attend to for (rank, layer)."""
+
+    def advance(self, steps: int) -> None:
+        """The step's positions are written."""
+
+
+class ShardedModelShape(Protocol):
+    """What a cache for a `ShardedModel` is shaped by."""
+
+    config: CheckpointConfig
+    ranks: Sequence  # the ranks held in this process, each with its `.rank` number
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _zeros(model: ShardedModelShape, batch: int, length: int) -> torch.Tensor:
+    cfg = model.config
+    return torch.zeros((batch, cfg.kv_heads_per_rank, length, cfg.head_size), dtype=model.dtype, device=model.device)
+
+
+# --- the offline generator's batch ---------------------------------------------------------------
+
+
+@dataclass
+class KVCache:
+    """Preallocated keys/values per rank and layer, `[B, kv_heads_per_rank, max_len, head]`."""
+
+    keys: list[list[torch.Tensor]]
+    values: list[list[torch.Tensor]]
+    valid: torch.Tensor  # [B, max_len] bool: the slot holds a real token
+    length: int = 0  # filled slots
+
+    @classmethod
+    def for_model(cls, model: ShardedModelShape, batch: int, max_len: int) -> "KVCache":
+        def blocks() -> list[list[torch.Tensor]]:
+            return [[_zeros(model, batch, max_len) for _ in range(model.config.num_layers)] for _ in model.ranks]
+
+        return cls(blocks(), blocks(), torch.zeros(batch, max_len, dtype=torch.bool, device=model.device))
+
+    @property
+    def max_len(self) -> int:
+        return self.valid.shape[1]
+
+    def mark_valid(self, steps: int) -> None:
+        end = self.length + steps
+        if end > self.max_len:
+            raise UsageError(f"sequence of {end} tokens exceeds the KV cache of {self.max_len}")
+        self.valid[:, self.length:end] = True
+
+    def row(self, index: int, start: int) -> "KVCache":
+        """Sequence `index` from slot `start` on, as an empty cache of its own (views: writes land here)."""
+        def view(blocks: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+            return [[t[index:index + 1, :, start:] for t in layers] for layers in blocks]
+
+        return KVCache(view(self.keys), view(self.values), self.valid[index:index + 1, start:])
+
+    def append(self, rank: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + k.shape[2]
+        self.keys[rank][layer][:, :, self.length:end] = k
+        self.values[rank][layer][:, :, self.length:end] = v
+        return self.keys[rank][layer][:, :, :end], self.values[rank][layer][:, :, :end]
+
+    def advance(self, steps: int) -> None:
+        self.length += steps
+
+
+# --- the portable runtime's slots ----------------------------------------------------------------
+
+
+class ShardedCache:
+    """keys/values[rank][layer] `[max_batch, kv_heads_per_rank, max_seq_len, head_size]` for the ranks held here."""
+
+    def __init__(self, model: ShardedModelShape, max_batch: int, max_seq_len: int):
+        def blocks() -> dict[int, list[torch.Tensor]]:
+            return {r.rank: [_zeros(model, max_batch, max_seq_len) for _ in range(model.config.num_layers)]
+                    for r in model.ranks}
+
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        self.keys, self.values = blocks(), blocks()
+        self.valid = torch.zeros(max_batch, max_seq_len, dtype=torch.bool, device=model.device)
+        self.lengths = [0] * max_batch
+
+    def reset(self, slot: int) -> None:
+        self.lengths[slot] = 0
+        self.valid[slot] = False
+
+    def prefill_view(self, slot: int, start: int = 0) -> "_Prefill":
+        return _Prefill(self, slot, start)
+
+    def decode_view(self, slots: Sequence[int]) -> "_Decode":
+        return _Decode(self, slots)
+
+
+class _Prefill:
+    """One slot as `ShardedModel.forward` sees it while a prompt (or a chunk of one, after the `start`
+    positions already cached) runs into it (views: writes land)."""
+
+    def __init__(self, cache: ShardedCache, slot: int, start: int = 0):
+        self.cache, self.slot = cache, slot
+        self.length = start
+        self.valid = cache.valid[slot:slot + 1]
+
+    def mark_valid(self, steps: int) -> None:
+        self.valid[:, self.length:self.length + steps] = True
+
+    def append(self, rank: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        start, end, s = self.length, self.length + k.shape[2], self.slot
+        keys, values = self.cache.keys[rank][layer], self.cache.values[rank][layer]
+        keys[s:s + 1, :, start:end] = k
+        values[s:s + 1, :, start:end] = v
+        return keys[s:s + 1, :, :end], values[s:s + 1, :, :end]
+
+    def advance(self, steps: int) -> None:
+        self.cache.lengths[self.slot] = self.length + steps
+
+
+class _Decode:
+    """Several slots as `ShardedModel.forward` sees them for one new token each.
+
+    forward attends over positions `0 … length` where `length` is the longest slot's; `valid`
+    (gathered per step) limits each slot to its own positions.
+    """
+
+    def __init__(self, cache: ShardedCache, slots: Sequence[int]):
+        self.cache = cache
+        device = cache.valid.device
+        self.rows = torch.tensor(list(slots), dtype=torch.long, device=device)
+        self.positions = torch.tensor([cache.lengths[s] for s in slots], dtype=torch.long, device=device)
+        self.slots = list(slots)
+        self.length = max(cache.lengths[s] for s in slots)
+        self.valid = cache.valid[self.rows]
+
+    def mark_valid(self, steps: int) -> None:
+        self.cache.valid[self.rows, self.positions] = True
+        self.valid = self.cache.valid[self.rows]
+
+    def append(self, rank: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.cache.keys[rank][layer], self.cache.values[rank][layer]
+        keys[self.rows, :, self.positions] = k[:, :, 0]
+        values[self.rows, :, self.positions] = v[:, :, 0]
+        end = self.length + 1
+        return keys[self.rows, :, :end], values[self.rows, :, :end]
+
+    def advance(self, steps: int) -> None:
+        for slot in self.slots:
+            self.cache.lengths[slot] += steps
+
+
+# --- the fast runtime's slots --------------------------------------------------------------------
+
+
+class StaticCache:
+    """keys/values[layer] `[max_batch + 1, kv_heads, max_seq_len, head_size]`: slot `scratch` (= max_batch) is
+    where padding rows write. `lengths` on the host, `device_lengths` (int32) where the CUDA graphs read them."""
+
+    def __init__(self, cfg: CheckpointConfig, max_batch: int, max_seq_len: int, dtype: torch.dtype,
+                 device: torch.device):
+        shape = (max_batch + 1, cfg.num_kv_heads, max_seq_len, cfg.head_size)
+        self.max_batch, self.max_seq_len, self.scratch = max_batch, max_seq_len, max_batch
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.lengths = [0] * (max_batch + 1)
+        self.device_lengths = torch.zeros(max_batch + 1, dtype=torch.int32, device=device)
+
+    def reset(self, slot: int) -> None:
+        self.lengths[slot] = 0
+
+    def set_lengths(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
+        """Slots just prefilled hold `lengths` positions (on the host and on the device)."""
+        for slot, length in zip(slots, lengths, strict=True):
+            self.lengths[slot] = length
+        device = self.device_lengths.device
+        self.device_lengths[torch.tensor(list(slots), device=device)] = torch.tensor(list(lengths), dtype=torch.int32,
+                                                                                    device=device)
+
+    def advance(self, slots: Sequence[int]) -> None:
+        """One more position in each of `slots` (on the host: the decode step advanced the device's)."""
+        for slot in slots:
+            self.lengths[slot] += 1
