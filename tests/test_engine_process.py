@@ -18,6 +18,7 @@ import pytest
 import torch
 from test_distributed import MAX_NEW, build_tiny_engine
 
+from trtglm.chatglm.chat import chat_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
 from trtglm.runtime.executor import CANCEL_CHECK_S, ExecutorStats, Output, QueueFullError, Request
@@ -38,7 +39,7 @@ def engine_dir(tmp_path_factory):
 def prompts(fixture_dir) -> list[list[int]]:
     tok = ChatGLMTokenizer(fixture_dir)
     conversations = [json.loads(line) for line in (fixture_dir / "conversations.jsonl").read_text().splitlines()]
-    return [tok.build_chat_input(c["messages"]) for c in conversations[::6]]
+    return [chat_ids(tok, c["messages"]) for c in conversations[::6]]
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ from test_serving import Server
 
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.repo import patch_repo
-from trtglm.chatglm.chat import reply_text, stack_word_lists, word_list
+from trtglm.chatglm.chat import chat_ids, reply_text, stack_word_lists, word_list
 
 pytestmark = pytest.mark.reliability
 
@@ -129,7 +129,7 @@ def client_http_inputs(text=CHAT, max_tokens=64, **extra) -> dict:
 
 def engine_arrays(tok: ChatGLMTokenizer, messages=None, **extra) -> dict[str, tuple[str, np.ndarray]]:
     """tensorrt_llm's inputs for the fixture's conversation, ending where the served pipeline ends it."""
-    ids = tok.build_chat_input(messages or GOOD["messages"])
+    ids = chat_ids(tok, messages or GOOD["messages"])
     stops = stack_word_lists([word_list([[tok.special_ids["<|user|>"]], [tok.special_ids["<|observation|>"]]])])
     base = {"input_ids": ("INT32", np.array([ids], np.int32)),
             "input_lengths": ("INT32", np.array([[len(ids)]], np.int32)),
@@ -243,7 +243,7 @@ GRPC_CASES = [  # (case, inputs, expected status code name, words)
 
 def engine_cases(tok: ChatGLMTokenizer) -> list[tuple[str, dict, str]]:
     """(case, tensorrt_llm inputs, words of the error)."""
-    ids = tok.build_chat_input(GOOD["messages"])
+    ids = chat_ids(tok, GOOD["messages"])
     return [
         ("input_ids past the vocabulary", {"input_ids": ("INT32", np.array([[*ids[:-1], 99999]], np.int32))},
          "token id 99999 is outside the vocabulary"),
@@ -375,7 +375,7 @@ def test_a_batch_of_two_prompts_over_grpc(server, model, two_conversations):
 
 
 def test_a_batch_of_two_to_tensorrt_llm(server, tok, two_conversations):
-    prompts = [tok.build_chat_input(c["messages"]) for c in two_conversations]
+    prompts = [chat_ids(tok, c["messages"]) for c in two_conversations]
     width = max(map(len, prompts))
     stops = word_list([[tok.special_ids["<|user|>"]], [tok.special_ids["<|observation|>"]]])
     arrays = {"input_ids": ("INT32", np.array([p + [0] * (width - len(p)) for p in prompts], np.int32)),
