@@ -9,7 +9,7 @@
 #   PARTS=serving scripts/bench_gpu.sh [DEST]
 #
 # PARTS picks the parts (each takes five to seven minutes on an H200): `runtime` (bench runtime),
-# `kernels` (bench_matmul, bench_pdl, bench_prefill, bench_step_parts, Nsight Compute) and `serving`
+# `kernels` (bench matmul, pdl, prefill, step-parts, Nsight Compute) and `serving`
 # (not in the default set; trtglm.bench.pipeline in one call: synth-model 6b → build-engine
 # chatglm3-6b-bf16-tp1 with the torch engine → patch-repo → launch --detach, timed cold → `bench served`:
 # Triton's overhead at 128 new tokens, 256 streamed requests at concurrency 64 through ensemble and
@@ -80,20 +80,21 @@ if command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$DEST/nvidia-smi.txt"
 fi
 if [[ " $PARTS " == *" runtime "* ]]; then
-    python3 -m trtglm.bench.cli_commands runtime --preset 6b --dtype bf16 --weight-only none,int8,int4 \
+    python3 -m trtglm bench runtime --preset 6b --dtype bf16 --weight-only none,int8,int4 \
         --batch 1,8,32,64 --prompt-len 128 --new-tokens 128 --baseline hf --long-prompt 512 \
-        --requests 256 --concurrency 64 --prefill-chunk 1024 --out "$DEST" "$@" 2>&1 | tee "$DEST/log.txt"
+        --requests 256 --concurrency 64 --prefill-chunk 1024 --fixture tests/fixtures/tiny-chatglm3 \
+        --out "$DEST" "$@" 2>&1 | tee "$DEST/log.txt"
 fi
 if [[ " $PARTS " == *" kernels "* ]]; then
     # The decode matmuls on their own (1 and 8 rows): every block shape; int8/int4 in Gluon against plain Triton.
-    python3 scripts/bench_matmul.py --portable --rows 1,8 --out "$DEST/matmul.json" 2>&1 | grep -v '^{' \
+    python3 -m trtglm bench matmul --portable --rows 1,8 --out "$DEST/matmul.json" 2>&1 | grep -v '^{' \
         | tee "$DEST/matmul.txt"
     # Decode steps with and without programmatic dependent launch, in one process.
-    python3 scripts/bench_pdl.py --out "$DEST/pdl.json" 2>&1 | tee "$DEST/pdl.txt"
+    python3 -m trtglm bench pdl --out "$DEST/pdl.json" 2>&1 | tee "$DEST/pdl.txt"
     # One prompt's time to first token with the prefill graphs and launched eagerly, in one process.
-    python3 scripts/bench_prefill.py --out "$DEST/prefill.json" 2>&1 | grep -v Warning | tee "$DEST/prefill.txt"
+    python3 -m trtglm bench prefill --out "$DEST/prefill.json" 2>&1 | grep -v Warning | tee "$DEST/prefill.txt"
     # What each kind of small kernel costs a batch-1 step (the step captured without it; timing only).
-    python3 scripts/bench_step_parts.py --kinds none,int4 --out "$DEST/step-parts.json" 2>&1 \
+    python3 -m trtglm bench step-parts --kinds none,int4 --out "$DEST/step-parts.json" 2>&1 \
         | grep -v Warning | tee "$DEST/step-parts.txt"
     # Where the one-row matmuls spend their time (Nsight Compute; skipped where ncu is missing).
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1 || true)
@@ -101,7 +102,7 @@ if [[ " $PARTS " == *" kernels "* ]]; then
         "$NCU" --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy \
             --section WarpStateStats --section SchedulerStats -k regex:gemv \
             python3 -c "import logging; logging.basicConfig(level=logging.INFO); \
-from trtglm.bench.runtime import gemv_probe; gemv_probe()" > "$DEST/ncu.txt" 2>&1 || echo "ncu failed (see $DEST/ncu.txt)"
+from trtglm.bench.measure import gemv_probe; gemv_probe()" > "$DEST/ncu.txt" 2>&1 || echo "ncu failed (see $DEST/ncu.txt)"
     fi
 fi
 if [[ " $PARTS " == *" serving "* ]]; then

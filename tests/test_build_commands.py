@@ -5,7 +5,7 @@ import pytest
 from conftest import REPO
 from trtglm.engine.trtllm_cmd import convert_argv, engine_limits, trtllm07_build_argv, trtllm_build_argv
 from trtglm.errors import UsageError
-from trtglm.profile import load_profile
+from trtglm.profile import load_profile, parse_overrides
 
 CONFIGS = REPO / "configs"
 
@@ -169,9 +169,7 @@ def test_trtllm07_v1_batching_and_continuous_cache():
 
 
 def test_set_flags_become_overrides():
-    from trtglm.engine.cli_commands import set_overrides
-
-    assert set_overrides(["build.max_batch_size=4", "model.dir=/a,b/c", "serve.decoupled=false"]) == {
+    assert parse_overrides(["build.max_batch_size=4", "model.dir=/a,b/c", "serve.decoupled=false"]) == {
         "build.max_batch_size": 4, "model.dir": "/a,b/c", "serve.decoupled": False}
-    assert set_overrides(("convert.tp_size=2", "serve.world_size=2")) == {"convert.tp_size": 2, "serve.world_size": 2}
-    assert set_overrides(None) == {}
+    assert parse_overrides(("convert.tp_size=2", "serve.world_size=2")) == {"convert.tp_size": 2, "serve.world_size": 2}
+    assert parse_overrides(None) == {}

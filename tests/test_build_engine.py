@@ -301,9 +301,12 @@ def test_an_interrupted_rebuild_leaves_the_working_engine_as_it_was(tmp_path, mo
     assert rebuilt["dtype"] == "float16"
 
 
-def test_existing_engine_needs_force(torch_engine, tmp_path):
+def test_existing_engine_needs_force_unless_up_to_date(torch_engine, tmp_path):
+    manifest = (torch_engine / "trtglm.json").read_bytes()
+    assert build_engine(TINY, output_dir=torch_engine) == torch_engine  # same profile and model: nothing to do
+    assert (torch_engine / "trtglm.json").read_bytes() == manifest
     with pytest.raises(OutputExistsError, match="use --force"):
-        build_engine(TINY, output_dir=torch_engine)
+        build_engine(TINY, output_dir=torch_engine, overrides={"build.max_batch_size": 4})
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
@@ -358,6 +361,11 @@ def test_cli_build_engine_with_set_and_force(tmp_path, fixture_dir):
                    "--set", "build.max_batch_size=4", "--set=build.max_num_tokens=1024")
     assert proc.returncode == 0, proc.stderr
     assert read_manifest(out)["limits"]["max_batch_size"] == 4
+    built = (out / "trtglm.json").read_bytes()
+    same = run_cli("build-engine", "--config", "configs/tiny.yaml", "--output-dir", out,
+                   "--set", "build.max_batch_size=4", "--set=build.max_num_tokens=1024")
+    assert same.returncode == 0 and "is up to date" in same.stderr, same.stderr
+    assert (out / "trtglm.json").read_bytes() == built  # nothing was rebuilt
     again = run_cli("build-engine", "--config", "configs/tiny.yaml", "--output-dir", out)
     assert again.returncode == 4 and "--force" in again.stderr and len(again.stderr.strip().splitlines()) == 1
     forced = run_cli("build-engine", "--config", "configs/tiny.yaml", "--output-dir", out, "--force")

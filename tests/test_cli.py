@@ -1,11 +1,14 @@
 """The command line itself: subcommand table, flag checking, exit codes, logging."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
-from conftest import run_cli
+from conftest import REPO, run_cli
 from trtglm.cli import COMMANDS
 
 
@@ -76,3 +79,56 @@ def test_an_output_folder_that_cannot_be_made_is_one_line(tmp_path, fixture_dir)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1].startswith("trtglm: error: No such file or directory: /proc/trtglm-out")
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (("convert", "--model-dir", "m"), "convert needs --output-dir"),
+    (("bench", "serving", "--requests"), "bench serving: --requests needs a value"),
+    (("convert", "--model-dir", "m", "--output-dir", "o", "--pp-size", "two"),
+     "--pp-size must be a positive whole number, not 'two'"),
+    (("convert", "--model-dir", "m", "--output-dir", "o", "--tp-size", "3"), "--tp-size must be one of 1, 2, 4, 8, not '3'"),
+    (("generate", "--prompt", "hi", "--timeout", "-1"), "--timeout must be a positive number, not '-1'"),
+    (("convert", "--model-dir", "m", "--output-dir", "o", "--dtype", "fp8"),
+     "--dtype must be one of auto, float16, bfloat16, float32 (or fp16, bf16, fp32), not 'fp8'"),
+    (("models", "reload", "x"), "--action must be one of load, unload, list, not 'reload'"),
+    (("stop", "--repo", "r", "extra"), "stop: unexpected argument 'extra'"),
+    (("convert", "--model-dir", "m", "--output-dir", "o", "--", "--x"), "convert takes no arguments after --"),
+])
+def test_a_missing_or_malformed_flag_is_one_line_exit_2(args, message):
+    proc = run_cli(*args)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"trtglm: error: {message}")
+    assert proc.stderr.count("\n") == 1 and proc.stdout == "", proc.stderr
+
+
+def test_a_malformed_environment_fallback_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "trtglm", "launch", "--repo", str(tmp_path)], capture_output=True,
+                          text=True, cwd=REPO, env={**os.environ, "HTTP_PORT": "eighty"}, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr == ("trtglm: error: $HTTP_PORT (for --http-port): --http-port must be a positive whole "
+                           "number, not 'eighty'\n")
+
+
+def test_version_and_help_list_choices():
+    from trtglm import __version__
+
+    version = run_cli("--version")
+    assert version.returncode == 0 and version.stdout == f"trtglm {__version__}\n"
+    usage = run_cli("convert", "--help").stdout
+    assert "[--dtype auto|float16|bfloat16|float32]" in usage and "also fp16=float16" in usage
+    assert "--http-port" in run_cli("launch", "--help").stdout and "$HTTP_PORT" in run_cli("launch", "--help").stdout
+
+
+@pytest.mark.parametrize("alias, dtype", [("fp16", "float16"), ("bf16", "bfloat16"), ("fp32", "float32")])
+def test_dtype_aliases(tmp_path, fixture_dir, alias, dtype):
+    done = run_cli("convert", "--model-dir", fixture_dir, "--output-dir", tmp_path / "out", "--dtype", alias)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == dtype
+
+
+def test_every_bench_kind_has_help():
+    from trtglm.cli.bench import KINDS
+
+    for kind in KINDS:
+        proc = run_cli("bench", kind, "--help")
+        assert proc.returncode == 0 and proc.stdout.startswith(f"usage: trtglm bench {kind} "), proc.stderr

@@ -299,7 +299,7 @@ def test_errors_are_one_line_and_a_non_zero_exit(canned):
     assert unreachable.stderr == f"trtglm: error: cannot reach Triton at {closed}: Connection refused\n"
 
     asked = len(canned.received)
-    for args, message in ((("--max-tokens", "-3"), "--max-tokens must be a whole number of at least 1, not -3"),
+    for args, message in ((("--max-tokens", "-3"), "--max-tokens must be a positive whole number, not '-3'"),
                           (("--model", "../x"), "--model must be a model name"),
                           (("--url", "ftp://host:1"), "--url ftp://host:1: expected http://HOST:PORT"),
                           (("--grpc", "nohost"), "--grpc nohost: expected HOST:PORT")):
@@ -320,8 +320,8 @@ def fixture_answers() -> dict[str, str]:
 class Launched:
     """The fixture's torch engine, its rendered repository and a detached `trtglm launch` of it."""
 
-    def __init__(self, root: Path):
-        self.root, self.repo = root, root / "repo"
+    def __init__(self, root: Path, server_flags: tuple[str, ...] = ()):
+        self.root, self.repo, self.server_flags = root, root / "repo", server_flags
         self.ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
         self.env = {**os.environ, "TRTGLM_STATE_DIR": str(root / "state"), "PYTHONUNBUFFERED": "1"}
         self.url = f"http://127.0.0.1:{self.ports['http']}"
@@ -337,7 +337,8 @@ class Launched:
         for args in (("build-engine", "--config", "configs/tiny.yaml", "--output-dir", str(engine)),
                      ("patch-repo", "--engine-dir", str(engine), "--output-repo", str(self.repo)),
                      ("launch", "--repo", str(self.repo), "--detach", "--timeout", "180",
-                      *(f"--{name}-port={port}" for name, port in self.ports.items()))):
+                      *(f"--{name}-port={port}" for name, port in self.ports.items()),
+                      *(("--", *self.server_flags) if self.server_flags else ()))):
             done = self.run(*args)
             if done.returncode != 0:
                 raise AssertionError(f"trtglm {args[0]} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")

@@ -347,7 +347,7 @@ def test_truncated_bin_shard_is_refused(tiny_hf, tmp_path):
     (["--tp-size", "16"], ["--tp-size must be one of 1, 2, 4, 8"]),
     (["--dtype", "float32", "--weight-only", "int8"], ["--weight-only int8 needs --dtype float16 or bfloat16"]),
     (["--dtype", "float8"], ["--dtype must be"]),
-    (["--weight-only", "int2"], ["--weight-only must be int8 or int4"]),
+    (["--weight-only", "int2"], ["--weight-only must be one of int8, int4, not 'int2'"]),
     (["--chatglm-version", "glm4"], ["--chatglm-version"]),
 ])
 def test_bad_options_are_refused(tiny_hf, tmp_path, flags, fragments):

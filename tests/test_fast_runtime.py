@@ -30,7 +30,7 @@ from trtglm.chatglm.config import ChatGLMConfig
 from trtglm.chatglm.reference import load_reference
 from trtglm.chatglm.weights import HFWeights
 from trtglm.convert.writer import convert_checkpoint
-from trtglm.errors import DependencyError, UsageError
+from trtglm.errors import DependencyError, ModelFileError, UsageError
 from trtglm.runtime.cache import SlotCache
 from trtglm.runtime.checkpoint import load_checkpoint
 from trtglm.runtime.executor import Executor, Request
@@ -503,7 +503,7 @@ def test_fast_model_with_triton_kernels_matches_reference(triton_ops, checkpoint
 # --- bench runtime ------------------------------------------------------------------------------------------------
 
 def test_checkpoint_tensors_are_what_convert_writes(checkpoint, fixture_dir, hf_cfg):
-    from trtglm.bench.runtime import checkpoint_tensors
+    from trtglm.bench.measure import checkpoint_tensors
 
     weights = HFWeights(fixture_dir)
     hf = {name: weights.get(name) for name in weights.names()}
@@ -515,7 +515,7 @@ def test_checkpoint_tensors_are_what_convert_writes(checkpoint, fixture_dir, hf_
 
 
 def test_synth_tensors_follow_the_preset():
-    from trtglm.bench.runtime import synth_tensors
+    from trtglm.bench.measure import synth_tensors
     from trtglm.convert.synth import tensor_specs
 
     cfg, tensors = synth_tensors("tiny", None, "float32", 0, torch.device("cpu"))
@@ -527,7 +527,7 @@ def test_synth_tensors_follow_the_preset():
 
 
 def test_compare_logits_on_hand_made_values():
-    from trtglm.bench.runtime import compare_logits
+    from trtglm.bench.checks import compare_logits
 
     ref = torch.tensor([[3.0, 1.0, 0.0], [1.0, 0.9, 0.0]])
     ours = torch.tensor([[2.9, 1.0, 0.0], [0.8, 0.9, 0.0]])  # row 1 flips a near tie
@@ -538,7 +538,7 @@ def test_compare_logits_on_hand_made_values():
 
 
 def test_floor_and_latency_statistics():
-    from trtglm.bench.runtime import _inflight_stats, _percentile, decode_floor_ms
+    from trtglm.bench.measure import inflight_stats, _percentile, decode_floor_ms
 
     cfg = SimpleNamespace(num_layers=28, num_kv_heads=2, head_size=128)
     stub = SimpleNamespace(config=cfg, dtype=torch.bfloat16, weight_bytes=12_000_000_000)
@@ -546,7 +546,7 @@ def test_floor_and_latency_statistics():
     assert math.isclose(decode_floor_ms(stub, 64, 192, 4e12), (12e9 + kv) / 4e12 * 1e3)
     assert _percentile(list(range(1, 101)), 50) == 51 and _percentile(list(range(1, 101)), 99) == 99
     assert _percentile([], 50) is None
-    stats = _inflight_stats(2, 2, [10, 20], [2, 3], {0: 0.0, 1: 0.5}, {0: [0.1, 0.3], 1: [1.0, 1.2, 1.5]}, 2.0)
+    stats = inflight_stats(2, 2, [10, 20], [2, 3], {0: 0.0, 1: 0.5}, {0: [0.1, 0.3], 1: [1.0, 1.2, 1.5]}, 2.0)
     assert stats["generated_tokens"] == 5 and stats["tokens_per_s"] == 2.5 and stats["requests_per_s"] == 1.0
     # TTFTs 100 and 500 ms (rank 0.5 rounds up); gaps 200, 200 and 300 ms
     assert stats["ttft_ms"]["p50"] == pytest.approx(500) and stats["itl_ms"]["p50"] == pytest.approx(200)
@@ -560,17 +560,19 @@ def test_bench_runtime_needs_a_gpu(tmp_path):
 
     with pytest.raises(DependencyError, match="CUDA"):
         bench_runtime(out=tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "trtglm.bench.cli_commands", "runtime", "--batch", "1,8"],
+    proc = subprocess.run([sys.executable, "-m", "trtglm", "bench", "runtime", "--batch", "1,8"],
                           check=False, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == DependencyError.exit_code
-    message = "bench: error: bench runtime needs a CUDA GPU (torch.cuda.is_available() is False)"
+    message = "trtglm: error: bench runtime needs a CUDA GPU (torch.cuda.is_available() is False)"
     assert proc.stderr.strip().splitlines() == [message]
+    with pytest.raises(ModelFileError, match="--fixture .*: no config.json there"):
+        bench_runtime(out=tmp_path, fixture=tmp_path / "no-model")
     with pytest.raises(UsageError, match="weight-only"):
         bench_runtime(weight_only="int2", out=tmp_path)
 
 
 def test_inflight_run_serves_every_request_through_the_chunking_executor(model):
-    from trtglm.bench.runtime import inflight_run
+    from trtglm.bench.measure import inflight_run
 
     stats = inflight_run(model, requests=6, concurrency=3, generator=torch.Generator().manual_seed(0),
                          prefill_tokens=8, prompt_range=(3, 30), output_range=(2, 5))
@@ -580,7 +582,7 @@ def test_inflight_run_serves_every_request_through_the_chunking_executor(model):
 
 
 def test_targets_scale_with_the_copy_bandwidth_off_an_h200():
-    from trtglm.bench.runtime import targets
+    from trtglm.bench.report import targets
 
     def run(mode, batch, decode, floor, speedup=None):
         return {"batch": batch, "decode_ms": decode, "floor_ms": floor, "speedup_vs_hf": speedup}
@@ -600,7 +602,7 @@ def test_targets_scale_with_the_copy_bandwidth_off_an_h200():
 
 
 def test_summary_and_plot(tmp_path):
-    from trtglm.bench.runtime import _fill_ratios, plot, summary, targets
+    from trtglm.bench.report import fill_ratios, plot, summary, targets
 
     def row(system, batch, decode, tps, floor=None):
         return {"system": system, "batch": batch, "ttft_ms": 10.0, "decode_ms": decode, "tokens_per_s": tps,
@@ -612,7 +614,7 @@ def test_summary_and_plot(tmp_path):
                "trtglm": {"none": {"weight_gb": 12.0, "ttft_long_ms": {"prompt_len": 512, "ms": 11.0},
                                    "runs": [row("trtglm none", 1, 3.5, 280.0, 2.8),
                                             row("trtglm none", 8, 4.0, 2000.0, 2.8)]}}}
-    _fill_ratios(results)
+    fill_ratios(results)
     assert results["trtglm"]["none"]["runs"][0]["pct_of_floor"] == pytest.approx(80)
     assert results["trtglm"]["none"]["runs"][1]["speedup_vs_hf"] == pytest.approx(12.5)
     results["targets"] = targets(results)

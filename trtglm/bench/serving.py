@@ -340,21 +340,3 @@ def check_positive(name: str, value, kind: type = int) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
     if not ok or (kind is int and not isinstance(value, int)):
         raise UsageError(f"--{name} must be a positive {'whole number' if kind is int else 'number'}, not {value!r}")
-
-
-def run(url: str = DEFAULT_URL, concurrency: str = "1,8,32", requests: int = 128, repeats: int = 50,
-        max_tokens: int = 64, prompt: str = DEFAULT_PROMPT, model: str = "ensemble", engine_dir: str | None = None,
-        device: str | None = None, out: str | None = None, timeout: float = 600.0,
-        compare_replies: bool = True) -> dict:
-    """Check the flags, run, print the markdown tables."""
-    for name, value in (("requests", requests), ("repeats", repeats), ("max-tokens", max_tokens)):
-        check_positive(name, value)
-    check_positive("timeout", timeout, float)
-    settings = Settings(url=url, model=model, prompt=str(prompt), max_tokens=max_tokens,
-                        concurrency=parse_concurrency(concurrency), requests=requests, repeats=repeats,
-                        engine_dir=engine_dir, device=device, timeout=float(timeout),
-                        compare_replies=bool(compare_replies))
-    results = bench_serving(settings, out)
-    print(markdown(results), end="", flush=True)
-    return results
-

@@ -14,7 +14,7 @@ runtime.py drives the executor). Three ways to run it, one function each:
   `trtglm.serve.engine.ServedEngine` runs on its own thread in the server.
 
 Each request's trace holds its send time and one time per generated token; the statistics are
-those of `inflight_run` (`_inflight_stats`: TTFT from the send to the first token, inter-token
+those of `inflight_run` (`inflight_stats`: TTFT from the send to the first token, inter-token
 gaps within a request, p50/p99 by `_percentile`), so served and in-process numbers mean the
 same. Tokens per response: trtglm's runtime returns `output_log_probs` with one value per new
 token in every response (zeros unless log-probs are asked for), and the ensemble passes each
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from trtglm.bench.runtime import _inflight_stats
+from trtglm.bench.measure import inflight_stats
 from trtglm.client import GenerateRequest, ServerError, check_model, one_line
 from trtglm.client import grpc as grpc_client
 from trtglm.client import http as http_client
@@ -413,11 +413,11 @@ def run_in_process(executor, workload: Workload, end_id: int | None, stop_words:
 
 def stats(workload: Workload, traces: list[Trace], elapsed: float, server_tokens: int | None = None,
           decode_steps: int | None = None, step_us: int | None = None) -> dict:
-    """`_inflight_stats` of the run, with failures, response counts, the server's token count and the engine's
+    """`inflight_stats` of the run, with failures, response counts, the server's token count and the engine's
     decode steps (their mean time: whether the engine itself slowed, or only the responses lagged) and the share
     of the run it spent stepping (below 100 %: it waited for requests)."""
     ok = [i for i, trace in enumerate(traces) if trace.error is None]
-    result = _inflight_stats(workload.requests, workload.concurrency,
+    result = inflight_stats(workload.requests, workload.concurrency,
                              [len(ids) for ids in workload.prompt_ids], list(workload.max_tokens),
                              {i: traces[i].submitted for i in ok}, {i: traces[i].times for i in ok}, elapsed)
     result["failed"] = workload.requests - len(ok)

@@ -4,7 +4,7 @@ http.py speaks Triton's HTTP generate extension (`/generate`, and `/generate_str
 server-sent events read incrementally); grpc.py uses tritonclient's gRPC bidirectional stream
 (`start_stream` / `async_stream_infer`). Both take a `GenerateRequest` and yield the reply's
 text pieces as they arrive: one piece for a whole reply, new text only for a streamed one
-(the repository's `accumulate_tokens` false). cli_commands.py is `trtglm generate`.
+(the repository's `accumulate_tokens` false). `trtglm generate` is trtglm/cli/client.py.
 """
 
 from __future__ import annotations

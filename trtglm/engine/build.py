@@ -46,7 +46,7 @@ import trtglm
 from trtglm.chatglm.config import ChatGLMConfig
 from trtglm.convert.staging import remove_stale
 from trtglm.engine.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, digest, file_listing, hf_fingerprint,
-                                    write_json_atomic, write_manifest)
+                                    read_manifest, write_json_atomic, write_manifest)
 from trtglm.engine.trtllm_cmd import (TRTLLM_BUILD, convert_argv, engine_limits, trtllm07_build_argv,
                                       trtllm_build_argv)
 from trtglm.errors import DependencyError, ModelFileError, OutputExistsError, TrtglmError, UsageError
@@ -79,6 +79,9 @@ def build_engine(config: str | Path, model_dir: str | Path | None = None, output
                              f"{profile.build.engine}")
         print(shlex.join(trtllm07_build_argv(profile, str(hf), str(out))))
         return None
+    if not force and not dry_run and engine_up_to_date(profile, hf, out):
+        log.info("%s is up to date with %s and %s: nothing to do (--force rebuilds it)", out, profile.path, hf)
+        return out
     check_engine_output(out, force)
     if dry_run:
         print(dry_run_script(profile, hf, out))
@@ -153,6 +156,17 @@ def check_engine_output(out: Path, force: bool) -> None:
                                 "refusing to use it as an engine folder even with --force")
     if any(_is_engine_file(n) or n == TOKENIZER for n in names) and not force:
         raise OutputExistsError(f"{out} already holds an engine (use --force to replace it)")
+
+
+def engine_up_to_date(profile: Profile, hf: Path, out: Path) -> bool:
+    """Whether OUT holds a complete engine built by this trtglm from this profile and these HF files."""
+    try:
+        manifest = read_manifest(out)
+    except TrtglmError:
+        return False
+    same_profile = manifest.get("profile") == json.loads(json.dumps(profile.to_dict()))
+    return (same_profile and manifest.get("trtglm_version") == trtglm.__version__
+            and checkpoint_status(profile, hf, out)[0])
 
 
 def _remove_engine_files(out: Path) -> None:

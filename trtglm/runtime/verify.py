@@ -34,6 +34,7 @@ Tolerances (the largest |Δlogit| accepted), per precision of the checkpoint:
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -229,11 +230,11 @@ class ReferenceRun:
 
 @torch.inference_mode()
 def _compare(model, reference, unquantized, inputs: list[tuple[str, list[int]]], max_new_tokens: int) -> VerifyReport:
-    with tqdm(inputs, desc="reference", unit="input", leave=False) as bar:
+    with tqdm(inputs, desc="reference", unit="input", leave=False, disable=None) as bar:
         runs = [_reference_run(reference, name, prompt, max_new_tokens) for name, prompt in bar]
     scale = max(float(run.logits.abs().max()) for run in runs)
     report = VerifyReport(tolerance(model.config, scale), MIN_TOP1[model.config.dtype])
-    with tqdm(runs, desc="trtglm runtime", unit="input", leave=False) as bar:
+    with tqdm(runs, desc="trtglm runtime", unit="input", leave=False, disable=None) as bar:
         report.results = [_compare_one(model, run, unquantized, report.tolerance) for run in bar]
     report.failures = _failures(report, model.config)
     return report
@@ -272,8 +273,16 @@ def _reference_greedy(reference, prompt: list[int], max_new_tokens: int) -> list
         token = int(out.logits[0, -1].argmax())
         new.append(token)
         if step + 1 < max_new_tokens:
-            out = reference(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+            out = reference(torch.tensor([[token]]), use_cache=True, **_kv_cache(reference, out))
     return new
+
+
+def _kv_cache(reference, out) -> dict:
+    """The previous step's KV cache as this transformers' forward() takes it: `cache` (5.x, where
+    `past_key_values` is deprecated), else `past_key_values`."""
+    if "cache" in inspect.signature(reference.forward).parameters:
+        return {"cache": out.cache}
+    return {"past_key_values": out.past_key_values}
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -30,6 +30,7 @@ A world size of 1 runs tritonserver directly: no mpirun needed, same flags as ra
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,8 +73,9 @@ def shm_prefix(base: str, rank: int) -> str:
 
 def server_args(tritonserver: str | Path, repo: str | Path, rank: int, endpoints: Endpoints, *,
                 shm_base: str = "prefix", backend_dir: str | Path | None = None,
-                exit_timeout_s: int = 5, api_key: str | None = None) -> list[str]:
-    """One rank's tritonserver command line (`api_key`: rank 0's restricted APIs need it)."""
+                exit_timeout_s: int = 5, api_key: str | None = None, server_flags: Sequence[str] = ()) -> list[str]:
+    """One rank's tritonserver command line (`api_key`: rank 0's restricted APIs need it; `server_flags`: the
+    user's own, last)."""
     args = [str(tritonserver), f"--model-repository={repo}", "--disable-auto-complete-config",
             f"--backend-config=python,shm-region-prefix-name={shm_prefix(shm_base, rank)}"]
     if backend_dir is not None:
@@ -91,7 +93,7 @@ def server_args(tritonserver: str | Path, repo: str | Path, rank: int, endpoints
         args += ["--allow-http=false", "--allow-grpc=false", "--allow-metrics=false",
                  "--model-control-mode=explicit", f"--load-model={LLM_MODEL}"]
     args.append(f"--exit-timeout-secs={exit_timeout_s}")
-    return args
+    return args + list(server_flags)
 
 
 def mpirun_args(mpirun: str | Path, sections: list[list[str]], *, export_vars: list[str] = (),
@@ -112,10 +114,12 @@ def mpirun_args(mpirun: str | Path, sections: list[list[str]], *, export_vars: l
 def launch_args(tritonserver: str | Path, repo: str | Path, world_size: int, endpoints: Endpoints, *,
                 mpirun: str | Path = "mpirun", shm_base: str = "prefix", backend_dir: str | Path | None = None,
                 exit_timeout_s: int = 5, export_vars: list[str] = (), cpu_count: int = 1,
-                output_dir: str | Path | None = None, api_key: str | None = None) -> list[str]:
+                output_dir: str | Path | None = None, api_key: str | None = None,
+                server_flags: Sequence[str] = ()) -> list[str]:
     """The whole command: tritonserver itself for one rank, mpirun for several."""
     sections = [server_args(tritonserver, repo, rank, endpoints, shm_base=shm_base, backend_dir=backend_dir,
-                            exit_timeout_s=exit_timeout_s, api_key=api_key) for rank in range(world_size)]
+                            exit_timeout_s=exit_timeout_s, api_key=api_key, server_flags=server_flags)
+                for rank in range(world_size)]
     if world_size == 1:
         return sections[0]
     return mpirun_args(mpirun, sections, export_vars=export_vars, oversubscribe=world_size > cpu_count,

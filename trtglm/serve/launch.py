@@ -26,7 +26,7 @@ from pathlib import Path
 from trtglm.errors import TrtglmError, UsageError
 from trtglm.serve.checks import check_ports, check_repo, resolve_world_size
 from trtglm.serve.command import Endpoints
-from trtglm.serve.state import LaunchDir, all_launch_dirs, clean_stale
+from trtglm.serve.state import LaunchDir, all_launch_dirs, clean_stale, only_launch
 from trtglm.serve.supervise import EXIT_TIMEOUT_S, GRACE_S, LaunchSpec, Supervisor, announce
 from trtglm.serve.tritonserver import backend_directory, find_mpirun, find_tritonserver, server_env, stub_python_bin
 
@@ -37,8 +37,10 @@ STOP_WAIT_S = GRACE_S + EXIT_TIMEOUT_S + 10  # how long `stop` waits for a super
 
 def launch(repo: str | Path, world_size: int | None = None, tritonserver: str | None = None,
            host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
-           log_dir: str | Path | None = None, detach: bool = False, timeout: float = 300.0) -> None:
-    """Serve `repo` with `world_size` ranks until stopped (or, with `detach`, until ready)."""
+           log_dir: str | Path | None = None, detach: bool = False, timeout: float = 300.0,
+           server_flags: list[str] = ()) -> None:
+    """Serve `repo` with `world_size` ranks until stopped (or, with `detach`, until ready); `server_flags`
+    go on every rank's tritonserver command line after trtglm's own."""
     repo_path = check_repo(repo)
     size = resolve_world_size(repo_path, world_size)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
@@ -63,7 +65,7 @@ def launch(repo: str | Path, world_size: int | None = None, tritonserver: str | 
                           launch_dir=str(launch_dir.path),
                           log_dir=str(Path(log_dir).expanduser().resolve() if log_dir else launch_dir.default_log_dir),
                           launch_id=secrets.token_hex(4), timeout_s=float(timeout), detached=detach,
-                          api_key=secrets.token_urlsafe(24))
+                          api_key=secrets.token_urlsafe(24), server_flags=tuple(server_flags))
         log.info("starting %d rank(s) of %s (%s)", size, binary, repo_path)
         if detach:
             _run_detached(spec, lock.fileno())
@@ -167,12 +169,7 @@ def _launch_to_stop(repo: str | Path | None) -> LaunchDir | None:
             running.append(launch_dir)
         else:
             _clean_if_stale(launch_dir)
-    if not running:
-        raise UsageError("no launch is running")
-    if len(running) > 1:
-        repos = ", ".join(str((d.read() or {}).get("repo", d.path)) for d in running)
-        raise UsageError(f"{len(running)} launches are running ({repos}): pass --repo")
-    return running[0]
+    return only_launch(running, "running")
 
 
 def _clean_if_stale(launch_dir: LaunchDir) -> bool:

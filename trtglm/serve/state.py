@@ -29,6 +29,7 @@ from typing import IO
 import psutil
 
 from trtglm.engine.manifest import write_json_atomic
+from trtglm.errors import UsageError
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,16 @@ class LaunchDir:
 def all_launch_dirs() -> list[LaunchDir]:
     root = state_root()
     return [LaunchDir(p) for p in sorted(root.iterdir()) if (p / STATE).is_file()] if root.is_dir() else []
+
+
+def only_launch(launches: list[LaunchDir], what: str) -> LaunchDir:
+    """The one launch of `launches` (those `what`: running, recorded); a UsageError asking for --repo otherwise."""
+    if not launches:
+        raise UsageError(f"no launch is {what}")
+    if len(launches) > 1:
+        repos = ", ".join(str((d.read() or {}).get("repo", d.path)) for d in launches)
+        raise UsageError(f"{len(launches)} launches are {what} ({repos}): pass --repo")
+    return launches[0]
 
 
 def clean_stale(launch: LaunchDir) -> None:

@@ -85,6 +85,7 @@ class LaunchSpec:
     detached: bool = False
     python_bin: str | None = None  # the stubs' Python's folder (stub_python.py); None: this Python's
     api_key: str | None = None  # the restricted APIs' secret (command.py); in the launch folder only its user reads
+    server_flags: tuple[str, ...] = ()  # more tritonserver flags, from `trtglm launch … -- FLAGS`
 
     @property
     def shm_base(self) -> str:
@@ -95,7 +96,8 @@ class LaunchSpec:
         return launch_args(self.tritonserver, self.repo, self.world_size, self.endpoints,
                            mpirun=self.mpirun or "mpirun", shm_base=self.shm_base, backend_dir=self.backend_dir,
                            exit_timeout_s=EXIT_TIMEOUT_S, export_vars=exports, cpu_count=os.cpu_count() or 1,
-                           output_dir=Path(self.log_dir) / "ranks", api_key=self.api_key)
+                           output_dir=Path(self.log_dir) / "ranks", api_key=self.api_key,
+                           server_flags=self.server_flags)
 
     def save(self, path: Path) -> None:
         """Write the spec readable by this user alone (it holds the API key)."""
@@ -107,6 +109,7 @@ class LaunchSpec:
     def load(cls, path: Path) -> LaunchSpec:
         data = json.loads(path.read_text(encoding="utf-8"))
         data["endpoints"] = Endpoints(**data["endpoints"])
+        data["server_flags"] = tuple(data.get("server_flags", ()))
         return cls(**data)
 
 

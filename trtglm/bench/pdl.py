@@ -5,19 +5,15 @@ greedy decode (128-token prompts, 127 steps, `bench runtime`'s timing) at batch 
 captured with programmatic dependent launch on, then off, then on again; and the logits of five decode steps of
 one sequence are compared between on and off (the launch mode must not change a single bit).
 
-    python3 scripts/bench_pdl.py [--kinds none,int8,int4] [--out results.json]
+    trtglm bench pdl [--kinds none,int8,int4] [--out results.json]
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from trtglm.bench.runtime import fast_timing, run_kinds
+from trtglm.bench.measure import fast_timing, run_kinds
 from trtglm.runtime.fast import FastModel, kernels
 
 STEPS_COMPARED = 5
@@ -53,9 +49,5 @@ def bench_kind(mode: str, ckpt_cfg, tensors: dict, generator: torch.Generator) -
     return {"runs": runs, "logits_identical": identical}
 
 
-def main() -> None:
-    run_kinds(__doc__.splitlines()[0], "none,int8,int4", bench_kind)
-
-
-if __name__ == "__main__":
-    main()
+def run(kinds: str, out: str | None) -> None:
+    run_kinds(kinds, out, bench_kind)

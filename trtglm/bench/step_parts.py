@@ -6,19 +6,15 @@ runtime` times it (128-token prompt, 127 steps). A removed kernel's output is re
 numbers such a step computes are wrong: this is for timing only. The difference to the full step is what that
 kind of kernel costs, its wait for the kernel before included.
 
-    python3 scripts/bench_step_parts.py [--kinds int4] [--out results.json]
+    trtglm bench step-parts [--kinds int4] [--out results.json]
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from trtglm.bench.runtime import fast_timing, run_kinds
+from trtglm.bench.measure import fast_timing, run_kinds
 from trtglm.runtime.fast import FastModel, kernels
 
 
@@ -65,9 +61,5 @@ def bench_kind(mode: str, ckpt_cfg, tensors: dict, generator: torch.Generator) -
     return {"step_ms": full, "cost_ms": costs}
 
 
-def main() -> None:
-    run_kinds(__doc__.splitlines()[0], "int4", bench_kind)
-
-
-if __name__ == "__main__":
-    main()
+def run(kinds: str, out: str | None) -> None:
+    run_kinds(kinds, out, bench_kind)

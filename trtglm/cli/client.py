@@ -1,17 +1,18 @@
-"""The `generate` subcommand as a fire function."""
+"""`generate`: ask a served model and print its answer."""
 
 from __future__ import annotations
 
 import sys
 from typing import Iterator
 
+from trtglm.cli.flags import CountInt, PosFloat, PosInt
 from trtglm.client import DEFAULT_URL
 
 
-def generate(prompt: str, url: str = DEFAULT_URL, max_tokens: int = 64, stream: bool = False,
+def generate(prompt: str, url: str = DEFAULT_URL, max_tokens: PosInt = 64, stream: bool = False,
              grpc: str | None = None, model: str = "ensemble", temperature: float | None = None,
-             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-             timeout: float = 600.0):
+             top_k: CountInt | None = None, top_p: float | None = None, seed: int | None = None,
+             timeout: PosFloat = 600.0):
     """Ask a served model (ensemble or tensorrt_llm_bls) and print its answer; --stream prints it as it arrives.
 
     --prompt: text, or a JSON chat (a list of {role, content} messages or {"messages": [...]}).
@@ -20,14 +21,11 @@ def generate(prompt: str, url: str = DEFAULT_URL, max_tokens: int = 64, stream: 
     are sent only when given. --timeout: seconds to wait for the server.
     """
     from trtglm.client import GenerateRequest, check_model
-    from trtglm.errors import UsageError
 
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise UsageError(f"--timeout must be a positive number of seconds, not {timeout!r}")
-    request = GenerateRequest(prompt, max_tokens, stream=bool(stream), temperature=temperature, top_k=top_k,
+    request = GenerateRequest(prompt, max_tokens, stream=stream, temperature=temperature, top_k=top_k,
                               top_p=top_p, seed=seed)
     check_model(model)
-    _print_pieces(_pieces(url, grpc, model, request, float(timeout)))
+    _print_pieces(_pieces(url, grpc, model, request, timeout))
 
 
 def _pieces(url: str, grpc: str | None, model: str, request, timeout: float) -> Iterator[str]:

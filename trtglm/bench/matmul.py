@@ -7,21 +7,17 @@ against float32 products with the dequantized weights. int8/int4 run the Gluon k
 kernel and the tensor-core one); with --portable they are also timed with the plain-Triton one-row kernel on the same
 planar words, for comparison.
 
-    python3 scripts/bench_matmul.py [--portable] [--out results.json]
+    trtglm bench matmul [--portable] [--out results.json]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from trtglm.bench.runtime import copy_bandwidth
+from trtglm.bench.measure import copy_bandwidth
 from trtglm.runtime.fast import kernels
 from trtglm.runtime.fast.linear import Linear
 from trtglm.runtime.quant import fake_quantize
@@ -74,20 +70,14 @@ def bench_shape(name: str, algo: str | None, bandwidth: float, portable: bool, g
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--portable", action="store_true", help="also time the portable int8/int4 kernel")
-    parser.add_argument("--kinds", default="bf16,int8,int4")
-    parser.add_argument("--rows", default="1", help="input rows (decode batch sizes), comma-separated")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+def run(portable: bool, kinds: str, rows: str, out: str | None) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     bandwidth = copy_bandwidth(torch.device("cuda")) / 1e9
     print(f"copy bandwidth {bandwidth:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
-    rows = [row for m in map(int, args.rows.split(",")) for kind in args.kinds.split(",") for name in SHAPES
-            for row in bench_shape(name, ALGOS[kind], bandwidth, args.portable, g, m)]
+    measured = [row for m in map(int, rows.split(",")) for kind in kinds.split(",") for name in SHAPES
+            for row in bench_shape(name, ALGOS[kind], bandwidth, portable, g, m)]
     best = {}
-    for row in rows:
+    for row in measured:
         key = (row["rows"], row["shape"], row["kind"], row["kernel"])
         if key not in best or row["us"] < best[key]["us"]:
             best[key] = row
@@ -95,10 +85,7 @@ def main() -> None:
     for (m, shape, kind, kernel), row in sorted(best.items()):
         print(f"  {m} × {kind:5} {shape:12} {kernel:12} {row['us']:8.1f} us {row['GB/s']:7.0f} GB/s "
               f"{100 * row['of_copy']:5.1f}% of copy  rel err {row['rel_err']:.1e}  {row['config']}")
-    if args.out:
-        args.out.write_text(json.dumps({"copy_GBps": bandwidth, "device": torch.cuda.get_device_name(),
-                                        "rows": rows}, indent=1))
+    if out:
+        Path(out).write_text(json.dumps({"copy_GBps": bandwidth, "device": torch.cuda.get_device_name(),
+                                        "rows": measured}, indent=1))
 
-
-if __name__ == "__main__":
-    main()

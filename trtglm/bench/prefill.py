@@ -4,21 +4,17 @@ For each weight kind, one FastModel on random ChatGLM3-6B-shaped weights (as `be
 1,280 as there) prefills one prompt of 128, 512 and 1,000 tokens with `use_graph` on and off in turns, five times
 each: the median wall time to the synchronised logits, and the largest difference between the two paths' logits.
 
-    python3 scripts/bench_prefill.py [--kinds none,int8,int4] [--out results.json]
+    trtglm bench prefill [--kinds none,int8,int4] [--out results.json]
 """
 
 from __future__ import annotations
 
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from trtglm.bench.runtime import run_kinds
+from trtglm.bench.measure import run_kinds
 from trtglm.runtime.fast import FastModel
 
 PROMPT_LENGTHS = (128, 512, 1000)
@@ -55,9 +51,5 @@ def bench_kind(mode: str, ckpt_cfg, tensors: dict, generator: torch.Generator) -
     return results
 
 
-def main() -> None:
-    run_kinds(__doc__.splitlines()[0], "none,int8,int4", bench_kind)
-
-
-if __name__ == "__main__":
-    main()
+def run(kinds: str, out: str | None) -> None:
+    run_kinds(kinds, out, bench_kind)

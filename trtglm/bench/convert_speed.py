@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Benchmark `trtglm convert` on a ChatGLM3-6B-shaped checkpoint against a plain `cp`.
 
 Generates a random-weight 6B checkpoint once (fp16 safetensors, 7 shards as published;
@@ -10,12 +9,11 @@ The page cache is dropped before each run when the machine allows it (root, writ
 /proc/sys/vm/drop_caches), so reads come from disk.
 Prints a markdown table and writes the results as JSON.
 
-    python scripts/bench_convert.py [--work-dir /tmp/trtglm-bench] [--repeats 3] [--json results.json] [--clean]
+    trtglm bench convert [--work-dir /tmp/trtglm-bench] [--repeats 3] [--json results.json] [--clean]
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -27,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from trtglm.errors import TrtglmError
+
 CASES = {  # name -> extra convert flags (None: the cp baseline)
     "cp (baseline)": None,
     "convert tp1 fp16": ["--tp-size", "1"],
@@ -37,14 +37,8 @@ TARGET_RSS_BYTES = 2 * 1024**3
 TARGET_TIME_RATIO = 1.5
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/trtglm-bench"))
-    parser.add_argument("--json", type=Path, default=None, help="results file (default WORK_DIR/bench_convert.json)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each case; the table shows medians")
-    parser.add_argument("--clean", action="store_true", help="delete the work dir (and the cached model) at the end")
-    args = parser.parse_args()
-    work = args.work_dir
+def run(work_dir: str, json_path: str | None, repeats: int, clean: bool) -> None:
+    work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     model = work / "chatglm3-6b-synth"
     results = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
@@ -55,23 +49,23 @@ def main() -> None:
     source_bytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     results["source_bytes"] = source_bytes
     results["page_cache_dropped"] = drop_page_cache()
-    results["repeats"] = args.repeats
+    results["repeats"] = repeats
     samples: dict[str, list[dict]] = {name: [] for name in CASES}
-    for repeat in range(args.repeats):  # interleaved, so a slow spell of the disk hits every case
+    for repeat in range(repeats):  # interleaved, so a slow spell of the disk hits every case
         for name, flags in CASES.items():
             sample = run_case(model, work / "out", flags)
             samples[name].append(sample)
-            print(f"[{repeat + 1}/{args.repeats}] {name}: {sample['wall_s']:.1f} s "
+            print(f"[{repeat + 1}/{repeats}] {name}: {sample['wall_s']:.1f} s "
                   f"({sample['wall_sync_s']:.1f} s with sync), peak RSS {sample['peak_rss_bytes'] / 2**20:.0f} MiB, "
                   f"load {sample['load_average_1min']:.1f}", file=sys.stderr)
     runs = {name: summarize(case_samples) | {"source_bytes": source_bytes} for name, case_samples in samples.items()}
     results["runs"] = runs
     results["targets"] = check_targets(runs)
     print(markdown(results))
-    json_path = args.json or work / "bench_convert.json"
+    json_path = Path(json_path) if json_path else work / "bench_convert.json"
     json_path.write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nresults: {json_path}", file=sys.stderr)
-    if args.clean:
+    if clean:
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -99,7 +93,7 @@ def measure(command: list, out: Path) -> dict:
     subprocess.run(["sync"], check=True)
     wall_sync = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
-        sys.exit(f"benchmark command failed: {' '.join(map(str, command))}")
+        raise TrtglmError(f"benchmark command failed: {' '.join(map(str, command))}")
     written = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     return {"command": " ".join(map(str, command)), "wall_s": wall, "wall_sync_s": wall_sync,
             "peak_rss_bytes": usage.ru_maxrss * 1024, "written_bytes": written, "load_average_1min": load,
@@ -166,6 +160,3 @@ def markdown(results: dict) -> str:
                      f"peak RSS {s['peak_rss_bytes'] / 2**20:.0f} MiB.")
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    main()

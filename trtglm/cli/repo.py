@@ -1,4 +1,4 @@
-"""The `trtglm patch-repo` subcommand (fire-style: flags are the function's parameters)."""
+"""`patch-repo`: the Triton model repository for an engine, or the problems of an existing one."""
 
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ log = logging.getLogger(__name__)
 
 
 def patch_repo(engine_dir: str | None = None, tokenizer_dir: str | None = None, output_repo: str | None = None,
-               template: str | None = None, set: list | tuple | str | None = None, force: bool = False,
-               check: str | None = None):
+               template: str | None = None, set: list[str] = (), force: bool = False, check: str | None = None):
     """Render the Triton model repository for an engine; `--check REPO` lists an existing one's problems.
 
-    --set PLACEHOLDER=VALUE overrides a placeholder (comma-separate several: --set a=1,b=2).
+    --set PLACEHOLDER=VALUE overrides a placeholder (repeat for several).
     --template DIR patches a copy of NVIDIA's inflight_batcher_llm (v0.7.1 or v0.19.0) instead.
     """
     from trtglm.repo import check_repo
@@ -34,4 +33,4 @@ def patch_repo(engine_dir: str | None = None, tokenizer_dir: str | None = None, 
         return
     if not engine_dir or not output_repo:
         raise UsageError("patch-repo needs --engine-dir and --output-repo (or --check REPO)")
-    render(engine_dir, tokenizer_dir, output_repo, template=template, sets=parse_sets(set), force=force)
+    render(engine_dir, tokenizer_dir, output_repo, template=template, sets=parse_sets(list(set)), force=force)

@@ -1,0 +1,50 @@
+"""`trtglm status`, `trtglm logs` and `trtglm launch … -- FLAGS` against a real launched server of the fixture."""
+
+import json
+
+import pytest
+
+from conftest import repo_processes
+from test_client import Launched
+
+PASSED_ON = "--log-info=true"  # tritonserver's own flag, its default: harmless, and visible in its argv
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    server = Launched(tmp_path_factory.mktemp("status"), server_flags=(PASSED_ON,))
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_flags_after_double_dash_reach_tritonserver(launched):
+    servers = [p for p in repo_processes(launched.repo) if p.name() == "tritonserver"]
+    assert len(servers) == 1
+    assert servers[0].cmdline()[-1] == PASSED_ON
+
+
+def test_status_shows_the_launch_ready_with_its_ports(launched):
+    done = launched.run("status")
+    assert done.returncode == 0, done.stderr
+    [line] = done.stdout.splitlines()
+    state = json.loads(next((launched.root / "state").glob("*/state.json")).read_text())
+    ports = " ".join(f"{name}={port}" for name, port in launched.ports.items())
+    assert line.split("\t") == [str(launched.repo), "ready", f"pid {state['pid']}", ports, "ready"]
+
+
+def test_logs_show_the_tail_of_rank_0_and_the_supervisor(launched):
+    done = launched.run("logs", "--lines", "400")
+    assert done.returncode == 0, done.stderr
+    files = [line[len("==> "):-len(" <==")] for line in done.stdout.splitlines() if line.startswith("==> ")]
+    assert ["/".join(path.split("/")[-2:]) for path in files] == ["rank.0/stderr", "rank.0/stdout",
+                                                                  "logs/supervisor.log"]
+    assert "Started HTTPService at" in done.stdout
+    short = launched.run("logs", "--lines", "2")
+    sections = short.stdout.split("==> ")[1:]
+    assert all(len(section.strip().splitlines()) <= 3 for section in sections)  # header + at most 2 lines
+    missing = launched.run("logs", "--repo", str(launched.root / "elsewhere"))
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1
+    assert "no launch of" in missing.stderr and "is recorded" in missing.stderr

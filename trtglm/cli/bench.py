@@ -1,0 +1,127 @@
+"""`trtglm bench KIND`: the benchmarks (trtglm/bench/), one function per kind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from trtglm.bench import DEFAULT_PROMPT
+from trtglm.cli.flags import CountInt, Passthrough, PosFloat, PosInt
+from trtglm.client import DEFAULT_URL
+
+PATHS = "ensemble:http,ensemble:grpc,tensorrt_llm_bls:http,tensorrt_llm_bls:grpc"
+
+
+def serving(url: str = DEFAULT_URL, concurrency: str = "1,8,32", requests: PosInt = 128, repeats: PosInt = 50,
+            max_tokens: PosInt = 64, prompt: str = DEFAULT_PROMPT, model: str = "ensemble",
+            engine_dir: str | None = None, device: str | None = None, out: str | None = None,
+            timeout: PosFloat = 600.0, compare_replies: bool = True):
+    """A served repository: Triton's overhead over the runtime, and tokens/s by concurrency.
+
+    `bench serving --url URL`: --repeats sequential requests through --model against the same
+    call to trtglm's runtime in-process (median/p90 ms), then --requests requests at each
+    --concurrency level (comma-separated; `none` skips them) for generated tokens/s. --engine-dir
+    defaults to the server's engine folder; --out DIR writes serving.json and serving.md;
+    --no-compare-replies times random-weight replies without comparing their text.
+    """
+    from trtglm.bench.serving import Settings, bench_serving, markdown, parse_concurrency
+
+    settings = Settings(url=url, model=model, prompt=prompt, max_tokens=max_tokens,
+                        concurrency=parse_concurrency(concurrency), requests=requests, repeats=repeats,
+                        engine_dir=engine_dir, device=device, timeout=timeout, compare_replies=compare_replies)
+    print(markdown(bench_serving(settings, out)), end="", flush=True)
+
+
+def serving_local(work_dir: str = "/tmp/trtglm-bench-serving", config: str = "configs/tiny.yaml",
+                  out: str | None = None, bench_flags: Passthrough = ()):
+    """`bench serving` from nothing: build --config's engine, render its repository, launch it on free
+    loopback ports, run `trtglm bench serving` (with the flags after `--`) against it, stop it."""
+    from trtglm.bench.serving_local import run
+
+    run(work_dir, config, out, list(bench_flags))
+
+
+def served(url: str = DEFAULT_URL, grpc: str | None = None, metrics_url: str | None = None,
+           engine_dir: str | None = None, device: str | None = None, repeats: CountInt = 20,
+           overhead_tokens: PosInt = 128, overhead_prompt: str = DEFAULT_PROMPT, overhead_model: str = "ensemble",
+           requests: CountInt = 256, concurrency: PosInt = 64, prompt_len: PosInt = 128, new_tokens: PosInt = 128,
+           paths: str = PATHS, mixed_requests: CountInt = 256, mixed_concurrency: PosInt = 64,
+           mixed_prompts: str = "32,1024", mixed_outputs: str = "16,256",
+           mixed_paths: str = "ensemble:http,tensorrt_llm_bls:grpc", seed: CountInt = 0, timeout: PosFloat = 600.0,
+           stop_after: float = 0.0, out: str | None = None):
+    """A served repository streamed to, next to the same engine in-process (random weights welcome).
+
+    `bench served --url URL --grpc HOST:PORT --metrics-url URL/metrics`: Triton's overhead at
+    --overhead-tokens (one request at a time, --repeats calls each); --requests streamed prompts
+    of --prompt-len ids and --new-tokens each, --concurrency in flight, through each of --paths
+    (MODEL:http for server-sent events, MODEL:grpc for tritonclient's stream) and in-process:
+    tokens/s, requests/s, TTFT and inter-token p50/p99, served/in-process; the same for the mixed
+    workload (--mixed-*; --mixed-requests 0 skips it). --out DIR writes served.json and served.md.
+    """
+    flags = dict(locals())
+    from trtglm.bench.served import run
+
+    run(**flags)
+
+
+def runtime(preset: Literal["tiny", "6b", "6b-32k"] = "6b", dtype: Literal["bfloat16", "float16"] = "bfloat16",
+            weight_only: str = "none", batch: str = "1,8,32,64", prompt_len: PosInt = 128,
+            new_tokens: PosInt = 128, baseline: Literal["hf", "none"] = "hf",
+            out: str = "out/bench-runtime", layers: PosInt | None = None, long_prompt: PosInt = 512,
+            requests: CountInt = 256, concurrency: PosInt = 64, prefill_chunk: PosInt = 1024, check: bool = True,
+            profile: bool = True, tune: bool | None = None, seed: CountInt = 0, fixture: Path | None = None):
+    """The fast GPU runtime against HF generate() and the bandwidth floor, on random 6B-shaped weights.
+
+    --weight-only none|int8|int4 (comma-separated for several), --batch 1,8,32,64: decode batch
+    sizes, --prompt-len/--new-tokens: forced lengths (EOS ignored), --baseline hf|none,
+    --long-prompt N: TTFT of one N-token prompt, --requests/--concurrency: the in-flight run
+    (0 requests skips it), --prefill-chunk N: prompt tokens its executor prefills per step (longer
+    prompts go in chunks, between decode steps), --layers N: fewer layers, --no-check / --no-profile
+    skip those parts, --no-tune skips timing the matmul kernels' block shapes at start-up (and
+    cuBLAS against the one-row kernel for float weights), --fixture DIR: a trained small ChatGLM3
+    (e.g. tests/fixtures/tiny-chatglm3) whose logits are checked too. Writes OUT/runtime.json and
+    OUT/runtime.png and prints a table.
+    """
+    flags = dict(locals())
+    from trtglm.bench.runtime import bench_runtime
+
+    bench_runtime(**flags)
+
+
+def matmul(portable: bool = False, kinds: str = "bf16,int8,int4", rows: str = "1", out: str | None = None):
+    """The decode matmuls on their own, on the GPU: every block shape of each kernel, 1 or more --rows."""
+    from trtglm.bench.matmul import run
+
+    run(portable, kinds, rows, out)
+
+
+def pdl(kinds: str = "none,int8,int4", out: str | None = None):
+    """Decode steps with and without programmatic dependent launch, on the GPU (--out: JSON results)."""
+    from trtglm.bench.pdl import run
+
+    run(kinds, out)
+
+
+def prefill(kinds: str = "none,int8,int4", out: str | None = None):
+    """One prompt's time to first token with the prefill CUDA graphs and launched eagerly, on the GPU."""
+    from trtglm.bench.prefill import run
+
+    run(kinds, out)
+
+
+def step_parts(kinds: str = "int4", out: str | None = None):
+    """What each kind of small kernel costs a batch-1 decode step, on the GPU (timing only)."""
+    from trtglm.bench.step_parts import run
+
+    run(kinds, out)
+
+
+def convert(work_dir: str = "/tmp/trtglm-bench", json: str | None = None, repeats: PosInt = 3, clean: bool = False):
+    """`trtglm convert` on a ChatGLM3-6B-shaped checkpoint against a plain `cp`: wall time and peak RSS."""
+    from trtglm.bench.convert_speed import run
+
+    run(work_dir, json, repeats, clean)
+
+
+KINDS = {"serving": serving, "serving-local": serving_local, "served": served, "runtime": runtime,
+         "matmul": matmul, "pdl": pdl, "prefill": prefill, "step-parts": step_parts, "convert": convert}

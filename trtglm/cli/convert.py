@@ -1,0 +1,44 @@
+"""`convert`, `verify`, `chat`, `synth-model`: HF weights → TensorRT-LLM checkpoint, and checking it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from trtglm.cli.flags import CountInt, PosFloat, PosInt
+
+
+
+def convert(model_dir: str, output_dir: str, dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto",
+            tp_size: Literal[1, 2, 4, 8] = 1, pp_size: PosInt = 1, weight_only: Literal["int8", "int4"] | None = None,
+            chatglm_version: Literal["auto", "chatglm3", "chatglm2"] = "auto", force: bool = False):
+    """ChatGLM HF weights -> TensorRT-LLM checkpoint (config.json + rank{r}.safetensors)."""
+    from trtglm.convert.writer import convert_checkpoint
+
+    convert_checkpoint(model_dir, output_dir, dtype=dtype, tp_size=tp_size, pp_size=pp_size,
+                       weight_only=weight_only, chatglm_version=chatglm_version, force=force)
+
+
+def verify(checkpoint: str, hf_model: str, prompts: str | None = None, max_new_tokens: PosInt = 16,
+           device: str = "cpu"):
+    """Compare a TensorRT-LLM checkpoint, run by trtglm's runtime, with transformers' GlmForCausalLM."""
+    from trtglm.runtime.verify import verify_checkpoint
+
+    verify_checkpoint(checkpoint, hf_model, prompts=prompts, max_new_tokens=max_new_tokens, device=device)
+
+
+def chat(checkpoint: str, tokenizer_dir: str, prompt: str, max_new_tokens: PosInt = 64, temperature: float = 0.0,
+         top_k: CountInt = 0, top_p: PosFloat = 1.0, seed: CountInt | None = None, device: str = "cpu"):
+    """Answer PROMPT (text, or a JSON list of chat messages) from a checkpoint with trtglm's runtime."""
+    from trtglm.runtime.answer import answer
+
+    print(answer(checkpoint, tokenizer_dir, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                 top_k=top_k, top_p=top_p, seed=seed, device=device))
+
+
+def synth_model(preset: Literal["tiny", "6b", "6b-32k"], out: str, layers: PosInt | None = None,
+                format: Literal["safetensors", "bin"] = "safetensors",
+                dtype: Literal["float16", "bfloat16", "float32"] = "float16", seed: CountInt = 0, force: bool = False):
+    """Random-weight ChatGLM3 checkpoint with the real HF layout and shapes (tiny, 6b, 6b-32k)."""
+    from trtglm.convert.synth import synth_model as run
+
+    run(preset, out, layers=layers, fmt=format, dtype=dtype, seed=seed, force=force)

@@ -1,0 +1,62 @@
+"""`launch`, `stop`, `status`, `logs`, `models`: a supervised tritonserver for a model repository."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from trtglm.cli.flags import CountInt, Env, Passthrough, PosFloat, PosInt
+
+
+def launch(repo: str, world_size: PosInt | None = None, tritonserver: str | None = None, host: str = "127.0.0.1",
+           http_port: Annotated[PosInt, Env("HTTP_PORT")] = 8000,
+           grpc_port: Annotated[PosInt, Env("GRPC_PORT")] = 8001,
+           metrics_port: Annotated[PosInt, Env("METRICS_PORT")] = 8002, log_dir: str | None = None,
+           detach: bool = False, timeout: PosFloat = 300.0, server_flags: Passthrough = ()):
+    """Serve a Triton model repository with tritonserver (mpirun for --world-size > 1) until Ctrl-C.
+
+    --world-size defaults to the engine's tp × pp; --host binds rank 0's endpoints (loopback by
+    default); --detach returns once ready (stop with `trtglm stop`); --timeout: seconds to wait
+    for readiness. Words after `--` are passed on to every rank's tritonserver.
+    """
+    from trtglm.serve.launch import launch as run
+
+    run(repo, world_size=world_size, tritonserver=tritonserver, host=host, http_port=http_port,
+        grpc_port=grpc_port, metrics_port=metrics_port, log_dir=log_dir, detach=detach, timeout=timeout,
+        server_flags=list(server_flags))
+
+
+def stop(repo: str | None = None):
+    """Stop a launch (default: the only one running) and everything it started."""
+    from trtglm.serve.launch import stop as run
+
+    run(repo)
+
+
+def status():
+    """Launched servers: repository, state, supervisor pid, ports, and whether it answers ready."""
+    from trtglm.serve.status import launch_rows
+
+    rows = launch_rows()
+    if not rows:
+        print("no launches")
+    for row in rows:
+        ports = " ".join(f"{name}={port}" for name, port in row["ports"].items())
+        print(f"{row['repo']}\t{row['state']}\tpid {row['pid']}\t{ports}\t{'ready' if row['ready'] else 'not ready'}")
+
+
+def logs(repo: str | None = None, rank: CountInt = 0, lines: PosInt = 40):
+    """The last --lines lines of a launched server's logs (one rank's stdout and stderr, the supervisor's)."""
+    from trtglm.serve.status import log_tails, recorded_launch
+
+    for path, tail in log_tails(recorded_launch(repo), rank, lines):
+        print(f"==> {path} <==", *tail, sep="\n")
+
+
+def models(action: Literal["load", "unload", "list"], name: str | None = None, url: str = "http://127.0.0.1:8000"):
+    """Triton's repository API: `models load NAME`, `models unload NAME`, `models list`."""
+    from trtglm.serve.control import models as run
+
+    index = run(action, name, url=url)
+    for entry in index or ():
+        print(f"{entry.get('name')}\t{entry.get('version', '-')}\t{entry.get('state', '-')}\t{entry.get('reason', '')}"
+              .rstrip())

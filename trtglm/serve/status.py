@@ -1,0 +1,59 @@
+"""What `trtglm status` and `trtglm logs` read: the recorded launches (state.py), whether each one's
+supervisor still runs and its server answers ready, and the tails of its log files."""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from collections import deque
+from pathlib import Path
+
+from trtglm.errors import UsageError
+from trtglm.serve.state import LaunchDir, all_launch_dirs, only_launch
+from trtglm.serve.supervise import rank_logs
+
+READY_TIMEOUT_S = 2.0
+
+
+def launch_rows() -> list[dict]:
+    """One row per recorded launch: repo, state (starting | ready | dead), pid, ports, ready."""
+    rows = []
+    for launch_dir in all_launch_dirs():
+        state = launch_dir.read() or {}
+        running = launch_dir.is_running()
+        rows.append({"repo": state.get("repo", str(launch_dir.path)), "pid": state.get("pid"),
+                     "state": state.get("status", "?") if running else "dead", "ports": state.get("ports", {}),
+                     "ready": running and is_ready(state.get("urls", {}).get("http"))})
+    return rows
+
+
+def is_ready(http_url: str | None) -> bool:
+    if not http_url:
+        return False
+    try:
+        with urllib.request.urlopen(f"{http_url}/v2/health/ready", timeout=READY_TIMEOUT_S) as reply:
+            return reply.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def recorded_launch(repo: str | None) -> LaunchDir:
+    """The launch of `repo`, or with none given the only launch recorded."""
+    if repo is not None:
+        launch_dir = LaunchDir.for_repo(Path(repo).expanduser())
+        if launch_dir.read() is None:
+            raise UsageError(f"no launch of {Path(repo).expanduser().resolve()} is recorded")
+        return launch_dir
+    return only_launch(all_launch_dirs(), "recorded")
+
+
+def log_tails(launch_dir: LaunchDir, rank: int, lines: int) -> list[tuple[Path, list[str]]]:
+    """(file, its last `lines` lines) for the rank's stdout and stderr, and the supervisor's log."""
+    log_dir = Path((launch_dir.read() or {}).get("log_dir") or launch_dir.default_log_dir)
+    files = [*rank_logs(log_dir, rank), log_dir / "supervisor.log", log_dir / "mpirun.log"]
+    return [(path, _tail(path, lines)) for path in files if path.is_file()]
+
+
+def _tail(path: Path, lines: int) -> list[str]:
+    with open(path, encoding="utf-8", errors="replace") as text:
+        return [line.rstrip("\n") for line in deque(text, maxlen=lines)]
