@@ -1,8 +1,8 @@
 """Choosing the next token from logits, by TensorRT-LLM's rules.
 
-A request's logits processors run first: its embedding bias is added, then banned ids get
--inf (a one-token bad word always, a longer one when the sequence ends with all but its last
-token, `end_id` until `min_length` tokens exist). `Sampler` then chooses: greedy when the
+A request's logits processors run first: its embedding bias is added, its penalties are
+applied (`Penalties`), then banned ids get -inf (a one-token bad word always, a longer one when
+the sequence ends with all but its last token, `end_id` until `min_length` tokens exist). `Sampler` then chooses: greedy when the
 temperature is 0 or top_k is 1, otherwise temperature, then top-k, then top-p, drawn with a
 generator of its own seeded by the request (the same seed gives the same tokens). `log_prob`
 is the log probability of the chosen token under the distribution it was chosen from (after
@@ -90,3 +90,51 @@ def processed(logits: torch.Tensor, bias: torch.Tensor | None, banned: Sequence[
     if bool(torch.isnan(logits).any()):
         raise UsageError("the logits hold NaN (an embedding_bias of NaN?)")
     return logits
+
+
+class Penalties:
+    """TensorRT-LLM's repetition, presence and frequency penalties of one request.
+
+    As its decoder does, every id the sequence holds (prompt and generated) counts: a logit of an id
+    that occurs is divided by `repetition` when positive and multiplied by it when negative, then
+    lowered by `presence` once and by `frequency` for each occurrence. TensorRT-LLM applies them to
+    logits already divided by the temperature, and the sampler here divides afterwards, so the
+    additive penalties are taken `temperature` times (the same distribution).
+    """
+
+    NEUTRAL = {"repetition": 1.0, "presence": 0.0, "frequency": 0.0}
+
+    def __init__(self, repetition: float = 1.0, presence: float = 0.0, frequency: float = 0.0,
+                 temperature: float = 0.0):
+        if not repetition > 0:
+            raise UsageError(f"repetition_penalty must be greater than 0, not {repetition:g}")
+        self.repetition, self.presence, self.frequency = repetition, presence, frequency
+        scale = temperature if temperature > 0 else 1.0  # greedy: the logits are not divided
+        self.presence_scaled, self.frequency_scaled = presence * scale, frequency * scale
+        self.counts: torch.Tensor | None = None
+
+    @property
+    def active(self) -> bool:
+        return (self.repetition, self.presence, self.frequency) != tuple(self.NEUTRAL.values())
+
+    def start(self, prompt: Sequence[int], vocab: int, device: torch.device) -> None:
+        """Count the prompt's ids (before the first token is chosen)."""
+        ids = torch.tensor([int(t) for t in prompt if 0 <= int(t) < vocab], dtype=torch.long, device=device)
+        self.counts = torch.bincount(ids, minlength=vocab).to(torch.float32)
+
+    def add(self, token: int) -> None:
+        if self.counts is not None and 0 <= token < self.counts.numel():
+            self.counts[token] += 1
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """float32 `logits` `[vocab]` with the penalties applied."""
+        if self.counts is None or not self.active:
+            return logits
+        width = min(logits.numel(), self.counts.numel())
+        counts, head = self.counts[:width], logits[:width]
+        seen = counts > 0
+        penalized = torch.where(head > 0, head / self.repetition, head * self.repetition)
+        penalized = penalized - self.presence_scaled - self.frequency_scaled * counts
+        out = logits.clone()
+        out[:width] = torch.where(seen, penalized, head)
+        return out
