@@ -32,7 +32,7 @@ MAX_NEW = 40
 RANK_PROGRAM = '''
 import json, os, sys, time
 from trtglm.runtime.distributed import rendezvous
-from trtglm.runtime.executor import Request
+from trtglm.runtime.request import Request
 from trtglm.serve.engine import ServedEngine
 
 engine_dir, prompts_file, out_dir, mode = sys.argv[1:5]

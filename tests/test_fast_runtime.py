@@ -33,13 +33,14 @@ from trtglm.convert.writer import convert_checkpoint
 from trtglm.errors import DependencyError, ModelFileError, UsageError
 from trtglm.runtime.cache import SlotCache
 from trtglm.runtime.checkpoint import load_checkpoint
-from trtglm.runtime.executor import Executor, Request
+from trtglm.runtime.executor import Executor
 from trtglm.runtime.fast import FastModel, batch_buckets, load_fast_model
 from trtglm.runtime.fast import model as fast_model
 from trtglm.runtime.fast.linear import Linear, pack_int4, pack_int8, unpack_int4, unpack_int8
 from trtglm.runtime.fast.ops import TorchOps
 from trtglm.runtime.model import load_model
 from trtglm.runtime.quant import fake_quantize
+from trtglm.runtime.request import Request
 from trtglm.runtime.slot_runtime import ShardedSlotModel
 
 if not torch.cuda.is_available() and "triton" not in sys.modules:

@@ -28,7 +28,7 @@ from trtglm.chatglm.chat import prompt_ids, stack_word_lists, word_list
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
 from trtglm.repo import patch_repo
-from trtglm.runtime.executor import Output
+from trtglm.runtime.request import Output
 from trtglm.serve.triton_model import Gathered, Reply, engine_request, engine_requests
 
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))

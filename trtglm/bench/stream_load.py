@@ -358,7 +358,7 @@ def run_in_process(executor, workload: Workload, end_id: int | None, stop_words:
                    timeout: float = 3600.0) -> tuple[list[Trace], float]:
     """The workload's prompt ids submitted to `executor` (running on its own thread), a new request as one
     finishes, with the repository's end id and stop words."""
-    from trtglm.runtime.executor import Request
+    from trtglm.runtime.request import Request
 
     traces = [Trace() for _ in range(workload.requests)]
     pending = iter(range(workload.requests))
