@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 
 import pytest
 import torch
-from test_distributed import MAX_NEW, build_tiny_engine
+from support.engines import MAX_NEW, build_tiny_engine
 
 from trtglm.chatglm.chat import chat_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer

@@ -1,7 +1,7 @@
 """The served benchmark's load generator (trtglm.bench: workload, stream_load, load_stats) and its pipeline.
 
 Prompts are built to exact lengths from the tokenizer; the closed loop never has more than
-`concurrency` requests in flight; against a launched fixture server (test_client's), the
+`concurrency` requests in flight; against a launched fixture server (support.servers), the
 tokens the client counts from the ensemble's streamed responses, over HTTP server-sent events
 and gRPC, are the tokens the server's own counter says it generated, every request finishing
 within its max_tokens; tensorrt_llm_bls's events never count more than the server generated;
@@ -19,7 +19,7 @@ import time
 
 import pytest
 from conftest import FIXTURE, REPO
-from test_client import launched_server
+from support.servers import launched_server
 
 from trtglm.bench import load_stats, stream_load
 from trtglm.bench.workload import fixed_workload, mixed_workload, piece_pool, prompt_text
