@@ -15,7 +15,7 @@ import random
 
 import numpy as np
 import pytest
-from test_tokenizer import answers, sp, special, tok  # noqa: F401 (fixtures)
+from support.tokenizer import answers, sp, special, tok  # noqa: F401 (fixtures)
 
 from trtglm.chatglm import chat
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer

@@ -19,10 +19,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 from conftest import FIXTURE, REPO, run_cli
+from support.servers import fixture_answers, free_port, launched_server
 
 from trtglm.client import GenerateRequest, ServerError
 from trtglm.client.http import generate, generate_stream, sse_data
@@ -113,12 +113,6 @@ def canned():
 
 def sent(canned: Canned) -> list[tuple[str, dict]]:
     return [(path, json.loads(body)) for path, body in canned.received]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -310,51 +304,6 @@ def test_errors_are_one_line_and_a_non_zero_exit(canned):
 
 
 # --- end to end: a launched server of the fixture's engine ------------------------------------------
-
-
-def fixture_answers() -> dict[str, str]:
-    conversations = [json.loads(line) for line in (FIXTURE / "conversations.jsonl").read_text().splitlines()]
-    return {c["messages"][0]["content"]: c["answer"] for c in conversations if len(c["messages"]) == 1}
-
-
-class Launched:
-    """The fixture's torch engine, its rendered repository and a detached `trtglm launch` of it."""
-
-    def __init__(self, root: Path, server_flags: tuple[str, ...] = ()):
-        self.root, self.repo, self.server_flags = root, root / "repo", server_flags
-        self.ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
-        self.env = {**os.environ, "TRTGLM_STATE_DIR": str(root / "state"), "PYTHONUNBUFFERED": "1"}
-        self.url = f"http://127.0.0.1:{self.ports['http']}"
-        self.grpc = f"127.0.0.1:{self.ports['grpc']}"
-        self.metrics = f"http://127.0.0.1:{self.ports['metrics']}/metrics"
-
-    def run(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "trtglm", *args], capture_output=True, text=True,
-                              timeout=timeout, cwd=REPO, env=self.env)
-
-    def start(self) -> None:
-        engine = self.root / "engine"
-        for args in (("build-engine", "--config", "configs/tiny.yaml", "--output-dir", str(engine)),
-                     ("patch-repo", "--engine-dir", str(engine), "--output-repo", str(self.repo)),
-                     ("launch", "--repo", str(self.repo), "--detach", "--timeout", "180",
-                      *(f"--{name}-port={port}" for name, port in self.ports.items()),
-                      *(("--", *self.server_flags) if self.server_flags else ()))):
-            done = self.run(*args)
-            if done.returncode != 0:
-                raise AssertionError(f"trtglm {args[0]} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
-
-    def stop(self) -> None:
-        self.run("stop", "--repo", str(self.repo), timeout=120)
-
-
-def launched_server(root: Path):
-    """Generator for module fixtures: a launched server, always stopped."""
-    server = Launched(root)
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

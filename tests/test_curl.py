@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 from conftest import REPO
-from test_client import free_port, launched_server
+from support.servers import free_port, launched_server
 
 pytestmark = pytest.mark.slow
 

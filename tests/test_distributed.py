@@ -15,24 +15,21 @@ import pytest
 import torch
 
 from conftest import REPO
+from support.engines import MAX_NEW, build_tiny_engine
 from trtglm.chatglm.chat import chat_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
-from trtglm.engine.build import build_engine
 from trtglm.errors import UsageError
 from trtglm.runtime.distributed import DECODE, PREFILL, RELEASE, STOP, RankInfo, Step, follow, rank_info, rendezvous
 from trtglm.runtime.generate import generate
 from trtglm.runtime.model import load_model
 from trtglm.serve.engine import ServedEngine
 
-PROFILE = REPO / "configs" / "tiny.yaml"
-MAX_NEW = 40
-
 # One rank's program: a ServedEngine from the OMPI environment; rank 0 answers the prompts (all submitted
 # at once, so they are batched) and writes the tokens; every rank reports how it ended.
 RANK_PROGRAM = '''
 import json, os, sys, time
 from trtglm.runtime.distributed import rendezvous
-from trtglm.runtime.executor import Request
+from trtglm.runtime.request import Request
 from trtglm.serve.engine import ServedEngine
 
 engine_dir, prompts_file, out_dir, mode = sys.argv[1:5]
@@ -57,12 +54,6 @@ else:
 engine.close()
 json.dump(report, open(os.path.join(out_dir, f"rank{rank}.json"), "w"))
 '''
-
-
-def build_tiny_engine(out: Path, tp: int = 1, **overrides) -> Path:
-    """The fixture's torch engine (configs/tiny.yaml) at tensor-parallel size `tp`."""
-    return build_engine(PROFILE, model_dir=REPO / "tests" / "fixtures" / "tiny-chatglm3", output_dir=out,
-                        overrides={"convert.tp_size": tp, "serve.world_size": tp, **overrides})
 
 
 def needs_mpirun() -> None:

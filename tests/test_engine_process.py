@@ -16,12 +16,13 @@ from multiprocessing.connection import Connection
 
 import pytest
 import torch
-from test_distributed import MAX_NEW, build_tiny_engine
+from support.engines import MAX_NEW, build_tiny_engine
 
 from trtglm.chatglm.chat import chat_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
-from trtglm.runtime.executor import CANCEL_CHECK_S, ExecutorStats, Output, QueueFullError, Request
+from trtglm.runtime.executor import CANCEL_CHECK_S
+from trtglm.runtime.request import ExecutorStats, Output, QueueFullError, Request
 from trtglm.runtime.generate import generate
 from trtglm.runtime.model import load_model
 from trtglm.serve.engine import engine_info

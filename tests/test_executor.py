@@ -16,7 +16,8 @@ from trtglm.chatglm.chat import chat_ids, stop_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.convert.writer import convert_checkpoint
 from trtglm.errors import UsageError
-from trtglm.runtime.executor import Executor, ExecutorStopped, Output, QueueFullError, Request
+from trtglm.runtime.executor import Executor
+from trtglm.runtime.request import ExecutorStopped, Output, QueueFullError, Request
 from trtglm.runtime.generate import full_logits, generate
 from trtglm.runtime.model import load_model
 from trtglm.runtime.slot_runtime import ShardedSlotModel

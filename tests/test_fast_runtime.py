@@ -33,13 +33,14 @@ from trtglm.convert.writer import convert_checkpoint
 from trtglm.errors import DependencyError, ModelFileError, UsageError
 from trtglm.runtime.cache import SlotCache
 from trtglm.runtime.checkpoint import load_checkpoint
-from trtglm.runtime.executor import Executor, Request
+from trtglm.runtime.executor import Executor
 from trtglm.runtime.fast import FastModel, batch_buckets, load_fast_model
-from trtglm.runtime.fast import model as fast_model
+from trtglm.runtime.fast import shapes
 from trtglm.runtime.fast.linear import Linear, pack_int4, pack_int8, unpack_int4, unpack_int8
 from trtglm.runtime.fast.ops import TorchOps
 from trtglm.runtime.model import load_model
 from trtglm.runtime.quant import fake_quantize
+from trtglm.runtime.request import Request
 from trtglm.runtime.slot_runtime import ShardedSlotModel
 
 if not torch.cuda.is_available() and "triton" not in sys.modules:
@@ -205,7 +206,7 @@ def test_padded_prefill_of_one_prompt_matches_reference(model, reference, hf_cfg
     """The prefill a graph replays on a GPU (run eagerly here): one prompt right-padded to a graph width, with a
     longer earlier prompt's tokens left in the padding, writes the cache a plain prefill writes."""
     assert model.prefill_widths == [16, 32, 64]  # PREFILL_GRAPH_WIDTHS up to max_seq_len
-    assert fast_model.prefill_widths(8) == [8] and fast_model.prefill_widths(300)[-2:] == [256, 300]
+    assert shapes.prefill_widths(8) == [8] and shapes.prefill_widths(300)[-2:] == [256, 300]
     longer, seq = sequences(hf_cfg.vocab_size, [50, 20], seed=29)
     expected = ref_logits(reference(None), seq)
     assert max_diff(model._prefill_one(4, longer, 64)[0], ref_logits(reference(None), longer)[-1]) <= FP32_TOL
@@ -238,9 +239,9 @@ def test_prefill_graphs_give_the_eager_prefill(checkpoint, reference, hf_cfg):
 
 
 def test_prefill_groups_respect_the_token_budget(model, reference, hf_cfg, monkeypatch):
-    assert fast_model._prefill_groups([0, 1, 2, 3], [10, 9, 5, 2]) == [[0, 1, 2, 3]]
-    monkeypatch.setattr(fast_model, "PREFILL_TOKENS", 20)
-    assert fast_model._prefill_groups([0, 1, 2, 3], [10, 9, 5, 2]) == [[0, 1], [2, 3]]
+    assert shapes.prefill_groups([0, 1, 2, 3], [10, 9, 5, 2]) == [[0, 1, 2, 3]]
+    monkeypatch.setattr(shapes, "PREFILL_TOKENS", 20)
+    assert shapes.prefill_groups([0, 1, 2, 3], [10, 9, 5, 2]) == [[0, 1], [2, 3]]
     prompts = sequences(hf_cfg.vocab_size, [10, 3, 9, 6], seed=8)
     logits = model.prefill([0, 1, 2, 3], prompts)
     for row, prompt in zip(logits, prompts):
@@ -280,7 +281,7 @@ def test_chunks_and_fresh_prompts_share_a_prefill_call(model, reference, hf_cfg)
     decoded = model.decode(slots, [seq[end] for seq, end in zip(seqs, ends)])
     for row, ref, end in zip(decoded, refs, ends):
         assert max_diff(row, ref[end]) <= FP32_TOL
-    assert fast_model._prefill_groups([3, 4, 0, 1, 2], [14, 3, 3, 20, 8], starts) == [[3], [4], [0, 1], [2]]
+    assert shapes.prefill_groups([3, 4, 0, 1, 2], [14, 3, 3, 20, 8], starts) == [[3], [4], [0, 1], [2]]
     for slot in range(5):
         model.release(slot)
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from trtglm.errors import TrtglmError
-from trtglm.runtime.executor import Output
+from trtglm.runtime.request import Output
 from trtglm.serve.outbox import Outbox, merge
 
 

@@ -31,8 +31,8 @@ import numpy as np
 import psutil
 import pytest
 from conftest import FIXTURE, repo_processes
-from test_distributed import build_tiny_engine
-from test_serving import Server
+from support.engines import build_tiny_engine
+from support.servers import Server
 
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.repo import patch_repo

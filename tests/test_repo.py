@@ -12,7 +12,7 @@ import yaml
 from tritonclient.grpc import model_config_pb2
 
 from conftest import REPO, run_cli
-from test_repo_support import (LIMITS, MODELS, TEMPLATE, engine_vocab, ensemble_step, make_engine, parameter,
+from support.repos import (LIMITS, MODELS, TEMPLATE, engine_vocab, ensemble_step, make_engine, parameter,
                                read_configs, template_copy, tree, upstream_copy)
 from trtglm.errors import ModelFileError, OutputExistsError, UsageError
 from trtglm.repo import check_repo, patch_repo

@@ -7,7 +7,7 @@ import re
 import string
 
 import pytest
-from test_repo_support import make_engine, template_copy, upstream_copy
+from support.repos import make_engine, template_copy, upstream_copy
 
 from trtglm.repo import check_repo, patch_repo
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CONVERSATION_KINDS
-from test_repo_support import STAND_IN_ENGINE, make_engine, template_copy, upstream_copy
+from support.repos import STAND_IN_ENGINE, make_engine, template_copy, upstream_copy
 
 from trtglm.chatglm.chat import chat_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer

@@ -9,29 +9,23 @@ checks the model's request and response tensors against TensorRT-LLM's documente
 from __future__ import annotations
 
 import json
-import os
-import queue
 import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import CONVERSATION_KINDS, REPO, free_ports, kill_repo_processes, repo_processes
-from test_distributed import build_tiny_engine
+from conftest import CONVERSATION_KINDS, repo_processes
+from support.engines import build_tiny_engine
+from support.servers import Server
 from trtglm.chatglm.chat import prompt_ids, stack_word_lists, word_list
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
 from trtglm.repo import patch_repo
-from trtglm.runtime.executor import Output
+from trtglm.runtime.request import Output
 from trtglm.serve.triton_model import Gathered, Reply, engine_request, engine_requests
 
-NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 WORLD_SIZES = (1, 2, 4)
 KINDS = {kind: match for kind, match in CONVERSATION_KINDS.items()  # also streamed: the first of each kind
          if kind != "tool call and observation"}
@@ -165,102 +159,6 @@ def test_a_whole_reply_is_one_response_and_errors_fail_it():
 
 
 # --- real servers -------------------------------------------------------------------------------------------
-
-
-
-
-class Server:
-    """A detached `trtglm launch` of one repository, stopped with `trtglm stop`."""
-
-    def __init__(self, repo: Path, world: int, state_dir: Path):
-        self.repo, self.world = repo, world
-        self.http_port, self.grpc_port, self.metrics_port = free_ports()
-        self.env = {**os.environ, "TRTGLM_STATE_DIR": str(state_dir), "PYTHONUNBUFFERED": "1"}
-        started = self.cli("launch", "--repo", str(repo), "--world-size", str(world), "--detach", "--timeout", "180",
-                           "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
-                           "--metrics-port", str(self.metrics_port), timeout=300)
-        if started.returncode != 0:
-            self.kill_leftovers()
-            pytest.fail(f"launch failed ({started.returncode}):\n{started.stdout}\n{started.stderr}")
-        self.state = json.loads(next(state_dir.glob("*/state.json")).read_text())
-
-    def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "trtglm", *args], capture_output=True, text=True, cwd=REPO,
-                              env=self.env, timeout=timeout)
-
-    def stop(self) -> None:
-        stopped = self.cli("stop", "--repo", str(self.repo))
-        left = [(p.pid, p.name()) for p in repo_processes(self.repo)]
-        self.kill_leftovers()
-        assert stopped.returncode == 0, stopped.stderr
-        assert left == [], f"left running after stop: {left}"
-        assert not list(Path("/dev/shm").glob(f"{self.state['shm_base']}*"))
-
-    def kill_leftovers(self) -> None:
-        kill_repo_processes(self.repo)
-
-    # --- HTTP ------------------------------------------------------------------------------------------
-
-    def post(self, path: str, data: bytes, timeout: float = 60) -> tuple[int, str]:
-        request = urllib.request.Request(f"http://127.0.0.1:{self.http_port}{path}", data=data, method="POST",
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with NO_PROXY.open(request, timeout=timeout) as reply:
-                return reply.status, reply.read().decode()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode()
-
-    def status(self, path: str) -> int:
-        try:
-            with NO_PROXY.open(f"http://127.0.0.1:{self.http_port}{path}", timeout=10) as reply:
-                return reply.status
-        except urllib.error.HTTPError as e:
-            return e.code
-
-    def generate(self, model: str, body: dict) -> tuple[int, dict]:
-        status, text = self.post(f"/v2/models/{model}/generate", json.dumps(body).encode())
-        return status, json.loads(text)
-
-    def stream(self, model: str, body: dict) -> tuple[int, list[dict]]:
-        status, text = self.post(f"/v2/models/{model}/generate_stream", json.dumps({**body, "stream": True}).encode())
-        return status, [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
-
-    def metrics(self) -> dict[str, float]:
-        with NO_PROXY.open(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as reply:
-            lines = reply.read().decode().splitlines()
-        return {line.split()[0]: float(line.split()[1]) for line in lines if line.startswith("trtglm_")}
-
-    # --- gRPC ------------------------------------------------------------------------------------------
-
-    def grpc_stream(self, model: str, inputs: dict[str, np.ndarray], read: int | None = None) -> list:
-        """The responses of one streamed request (until the final one, or the first `read` then cancel)."""
-        import tritonclient.grpc as grpc
-
-        client = grpc.InferenceServerClient(f"127.0.0.1:{self.grpc_port}")
-        results: queue.Queue = queue.Queue()
-        client.start_stream(callback=lambda result, error: results.put((result, error)))
-        tensors = []
-        for name, array in inputs.items():
-            tensor = grpc.InferInput(name, list(array.shape), _triton_type(array))
-            tensor.set_data_from_numpy(array)
-            tensors.append(tensor)
-        client.async_stream_infer(model, tensors, enable_empty_final_response=True)
-        responses = []
-        try:
-            while read is None or len(responses) < read:
-                result, error = results.get(timeout=60)
-                assert error is None, error
-                responses.append(result)
-                if result.get_response().parameters["triton_final_response"].bool_param:
-                    break
-        finally:
-            client.stop_stream(cancel_requests=read is not None)
-            client.close()
-        return responses
-
-
-def _triton_type(array: np.ndarray) -> str:
-    return {np.object_: "BYTES", np.int32: "INT32", np.bool_: "BOOL", np.float32: "FP32"}[array.dtype.type]
 
 
 def text_inputs(text: str, max_tokens: int = 64, **extra: np.ndarray) -> dict[str, np.ndarray]:

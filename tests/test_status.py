@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conftest import repo_processes
-from test_client import Launched
+from support.servers import Launched
 
 PASSED_ON = "--log-info=true"  # tritonserver's own flag, its default: harmless, and visible in its argv
 

@@ -1,7 +1,7 @@
-"""The served benchmark's load generator (trtglm.bench.stream_load) and its pipeline.
+"""The served benchmark's load generator (trtglm.bench: workload, stream_load, load_stats) and its pipeline.
 
 Prompts are built to exact lengths from the tokenizer; the closed loop never has more than
-`concurrency` requests in flight; against a launched fixture server (test_client's), the
+`concurrency` requests in flight; against a launched fixture server (support.servers), the
 tokens the client counts from the ensemble's streamed responses, over HTTP server-sent events
 and gRPC, are the tokens the server's own counter says it generated, every request finishing
 within its max_tokens; tensorrt_llm_bls's events never count more than the server generated;
@@ -19,9 +19,10 @@ import time
 
 import pytest
 from conftest import FIXTURE, REPO
-from test_client import launched_server
+from support.servers import launched_server
 
-from trtglm.bench import stream_load
+from trtglm.bench import load_stats, stream_load
+from trtglm.bench.workload import fixed_workload, mixed_workload, piece_pool, prompt_text
 from trtglm.chatglm.chat import prompt_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 
@@ -32,12 +33,12 @@ def tok() -> ChatGLMTokenizer:
 
 
 def test_prompts_have_the_asked_number_of_ids(tok):
-    rng, pool = random.Random(0), stream_load.piece_pool(tok)
+    rng, pool = random.Random(0), piece_pool(tok)
     for target in (8, 9, 32, 128, 250):
-        text = stream_load.prompt_text(tok, target, rng, pool)
+        text = prompt_text(tok, target, rng, pool)
         assert len(prompt_ids(tok, text)) == target, (target, text)
         assert text[0].isalnum()  # never read as a JSON chat
-    workload = stream_load.mixed_workload(tok, 20, 4, (16, 200), (4, 8), seed=3)
+    workload = mixed_workload(tok, 20, 4, (16, 200), (4, 8), seed=3)
     lengths = [len(ids) for ids in workload.prompt_ids]
     assert all(16 <= n <= 200 for n in lengths) and len(set(lengths)) > 10
     assert workload.prompt_ids == tuple(tuple(prompt_ids(tok, text)) for text in workload.texts)
@@ -56,7 +57,7 @@ def test_tokens_per_response_come_from_the_log_probs():
 
 
 def test_the_closed_loop_keeps_concurrency_requests_in_flight(tok):
-    workload = stream_load.fixed_workload(tok, 12, 3, 16, 2)
+    workload = fixed_workload(tok, 12, 3, 16, 2)
     lock, in_flight, most = threading.Lock(), [0], [0]
 
     def send(index: int, trace: stream_load.Trace) -> None:
@@ -75,7 +76,7 @@ def test_the_closed_loop_keeps_concurrency_requests_in_flight(tok):
 
     traces, elapsed = stream_load.closed_loop(workload, send, "test")
     assert most[0] == 3 and elapsed > 0
-    result = stream_load.stats(workload, traces, elapsed)
+    result = load_stats.stats(workload, traces, elapsed)
     assert (result["failed"], result["errors"], result["generated_tokens"]) == (1, ["refused"], 22)
 
 
@@ -92,15 +93,15 @@ def served(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_streamed_tokens_are_the_tokens_the_server_generated(served, tok, protocol):
-    workload = stream_load.fixed_workload(tok, 10, 4, 40, 12, seed=1)
-    before = stream_load.settled_tokens(served.metrics)
+    workload = fixed_workload(tok, 10, 4, 40, 12, seed=1)
+    before = load_stats.settled_tokens(served.metrics)
     for model in ("ensemble", "tensorrt_llm_bls"):
         if protocol == "http":
             traces, elapsed = stream_load.run_http(served.url, model, workload)
         else:
             traces, elapsed = stream_load.run_grpc(served.grpc, model, workload)
-        after = stream_load.settled_tokens(served.metrics)
-        result = stream_load.stats(workload, traces, elapsed, after - before)
+        after = load_stats.settled_tokens(served.metrics)
+        result = load_stats.stats(workload, traces, elapsed, after - before)
         assert (result["failed"], result["requests"]) == (0, 10), result["errors"]
         assert 0 < result["server_tokens"] <= 10 * 12
         assert all(len(t.times) <= 12 and t.times == sorted(t.times) and t.times[0] > t.submitted for t in traces)
@@ -120,10 +121,10 @@ def test_the_in_process_run_counts_what_the_executor_returns(served, tok):
 
     runtime = InProcess(engine_dir_of(Server.parse(served.url)), "cpu")
     try:
-        workload = stream_load.fixed_workload(tok, 6, 2, 40, 12, seed=1)
+        workload = fixed_workload(tok, 6, 2, 40, 12, seed=1)
         traces, elapsed = stream_load.run_in_process(runtime.engine.executor, workload, tok.eos_id,
                                                      runtime.stop_words)
-        result = stream_load.stats(workload, traces, elapsed)
+        result = load_stats.stats(workload, traces, elapsed)
         generated = runtime.engine.executor.stats().generated_tokens
         warm_up = 2  # the engine's warm-up request
         assert result["failed"] == 0 and result["generated_tokens"] == generated - warm_up

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from conftest import free_ports, kill_repo_processes, repo_processes
-from test_client import Launched, fixture_answers
+from support.servers import Launched, fixture_answers
 
 pytestmark = pytest.mark.slow
 

@@ -8,40 +8,14 @@ TRTGLM_REAL_TOKENIZER names its `tokenizer.model`.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 
 import pytest
-import sentencepiece
+from support.tokenizer import SPECIALS, answers, sp, special, tok  # noqa: F401 (fixtures)
 
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import ModelFileError, UsageError
-
-# ChatGLM3's special tokens in the order they follow the SentencePiece vocabulary.
-SPECIALS = ["[MASK]", "[gMASK]", "[sMASK]", "sop", "eop", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
-OFFSET = {name: i for i, name in enumerate(SPECIALS)}
-
-
-@pytest.fixture(scope="module")
-def tok(fixture_dir) -> ChatGLMTokenizer:
-    return ChatGLMTokenizer(fixture_dir)
-
-
-@pytest.fixture(scope="module")
-def sp(fixture_dir) -> sentencepiece.SentencePieceProcessor:
-    return sentencepiece.SentencePieceProcessor(model_file=str(fixture_dir / "tokenizer.model"))
-
-
-@pytest.fixture(scope="module")
-def answers(fixture_dir) -> list[str]:
-    lines = (fixture_dir / "conversations.jsonl").read_text(encoding="utf-8").splitlines()
-    return [json.loads(line)["answer"] for line in lines]
-
-
-def special(sp, name: str) -> int:
-    return sp.vocab_size() + OFFSET[name]
-
 
 def test_special_ids_follow_the_sentencepiece_vocabulary(tok, sp):
     n = sp.vocab_size()

@@ -1,8 +1,9 @@
 """Benchmarks, each a `trtglm bench KIND` (trtglm/cli/bench.py): `serving` (serving.py) measures a
 launched model repository, `serving-local` (serving_local.py) the tiny fixture's from nothing;
-`served` (served.py, stream_load.py) streams to one next to its engine in-process, and pipeline.py
-runs it from nothing (model, engine, repository, timed launches); `runtime` (runtime.py, with
-measure.py, checks.py, report.py) the fast GPU runtime; `matmul`, `pdl`, `prefill`, `step-parts`
-parts of its decode step; `convert` (convert_speed.py) `trtglm convert` against `cp`."""
+`served` (served.py; workload.py, stream_load.py, load_stats.py, served_report.py) streams to one
+next to its engine in-process, and pipeline.py runs it from nothing (model, engine, repository,
+timed launches); `runtime` (runtime.py, with measure.py, checks.py, report.py) the fast GPU
+runtime; `matmul`, `pdl`, `prefill`, `step-parts` parts of its decode step; `convert`
+(convert_speed.py) `trtglm convert` against `cp`."""
 
 DEFAULT_PROMPT = "What is the capital of France?"  # the test fixture's question

@@ -248,7 +248,8 @@ def inflight_run(model, requests: int, concurrency: int, generator: torch.Genera
     Prompt and output lengths are uniform over the given inclusive ranges; EOS is never set. The executor
     prefills at most `prefill_tokens` prompt tokens per step (longer prompts in chunks between decode steps).
     """
-    from trtglm.runtime.executor import Executor, Request
+    from trtglm.runtime.executor import Executor
+    from trtglm.runtime.request import Request
 
     def uniform(low: int, high: int) -> list[int]:
         return torch.randint(low, high + 1, (requests,), generator=generator, device=generator.device).tolist()

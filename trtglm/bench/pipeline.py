@@ -40,7 +40,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from trtglm.bench import launch_timing, served
+from trtglm.bench import launch_timing, served, served_report
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class Pipeline:
 
     def save(self) -> None:
         (self.out / "served.json").write_text(json.dumps(self.results, indent=2, ensure_ascii=False) + "\n")
-        (self.out / "served.md").write_text(served.markdown(self.results))
+        (self.out / "served.md").write_text(served_report.markdown(self.results))
 
     # --- steps -------------------------------------------------------------------------------------------------
 
@@ -209,7 +209,7 @@ class Pipeline:
             status = 1
         self.results["steps"]["total"] = round(self.elapsed(), 2)
         self.save()
-        print("\n" + served.markdown(self.results), end="", flush=True)
+        print("\n" + served_report.markdown(self.results), end="", flush=True)
         if self.results.get("errors"):
             print("\nErrors: " + " | ".join(self.results["errors"]), flush=True)
         return status

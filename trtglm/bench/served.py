@@ -20,7 +20,7 @@ server runs, with the repository's tokenizer, end id and stop words):
    its in-process run (`--mixed-requests 0` skips it).
 
 Results: served.json (written again after every run, so a run cut short keeps what it
-measured) and served.md under --out; the markdown tables are printed last.
+measured) and served.md (served_report.py) under --out; the markdown tables are printed last.
 """
 
 from __future__ import annotations
@@ -33,10 +33,12 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from trtglm.bench import DEFAULT_PROMPT, stream_load
+from trtglm.bench import DEFAULT_PROMPT, load_stats, stream_load
+from trtglm.bench.served_report import RATIO_TARGET_PCT, markdown
 from trtglm.bench.serving import (BLOCK, InProcess, check_positive, engine_dir_of, machine, measure_overhead,
                                   tokenizer_dir_of)
 from trtglm.bench.serving import Settings as ServingSettings
+from trtglm.bench.workload import Workload, fixed_workload, mixed_workload
 from trtglm.client import DEFAULT_URL, ServerError, check_model
 from trtglm.client import http as http_client
 from trtglm.errors import UsageError
@@ -45,7 +47,6 @@ log = logging.getLogger(__name__)
 
 PROTOCOLS = ("http", "grpc")
 OVERHEAD_TARGET_PCT = 5.0  # Triton's overhead over the in-process call, at most
-RATIO_TARGET_PCT = 90.0  # served generated tokens/s over in-process, at least
 WARM_UP_TOKENS = 4  # new tokens per request of a workload's warm-up wave
 
 
@@ -160,7 +161,7 @@ class Run:
         (all None without a metrics URL or on a first call)."""
         if not self.settings.metrics_url:
             return None, None, None
-        before, self.counter = self.counter, stream_load.settled_counters(self.settings.metrics_url)
+        before, self.counter = self.counter, load_stats.settled_counters(self.settings.metrics_url)
         if before is None:
             return None, None, None
         return tuple(now - then for now, then in zip(self.counter, before))
@@ -194,12 +195,12 @@ def bench_served(settings: Settings, out: str | Path | None = None) -> dict:
             run.results["overhead"] = overhead(run, runtime)
             run.save()
         if settings.requests > 0 and not run.out_of_time("fixed workload"):
-            workload = stream_load.fixed_workload(runtime.tokenizer, settings.requests, settings.concurrency,
+            workload = fixed_workload(runtime.tokenizer, settings.requests, settings.concurrency,
                                                   settings.prompt_len, settings.new_tokens, settings.seed)
             run.results["fixed"] = {"workload": workload.describe(), "runs": []}
             workload_runs(run, runtime, workload, settings.paths, run.results["fixed"])
         if settings.mixed_requests > 0 and not run.out_of_time("mixed workload"):
-            workload = stream_load.mixed_workload(runtime.tokenizer, settings.mixed_requests,
+            workload = mixed_workload(runtime.tokenizer, settings.mixed_requests,
                                                   settings.mixed_concurrency, settings.mixed_prompts,
                                                   settings.mixed_outputs, settings.seed + 1)
             run.results["mixed"] = {"workload": workload.describe(), "runs": []}
@@ -236,7 +237,7 @@ def overhead(run: Run, runtime: InProcess) -> dict:
     return result
 
 
-def workload_runs(run: Run, runtime: InProcess, workload: stream_load.Workload,
+def workload_runs(run: Run, runtime: InProcess, workload: Workload,
                   paths: tuple[tuple[str, str], ...], into: dict) -> None:
     """The workload in-process, then through each served path; each row saved as soon as it is measured.
 
@@ -246,7 +247,7 @@ def workload_runs(run: Run, runtime: InProcess, workload: stream_load.Workload,
     end_id = runtime.tokenizer.eos_id
     started = time.monotonic()
     wave = min(workload.concurrency, workload.requests)
-    warm = stream_load.Workload(f"{workload.name} warm-up", workload.texts[:wave], workload.prompt_ids[:wave],
+    warm = Workload(f"{workload.name} warm-up", workload.texts[:wave], workload.prompt_ids[:wave],
                                 tuple(min(n, WARM_UP_TOKENS) for n in workload.max_tokens[:wave]), wave)
     stream_load.run_in_process(runtime.engine.executor, warm, end_id, runtime.stop_words)
     model, protocol = paths[0] if paths else ("ensemble", "http")
@@ -263,7 +264,7 @@ def workload_runs(run: Run, runtime: InProcess, workload: stream_load.Workload,
     traces, elapsed = stream_load.run_in_process(runtime.engine.executor, workload, end_id, runtime.stop_words,
                                                  timeout=max(s.timeout, 3600.0))
     after = runtime.engine.executor.stats()
-    local = {"path": "in-process", **stream_load.stats(workload, traces, elapsed,
+    local = {"path": "in-process", **load_stats.stats(workload, traces, elapsed,
                                                        decode_steps=after.decode_calls - before.decode_calls,
                                                        step_us=after.step_us - before.step_us),
              "run_s": _since(started)}
@@ -287,7 +288,7 @@ def workload_runs(run: Run, runtime: InProcess, workload: stream_load.Workload,
             run.save()
             continue
         row = {"path": f"{model} {protocol}", "model": model, "protocol": protocol,
-               **stream_load.stats(workload, traces, elapsed, *run.server_counts())}
+               **load_stats.stats(workload, traces, elapsed, *run.server_counts())}
         row["run_s"] = _since(started)
         row["vs_in_process_pct"] = {key: _pct(row[key], local[key])
                                     for key in ("tokens_per_s", "requests_per_s")}
@@ -315,103 +316,6 @@ def _gpu() -> dict:
         return {"gpu": None}
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     return {"gpu": props.name, "gpu_memory_gb": round(props.total_memory / 1e9, 1), "cuda": torch.version.cuda}
-
-
-# --- markdown ----------------------------------------------------------------------------------------------
-
-
-def _num(value, digits: int = 1) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, float):
-        return f"{value:,.{digits}f}"
-    return f"{value:,}"
-
-
-def markdown(results: dict) -> str:
-    """The results as tables: launches (when the pipeline measured them), overhead, each workload."""
-    m, server = results.get("machine", {}), results.get("server", {})
-    lines = [f"Measured {results.get('date')} on {m.get('gpu') or 'CPU'} ({m.get('nproc')} CPU cores, "
-             f"{m.get('cpu')}), Python {m.get('python')}, torch {m.get('torch')}, Triton {server.get('triton')}; "
-             f"{server.get('engine')} engine, {server.get('dtype')}, limits {server.get('limits')}.", "",
-             "```", results.get("command", ""), "```"]
-    if results.get("steps"):
-        lines += ["", "| step | s |", "|---|---:|"]
-        lines += [f"| {name} | {_num(seconds)} |" for name, seconds in results["steps"].items()]
-    for launch in results.get("launches", []):
-        lines += ["", launch_markdown(launch)]
-    if "in_process_load_s" in results:
-        lines += ["", f"In-process engine load (this process, for the comparisons): {results['in_process_load_s']} s."]
-    o = results.get("overhead")
-    if o:
-        lines += ["", f"**Overhead**, one request at a time, {o['max_tokens']} new tokens, HTTP `generate` through "
-                      f"`{o['model']}` ({o['calls']} calls each, alternating blocks of {BLOCK}; tokens per "
-                      f"call: in-process {o['in_process_tokens_per_call']}, served "
-                      f"{_num(o['served_tokens_per_call'], 2)}):", "",
-                  "| path | median ms | p90 ms |", "|---|---:|---:|",
-                  f"| served (`{o['model']}`) | {o['served']['ms']['median']} | {o['served']['ms']['p90']} |",
-                  f"| in-process | {o['in_process']['ms']['median']} | {o['in_process']['ms']['p90']} |",
-                  f"| **Triton overhead** | **{o['overhead_ms']['median']}** "
-                  f"({_num(o['overhead_pct']['median'])}%) | **{o['overhead_ms']['p90']}** "
-                  f"({_num(o['overhead_pct']['p90'])}%) |", "",
-                  f"Median of the block differences: {o['overhead_ms']['median_of_block_differences']} ms "
-                  f"({_num(o['overhead_pct']['median_of_block_differences'])}%). Target ≤ {o['target_pct']:g}% "
-                  f"(median): {'met' if o['target_met'] else '**missed**'}."]
-    for key, title in (("fixed", "Fixed workload"), ("mixed", "Mixed workload")):
-        part = results.get(key)
-        if part:
-            lines += ["", workload_markdown(title, part)]
-    return "\n".join(lines) + "\n"
-
-
-def _percent(value: float | None) -> str:
-    return "–" if value is None else f"{value:.0f}%"
-
-
-def workload_markdown(title: str, part: dict) -> str:
-    w = part["workload"]
-    lines = [f"**{title}** ({w['name']}): {w['requests']} streamed requests, {w['concurrency']} in flight; prompts "
-             f"{w['prompt_tokens']['min']}–{w['prompt_tokens']['max']} ids ({w['prompt_tokens']['total']:,} in all, "
-             f"chat template included), max_tokens {w['max_tokens']['min']}–{w['max_tokens']['max']} "
-             f"({w['max_tokens']['total']:,} in all):", "",
-             "| path | requests (failed) | generated tokens (short requests) | tokens/s | requests/s "
-             "| TTFT p50 / p99 ms | inter-token p50 / p99 ms | ms per decode step | engine busy | tokens/s vs in-process |",
-             "|---|---|---|---:|---:|---|---|---:|---:|---:|"]
-    for row in part["runs"]:
-        if "requests" not in row:
-            lines.append(f"| {row['path']} | {row.get('error') or row.get('skipped')} | | | | | | | | |")
-            continue
-        counted = _num(row["generated_tokens"])
-        if row.get("server_tokens") is not None and row["client_tokens"] != row["server_tokens"]:
-            counted += f" (client saw {row['client_tokens']:,})"
-        ratio = row.get("vs_in_process_pct", {}).get("tokens_per_s")
-        verdict = "" if ratio is None else f" ({'met' if row.get('target_met') else '**missed**'})"
-        lines.append(f"| {row['path']} | {row['requests']} ({row['failed']}) | {counted} ({_num(row['short_requests'])}) "
-                     f"| {_num(row['tokens_per_s'])} | {_num(row['requests_per_s'], 2)} "
-                     f"| {_num(row['ttft_ms']['p50'])} / {_num(row['ttft_ms']['p99'])} "
-                     f"| {_num(row['itl_ms']['p50'], 2)} / {_num(row['itl_ms']['p99'], 2)} "
-                     f"| {_num(row.get('ms_per_decode_step'), 2)} | {_percent(row.get('engine_busy_pct'))} "
-                     f"| {'–' if ratio is None else f'{ratio:.1f}%'}{verdict} |")
-    errors = sorted({e for row in part["runs"] for e in row.get("errors", [])})
-    if errors:
-        lines += ["", "Errors: " + "; ".join(errors[:5])]
-    lines += ["", f"Target: served tokens/s ≥ {RATIO_TARGET_PCT:g}% of in-process. Generated tokens: the server's "
-                  "counter where the metrics endpoint was given (tensorrt_llm_bls events merge tokens whose text "
-                  "is held back); short requests stopped before max_tokens (end id or a stop word). Inter-token times are "
-                  "per token: tokens that arrive together in one response (merged while the previous one was being "
-                  "sent) are 0 ms apart. ms per decode step: the run's time over the engine's decode steps; engine busy: "
-                  "the share of the run the engine spent in its steps (the rest it waited for requests)."]
-    return "\n".join(lines)
-
-
-def launch_markdown(launch: dict) -> str:
-    lines = [f"**Launch to ready, {launch['label']}** (`trtglm launch --detach` returned after "
-             f"{_num(launch.get('launch_s'), 2)} s, exit {launch.get('returncode')}; /v2/health/ready first answered "
-             f"after {_num(launch.get('ready_s'), 2)} s):", "", "| phase | s |", "|---|---:|"]
-    lines += [f"| {phase} | {_num(seconds, 2)} |" for phase, seconds in launch.get("phases", {}).items()]
-    if launch.get("logged"):
-        lines += ["", "Logged by the tensorrt_llm model: " + "; ".join(launch["logged"]) + "."]
-    return "\n".join(lines)
 
 
 # --- the command --------------------------------------------------------------------------------------------

@@ -117,7 +117,7 @@ class InProcess:
     def answer(self, prompt: str, max_tokens: int) -> tuple[str, int]:
         """(reply text, tokens the engine returned: a stop word counts, end_id does not)."""
         from trtglm.chatglm.chat import prompt_ids, reply_text
-        from trtglm.runtime.executor import Request
+        from trtglm.runtime.request import Request
 
         outputs = []
         request = Request(prompt_ids(self.tokenizer, prompt), max_new_tokens=max_tokens,

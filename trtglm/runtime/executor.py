@@ -26,7 +26,8 @@ own seeded temperature / top-k / top-p sampling, and log probabilities of the di
 the token was chosen from).
 
 `step()` runs one step on the calling thread (tests drive it so); `start()` runs steps on a
-background thread whenever there is work.
+background thread whenever there is work. The types a caller hands in and gets back (`Request`,
+`Output`, `Handle`, the errors, `ExecutorStats`) and the request checks are in request.py.
 """
 
 from __future__ import annotations
@@ -37,107 +38,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from trtglm.errors import TrtglmError, UsageError
+from trtglm.errors import UsageError
+from trtglm.runtime.request import (ExecutorStats, ExecutorStopped, Handle, Output, OutputCallback, QueueFullError,
+                                    Request, check_request)
 from trtglm.runtime.sampling import BadWords, Sampler, processed
 from trtglm.runtime.slots import SlotModel
 
 log = logging.getLogger(__name__)
 
 CANCEL_CHECK_S = 0.05  # how often running requests' `is_cancelled` is asked (it may be a remote call)
-
-
-class QueueFullError(TrtglmError):
-    """Every slot is busy and the waiting queue is full."""
-
-
-class ExecutorStopped(TrtglmError):
-    """The executor no longer takes requests (stopped, or its model failed for good)."""
-
-
-@dataclass(frozen=True)
-class Request:
-    """One sequence to generate (TensorRT-LLM's request fields that trtglm's runtime honours)."""
-
-    prompt: Sequence[int]
-    max_new_tokens: int
-    end_id: int | None = None
-    stop_words: Sequence[Sequence[int]] = ()
-    bad_words: Sequence[Sequence[int]] = ()
-    min_length: int = 0
-    embedding_bias: torch.Tensor | None = None  # [vocab] added to the logits
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    log_probs: bool = False
-
-
-@dataclass
-class Output:
-    """What one step gave a request."""
-
-    tokens: list[int]  # new since the previous Output
-    log_probs: list[float] = field(default_factory=list)  # one per new token, when asked for
-    finished: bool = False
-    reason: str | None = None  # end_id | stop_word | length | cancelled | error
-    error: str | None = None
-
-
-OutputCallback = Callable[[Output], None]
-
-
-@dataclass
-class ExecutorStats:
-    queued: int = 0
-    active: int = 0
-    steps: int = 0
-    prefill_calls: int = 0
-    prefill_chunks: int = 0  # prompt pieces prefilled (a prompt prefilled in one step counts one)
-    decode_calls: int = 0
-    generated_tokens: int = 0
-    max_decode_batch: int = 0  # the largest number of requests decoded together
-    step_us: int = 0  # time spent in steps (the rest of the time the executor waited for work)
-    finished: int = 0
-    cancelled: int = 0
-    rejected: int = 0
-
-
-class Handle:
-    """A submitted request; `cancel()` stops it at the next step."""
-
-    def __init__(self, number: int):
-        self.id = number
-        self.cancelled = False
-        self.done = threading.Event()
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-def check_request(request: Request, vocab: int, max_seq_len: int) -> None:
-    """UsageError when `request` cannot be served by a model of `vocab` ids and `max_seq_len` positions."""
-    prompt = request.prompt
-    if len(prompt) == 0:
-        raise UsageError("the prompt is empty")
-    if request.max_new_tokens < 1:
-        raise UsageError(f"request_output_len must be at least 1, not {request.max_new_tokens}")
-    if len(prompt) + request.max_new_tokens > max_seq_len:
-        raise UsageError(f"the prompt ({len(prompt)} tokens) plus request_output_len ({request.max_new_tokens}) "
-                         f"exceeds max_seq_len ({max_seq_len})")
-    words = [t for word in (*request.stop_words, *request.bad_words) for t in word]
-    ends = [request.end_id] if request.end_id is not None else []
-    bad = [t for t in (*prompt, *words, *ends) if not 0 <= int(t) < vocab]
-    if bad:
-        raise UsageError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-    if request.temperature < 0 or request.top_k < 0 or not 0 < request.top_p <= 1:
-        raise UsageError("need temperature >= 0, runtime_top_k >= 0 and 0 < runtime_top_p <= 1")
-    if request.embedding_bias is not None and request.embedding_bias.numel() > vocab:
-        raise UsageError(f"embedding_bias has {request.embedding_bias.numel()} values, more than the vocabulary "
-                         f"({vocab})")
 
 
 class _Sequence:

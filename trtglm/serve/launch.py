@@ -26,8 +26,9 @@ from pathlib import Path
 from trtglm.errors import TrtglmError, UsageError
 from trtglm.serve.checks import check_ports, check_repo, resolve_world_size
 from trtglm.serve.command import Endpoints
+from trtglm.serve.launch_spec import EXIT_TIMEOUT_S, LaunchSpec
 from trtglm.serve.state import LaunchDir, all_launch_dirs, clean_stale, only_launch
-from trtglm.serve.supervise import EXIT_TIMEOUT_S, GRACE_S, LaunchSpec, Supervisor, announce
+from trtglm.serve.supervise import GRACE_S, Supervisor, announce
 from trtglm.serve.tritonserver import backend_directory, find_mpirun, find_tritonserver, server_env, stub_python_bin
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 STATE = "state.json"
-SHM_BASE = re.compile(r"trtglm[0-9a-f]{8}_rank")  # what supervise.LaunchSpec.shm_base makes
+SHM_BASE = re.compile(r"trtglm[0-9a-f]{8}_rank")  # what launch_spec.LaunchSpec.shm_base makes
 
 
 def state_root() -> Path:

@@ -9,8 +9,8 @@ from collections import deque
 from pathlib import Path
 
 from trtglm.errors import UsageError
+from trtglm.serve.rank_logs import rank_logs
 from trtglm.serve.state import LaunchDir, all_launch_dirs, only_launch
-from trtglm.serve.supervise import rank_logs
 
 READY_TIMEOUT_S = 2.0
 

@@ -26,11 +26,12 @@ and leave its ranks behind; Open MPI also gives each rank a process group of its
 tritonserver unloads its models, its stubs exit and remove their shared memory, and mpirun
 exits when its ranks have. Whatever still runs after the grace period (10 s) is killed, and
 shared-memory regions with the launch's prefix are removed.
+
+What to launch comes as a `LaunchSpec` (launch_spec.py); the ranks' logs are read by rank_logs.py.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -43,74 +44,28 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 from tqdm import tqdm
 
 from trtglm.errors import TrtglmError
-from trtglm.serve.command import LLM_MODEL, Endpoints, launch_args
+from trtglm.serve.command import LLM_MODEL
+from trtglm.serve.launch_spec import LaunchSpec
+from trtglm.serve.rank_logs import last_error_line, print_tails, read_log
 from trtglm.serve.state import LaunchDir, kill, processes_with, remove_shm, shm_files
 from trtglm.serve.stubs import StubWatch, died_while_ready, restart_model
-from trtglm.serve.tritonserver import EXPORTED_VARS, server_env
+from trtglm.serve.tritonserver import server_env
 
 log = logging.getLogger(__name__)
 
 GRACE_S = 10.0  # after SIGTERM, before SIGKILL
-EXIT_TIMEOUT_S = 5  # tritonserver's own wait for in-flight requests (< GRACE_S)
 POLL_S = 0.2
-TAIL_LINES = 30
-ERROR_LINE = re.compile(r"^(E\d{4} |error: |Traceback |\w+(Error|Exception): )")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 CHECKED_MODELS = ("ensemble", "tensorrt_llm_bls")  # asked once before the launch reports ready
 CHECK_PROMPT, CHECK_TOKENS, CHECK_TIMEOUT_S = "你好", 4, 120.0
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback must not go through a proxy
-
-
-@dataclass
-class LaunchSpec:
-    """Everything the supervisor needs; JSON-serialisable so a detached supervisor can read it."""
-
-    repo: str
-    world_size: int
-    endpoints: Endpoints
-    tritonserver: str
-    backend_dir: str | None
-    mpirun: str | None
-    launch_dir: str
-    log_dir: str
-    launch_id: str
-    timeout_s: float
-    detached: bool = False
-    python_bin: str | None = None  # the stubs' Python's folder (stub_python.py); None: this Python's
-    api_key: str | None = None  # the restricted APIs' secret (command.py); in the launch folder only its user reads
-    server_flags: tuple[str, ...] = ()  # more tritonserver flags, from `trtglm launch … -- FLAGS`
-
-    @property
-    def shm_base(self) -> str:
-        return f"trtglm{self.launch_id}_rank"
-
-    def command(self, env: dict[str, str]) -> list[str]:
-        exports = [name for name in (*EXPORTED_VARS, "TRTGLM_LAUNCH_ID") if name in env]
-        return launch_args(self.tritonserver, self.repo, self.world_size, self.endpoints,
-                           mpirun=self.mpirun or "mpirun", shm_base=self.shm_base, backend_dir=self.backend_dir,
-                           exit_timeout_s=EXIT_TIMEOUT_S, export_vars=exports, cpu_count=os.cpu_count() or 1,
-                           output_dir=Path(self.log_dir) / "ranks", api_key=self.api_key,
-                           server_flags=self.server_flags)
-
-    def save(self, path: Path) -> None:
-        """Write the spec readable by this user alone (it holds the API key)."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(json.dumps(asdict(self), indent=2))
-
-    @classmethod
-    def load(cls, path: Path) -> LaunchSpec:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        data["endpoints"] = Endpoints(**data["endpoints"])
-        data["server_flags"] = tuple(data.get("server_flags", ()))
-        return cls(**data)
 
 
 @dataclass
@@ -143,7 +98,7 @@ class Supervisor:
             self.launch.state_file.unlink(missing_ok=True)
             self._restore_handlers(previous)
         if failure is not None:
-            self._print_tails(failure.ranks)
+            print_tails(self.log_dir, failure.ranks)
             raise TrtglmError(failure.message)
         if self.stop_signal is not None:
             log.info("%s: stopped (%s)", self.spec.repo, signal.Signals(self.stop_signal).name)
@@ -322,7 +277,7 @@ class Supervisor:
         return None
 
     def _mpirun_rank(self) -> int | None:
-        match = re.search(r"process rank (\d+)", _read(self.log_dir / "mpirun.log"))
+        match = re.search(r"process rank (\d+)", read_log(self.log_dir / "mpirun.log"))
         return int(match.group(1)) if match else None
 
     # --- stopping ---------------------------------------------------------------------------------
@@ -355,19 +310,6 @@ class Supervisor:
         deadline = time.monotonic() + limit_s
         while busy() and time.monotonic() < deadline and not self.hurry:
             time.sleep(0.1)
-
-    # --- reporting ---------------------------------------------------------------------------------
-
-    def _print_tails(self, ranks: list[int]) -> None:
-        mpirun_log = self.log_dir / "mpirun.log"
-        notes = [line for line in _read(mpirun_log).splitlines() if "rank" in line or "exited" in line]
-        if notes:
-            print(f"---- {mpirun_log} ----", *notes, sep="\n", file=sys.stderr)
-        for rank in ranks:
-            for path in rank_logs(self.log_dir, rank):
-                lines = log_excerpt(_read(path))
-                if lines:
-                    print(f"---- rank {rank}: {path} ----", *lines, sep="\n", file=sys.stderr)
 
     # --- signals ------------------------------------------------------------------------------------
 
@@ -408,39 +350,6 @@ def is_ready(url: str) -> bool:
             return reply.status == 200
     except (urllib.error.URLError, OSError):
         return False
-
-
-def rank_logs(log_dir: Path, rank: int) -> list[Path]:
-    """A rank's stdout and stderr files (mpirun's DIR/ranks/<job>/rank.N/ or DIR/ranks/rank.0/)."""
-    return sorted(Path(log_dir).glob(f"ranks/**/rank.{rank}/std*"))
-
-
-def log_excerpt(text: str, tail: int = TAIL_LINES, errors: int = 10) -> list[str]:
-    """The last `tail` lines, preceded by the last `errors` error lines above them (Triton's E-lines,
-    `error:` lines, Python exceptions): a failing model's message is often followed by a long
-    shutdown report."""
-    lines = text.splitlines()
-    head, last = lines[:-tail], lines[-tail:]
-    found = [line for line in head if ERROR_LINE.match(line)][-errors:]
-    return [*found, "...", *last] if found else last
-
-
-def last_error_line(log_dir: Path, rank: int) -> str | None:
-    """The last error a rank logged (a Triton E-line, a Python exception, a C++ `what():`), stripped."""
-    found = None
-    for path in rank_logs(log_dir, rank):
-        for line in _read(path).splitlines():
-            text = line.strip().removeprefix("what():").strip()
-            if ERROR_LINE.match(text):
-                found = text
-    return found
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return ""
 
 
 def announce(state: dict) -> None:

@@ -1,6 +1,8 @@
 """The fast single-GPU runtime: `FastModel`, a `SlotModel` with a static KV cache, CUDA-graph decode
-steps, Triton kernels between the matmuls and weight-only int8/int4 matmuls."""
+steps, Triton kernels between the matmuls and weight-only int8/int4 matmuls (model.py; shapes.py:
+its checked options, graph sizes and prefill groups)."""
 
-from trtglm.runtime.fast.model import FastModel, batch_buckets, load_fast_model
+from trtglm.runtime.fast.model import FastModel, load_fast_model
+from trtglm.runtime.fast.shapes import batch_buckets
 
 __all__ = ["FastModel", "batch_buckets", "load_fast_model"]

@@ -19,7 +19,7 @@
   length). Chunks that continue their slots from one start position share a batch too and
   attend to the cached positions before them through a lower-right causal bias. A prompt
   prefilled on its own from position 0 (the time to first token of a lone request) is
-  padded to the next of PREFILL_GRAPH_WIDTHS and replays that width's CUDA graph; batches
+  padded to the next of shapes.PREFILL_GRAPH_WIDTHS and replays that width's CUDA graph; batches
   and chunks are launched eagerly.
 - Weight-only int8 / int4 (linear.py) for the qkv, dense, fc and proj weights; Triton and Gluon
   matmuls (kernels.py, gluon_gemv.py).
@@ -45,20 +45,17 @@ from tqdm import tqdm
 
 from trtglm.errors import UsageError
 from trtglm.runtime.cache import StaticCache
-from trtglm.runtime.checkpoint import DTYPES, CheckpointConfig, load_checkpoint
+from trtglm.runtime.checkpoint import CheckpointConfig, load_checkpoint
 from trtglm.runtime.fast.linear import Linear
 from trtglm.runtime.fast.ops import TritonOps, select_ops
+from trtglm.runtime.fast.shapes import (batch_buckets, check_shape_options, prefill_groups, prefill_widths, resolve_dtype,
+                                        resolve_weight_only)
 from trtglm.runtime.model import rotary_tables
 from trtglm.runtime.slots import check_start, prefill_starts
 
 log = logging.getLogger(__name__)
 
-WEIGHT_ONLY = {None: None, "none": None, "int8": "W8A16", "int4": "W4A16", "W8A16": "W8A16", "W4A16": "W4A16"}
-PREFILL_TOKENS = 8192  # tokens (padding included) per prefill forward pass
 STEP_TUNING_MARGIN = 0.15  # one-row layouts this close to the fastest alone are timed again in a decode step
-# Prompt lengths a one-prompt prefill is padded to, to replay a graph instead of launching ~400 kernels from
-# Python (which, not the GPU, bounded a 512-token prefill); steps of at most a quarter above 256 tokens.
-PREFILL_GRAPH_WIDTHS = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # not cuDNN
 
 
@@ -72,22 +69,6 @@ class FastLayer:
     proj: Linear
 
 
-def prefill_widths(max_seq_len: int) -> list[int]:
-    """Prompt widths that get a prefill graph: PREFILL_GRAPH_WIDTHS below max_seq_len, then max_seq_len itself where
-    it is not beyond them."""
-    widths = [w for w in PREFILL_GRAPH_WIDTHS if w < max_seq_len]
-    return widths + [max_seq_len] if max_seq_len <= PREFILL_GRAPH_WIDTHS[-1] else widths
-
-
-def batch_buckets(max_batch: int) -> list[int]:
-    """Decode batch sizes that get a graph: powers of two below max_batch, and max_batch."""
-    sizes, n = [], 1
-    while n < max_batch:
-        sizes.append(n)
-        n *= 2
-    return sizes + [max_batch]
-
-
 class FastModel:
     """A single-GPU ChatGLM3 `SlotModel` over a tp-1 TensorRT-LLM checkpoint's tensors."""
 
@@ -96,9 +77,9 @@ class FastModel:
                  weight_only: str | None = None, kernels: str = "auto", graphs: bool | None = None,
                  tune: bool | None = None):
         self.device = torch.device(device)
-        self.config, self.dtype = cfg, _resolve_dtype(dtype, cfg)
-        self.quant_algo = _resolve_weight_only(weight_only, cfg)
-        _check_shape_options(cfg, max_batch, max_seq_len, self.device)
+        self.config, self.dtype = cfg, resolve_dtype(dtype, cfg)
+        self.quant_algo = resolve_weight_only(weight_only, cfg)
+        check_shape_options(cfg, max_batch, max_seq_len, self.device)
         self.max_batch, self.max_seq_len, self.vocab_size = max_batch, max_seq_len, cfg.vocab_size
         self.ops = select_ops(self.device, kernels)
         # Timing the matmul kernels' block shapes costs seconds at start-up and pays on every step.
@@ -282,7 +263,7 @@ class FastModel:
         self._check_prefill(slots, prompts, starts)
         order = sorted(range(len(prompts)), key=lambda i: (starts[i], -len(prompts[i])))
         rows: list[torch.Tensor | None] = [None] * len(prompts)
-        for group in _prefill_groups(order, [len(p) for p in prompts], starts):
+        for group in prefill_groups(order, [len(p) for p in prompts], starts):
             width = self._prefill_width(len(prompts[group[0]])) if use_graph else None
             if len(group) == 1 and starts[group[0]] == 0 and width is not None:
                 logits = self._prefill_one(slots[group[0]], prompts[group[0]], width)
@@ -445,53 +426,6 @@ class FastModel:
                 raise UsageError(f"slot {slot} is full ({self.max_seq_len} tokens)")
         if not isinstance(tokens, torch.Tensor):
             self._check_token_ids(tokens)
-
-
-def _prefill_groups(order: list[int], lengths: list[int], starts: list[int] | None = None) -> list[list[int]]:
-    """Consecutive prompts (longest first for each start) of one start whose padded batch stays within
-    PREFILL_TOKENS."""
-    groups: list[list[int]] = []
-    for i in order:
-        first = groups[-1][0] if groups else None
-        if first is not None and (len(groups[-1]) + 1) * lengths[first] <= PREFILL_TOKENS \
-                and (starts is None or starts[i] == starts[first]):
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
-
-
-def _resolve_dtype(dtype: str | torch.dtype | None, cfg: CheckpointConfig) -> torch.dtype:
-    if dtype is None:
-        return cfg.torch_dtype
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    aliases = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-    name = aliases.get(dtype, dtype)
-    if name not in DTYPES:
-        raise UsageError(f"dtype must be one of bf16, fp16, {', '.join(DTYPES)}; not {dtype!r}")
-    return DTYPES[name]
-
-
-def _resolve_weight_only(weight_only: str | None, cfg: CheckpointConfig) -> str | None:
-    if weight_only is None:
-        return cfg.quant_algo
-    if weight_only not in WEIGHT_ONLY:
-        raise UsageError(f"weight_only must be none, int8 or int4; not {weight_only!r}")
-    return WEIGHT_ONLY[weight_only]
-
-
-def _check_shape_options(cfg: CheckpointConfig, max_batch: int, max_seq_len: int, device: torch.device) -> None:
-    if cfg.tp_size != 1:
-        raise UsageError(f"the fast runtime runs tp_size 1 checkpoints on one GPU; this one has tp_size {cfg.tp_size}")
-    if max_batch < 1 or max_seq_len < 2:
-        raise UsageError(f"need max_batch >= 1 and max_seq_len >= 2, not {max_batch} and {max_seq_len}")
-    if max_seq_len > cfg.max_position_embeddings:
-        raise UsageError(f"max_seq_len {max_seq_len} exceeds max_position_embeddings {cfg.max_position_embeddings}")
-    if cfg.num_heads % cfg.num_kv_heads:
-        raise UsageError(f"{cfg.num_heads} heads are not a multiple of {cfg.num_kv_heads} KV heads")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("device cuda requested but CUDA is not available")
 
 
 def load_fast_model(path: str | Path, **options) -> FastModel:

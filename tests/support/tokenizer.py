@@ -1,0 +1,35 @@
+"""The fixture tokenizer's fixtures (`tok`, `sp`, `answers`) and ChatGLM3's special ids as documented:
+nine special tokens after the SentencePiece vocabulary, in this order."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import sentencepiece
+
+from trtglm.chatglm.tokenizer import ChatGLMTokenizer
+
+# ChatGLM3's special tokens in the order they follow the SentencePiece vocabulary.
+SPECIALS = ["[MASK]", "[gMASK]", "[sMASK]", "sop", "eop", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
+OFFSET = {name: i for i, name in enumerate(SPECIALS)}
+
+
+@pytest.fixture(scope="module")
+def tok(fixture_dir) -> ChatGLMTokenizer:
+    return ChatGLMTokenizer(fixture_dir)
+
+
+@pytest.fixture(scope="module")
+def sp(fixture_dir) -> sentencepiece.SentencePieceProcessor:
+    return sentencepiece.SentencePieceProcessor(model_file=str(fixture_dir / "tokenizer.model"))
+
+
+@pytest.fixture(scope="module")
+def answers(fixture_dir) -> list[str]:
+    lines = (fixture_dir / "conversations.jsonl").read_text(encoding="utf-8").splitlines()
+    return [json.loads(line)["answer"] for line in lines]
+
+
+def special(sp, name: str) -> int:
+    return sp.vocab_size() + OFFSET[name]

@@ -1,0 +1,79 @@
+"""What `FastModel` (model.py) settles before it touches the GPU: its checked options (dtype,
+weight-only mode, batch and sequence limits), the decode batch sizes and prompt widths that get a
+CUDA graph, and how prompts are grouped into padded prefill batches."""
+
+from __future__ import annotations
+
+import torch
+
+from trtglm.errors import UsageError
+from trtglm.runtime.checkpoint import DTYPES, CheckpointConfig
+
+WEIGHT_ONLY = {None: None, "none": None, "int8": "W8A16", "int4": "W4A16", "W8A16": "W8A16", "W4A16": "W4A16"}
+PREFILL_TOKENS = 8192  # tokens (padding included) per prefill forward pass
+# Prompt lengths a one-prompt prefill is padded to, to replay a graph instead of launching ~400 kernels from
+# Python (which, not the GPU, bounded a 512-token prefill); steps of at most a quarter above 256 tokens.
+PREFILL_GRAPH_WIDTHS = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
+
+
+def prefill_widths(max_seq_len: int) -> list[int]:
+    """Prompt widths that get a prefill graph: PREFILL_GRAPH_WIDTHS below max_seq_len, then max_seq_len itself where
+    it is not beyond them."""
+    widths = [w for w in PREFILL_GRAPH_WIDTHS if w < max_seq_len]
+    return widths + [max_seq_len] if max_seq_len <= PREFILL_GRAPH_WIDTHS[-1] else widths
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Decode batch sizes that get a graph: powers of two below max_batch, and max_batch."""
+    sizes, n = [], 1
+    while n < max_batch:
+        sizes.append(n)
+        n *= 2
+    return sizes + [max_batch]
+
+
+def prefill_groups(order: list[int], lengths: list[int], starts: list[int] | None = None) -> list[list[int]]:
+    """Consecutive prompts (longest first for each start) of one start whose padded batch stays within
+    PREFILL_TOKENS."""
+    groups: list[list[int]] = []
+    for i in order:
+        first = groups[-1][0] if groups else None
+        if first is not None and (len(groups[-1]) + 1) * lengths[first] <= PREFILL_TOKENS \
+                and (starts is None or starts[i] == starts[first]):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, cfg: CheckpointConfig) -> torch.dtype:
+    if dtype is None:
+        return cfg.torch_dtype
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+    name = aliases.get(dtype, dtype)
+    if name not in DTYPES:
+        raise UsageError(f"dtype must be one of bf16, fp16, {', '.join(DTYPES)}; not {dtype!r}")
+    return DTYPES[name]
+
+
+def resolve_weight_only(weight_only: str | None, cfg: CheckpointConfig) -> str | None:
+    if weight_only is None:
+        return cfg.quant_algo
+    if weight_only not in WEIGHT_ONLY:
+        raise UsageError(f"weight_only must be none, int8 or int4; not {weight_only!r}")
+    return WEIGHT_ONLY[weight_only]
+
+
+def check_shape_options(cfg: CheckpointConfig, max_batch: int, max_seq_len: int, device: torch.device) -> None:
+    if cfg.tp_size != 1:
+        raise UsageError(f"the fast runtime runs tp_size 1 checkpoints on one GPU; this one has tp_size {cfg.tp_size}")
+    if max_batch < 1 or max_seq_len < 2:
+        raise UsageError(f"need max_batch >= 1 and max_seq_len >= 2, not {max_batch} and {max_seq_len}")
+    if max_seq_len > cfg.max_position_embeddings:
+        raise UsageError(f"max_seq_len {max_seq_len} exceeds max_position_embeddings {cfg.max_position_embeddings}")
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise UsageError(f"{cfg.num_heads} heads are not a multiple of {cfg.num_kv_heads} KV heads")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("device cuda requested but CUDA is not available")

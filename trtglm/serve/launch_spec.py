@@ -1,0 +1,59 @@
+"""`LaunchSpec`: everything a supervisor needs to start and watch one launch, saved as JSON so that a
+detached supervisor (`python -m trtglm.serve.supervise SPEC.json`) reads what `trtglm launch` decided."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from trtglm.serve.command import Endpoints, launch_args
+from trtglm.serve.tritonserver import EXPORTED_VARS
+
+EXIT_TIMEOUT_S = 5  # tritonserver's own wait for in-flight requests (< supervise.GRACE_S)
+
+
+@dataclass
+class LaunchSpec:
+    """Everything the supervisor needs; JSON-serialisable so a detached supervisor can read it."""
+
+    repo: str
+    world_size: int
+    endpoints: Endpoints
+    tritonserver: str
+    backend_dir: str | None
+    mpirun: str | None
+    launch_dir: str
+    log_dir: str
+    launch_id: str
+    timeout_s: float
+    detached: bool = False
+    python_bin: str | None = None  # the stubs' Python's folder (stub_python.py); None: this Python's
+    api_key: str | None = None  # the restricted APIs' secret (command.py); in the launch folder only its user reads
+    server_flags: tuple[str, ...] = ()  # more tritonserver flags, from `trtglm launch … -- FLAGS`
+
+    @property
+    def shm_base(self) -> str:
+        return f"trtglm{self.launch_id}_rank"
+
+    def command(self, env: dict[str, str]) -> list[str]:
+        exports = [name for name in (*EXPORTED_VARS, "TRTGLM_LAUNCH_ID") if name in env]
+        return launch_args(self.tritonserver, self.repo, self.world_size, self.endpoints,
+                           mpirun=self.mpirun or "mpirun", shm_base=self.shm_base, backend_dir=self.backend_dir,
+                           exit_timeout_s=EXIT_TIMEOUT_S, export_vars=exports, cpu_count=os.cpu_count() or 1,
+                           output_dir=Path(self.log_dir) / "ranks", api_key=self.api_key,
+                           server_flags=self.server_flags)
+
+    def save(self, path: Path) -> None:
+        """Write the spec readable by this user alone (it holds the API key)."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> LaunchSpec:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        data["endpoints"] = Endpoints(**data["endpoints"])
+        data["server_flags"] = tuple(data.get("server_flags", ()))
+        return cls(**data)

@@ -1,0 +1,57 @@
+"""The ranks' log files: where each rank's stdout and stderr lie, the lines worth showing when a launch
+fails (the last error lines, then the tail), and the last error a rank logged."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+TAIL_LINES = 30
+ERROR_LINE = re.compile(r"^(E\d{4} |error: |Traceback |\w+(Error|Exception): )")
+
+
+def rank_logs(log_dir: Path, rank: int) -> list[Path]:
+    """A rank's stdout and stderr files (mpirun's DIR/ranks/<job>/rank.N/ or DIR/ranks/rank.0/)."""
+    return sorted(Path(log_dir).glob(f"ranks/**/rank.{rank}/std*"))
+
+
+def log_excerpt(text: str, tail: int = TAIL_LINES, errors: int = 10) -> list[str]:
+    """The last `tail` lines, preceded by the last `errors` error lines above them (Triton's E-lines,
+    `error:` lines, Python exceptions): a failing model's message is often followed by a long
+    shutdown report."""
+    lines = text.splitlines()
+    head, last = lines[:-tail], lines[-tail:]
+    found = [line for line in head if ERROR_LINE.match(line)][-errors:]
+    return [*found, "...", *last] if found else last
+
+
+def last_error_line(log_dir: Path, rank: int) -> str | None:
+    """The last error a rank logged (a Triton E-line, a Python exception, a C++ `what():`), stripped."""
+    found = None
+    for path in rank_logs(log_dir, rank):
+        for line in read_log(path).splitlines():
+            text = line.strip().removeprefix("what():").strip()
+            if ERROR_LINE.match(text):
+                found = text
+    return found
+
+
+def read_log(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def print_tails(log_dir: Path, ranks: list[int]) -> None:
+    """To stderr: mpirun's notes about ranks, then an excerpt of each of `ranks`' logs."""
+    mpirun_log = log_dir / "mpirun.log"
+    notes = [line for line in read_log(mpirun_log).splitlines() if "rank" in line or "exited" in line]
+    if notes:
+        print(f"---- {mpirun_log} ----", *notes, sep="\n", file=sys.stderr)
+    for rank in ranks:
+        for path in rank_logs(log_dir, rank):
+            lines = log_excerpt(read_log(path))
+            if lines:
+                print(f"---- rank {rank}: {path} ----", *lines, sep="\n", file=sys.stderr)
