@@ -491,3 +491,40 @@ def test_background_thread_serves_concurrent_submitters_and_stop_ends_the_rest(m
     assert left.reason == "error" and "shutting down" in left.outputs[-1].error
     with pytest.raises(ExecutorStopped):
         executor.submit(Request(prompts[0], 5), Collected())
+
+
+@pytest.fixture(scope="module")
+def reference(fixture_dir):
+    """transformers' GlmForCausalLM with the fixture's weights."""
+    from trtglm.chatglm.config import ChatGLMConfig
+    from trtglm.chatglm.reference import load_reference
+    from trtglm.chatglm.weights import HFWeights
+
+    return load_reference(ChatGLMConfig.from_model_dir(fixture_dir), HFWeights(fixture_dir).get, torch.float32).eval()
+
+
+@pytest.mark.parametrize("penalty", [1.5, 0.7])
+def test_greedy_with_a_repetition_penalty_gives_transformers_tokens(model, reference, prompts, penalty):
+    """The same ids as transformers' generate() with the same repetition_penalty (its processor counts the prompt
+    too, as TensorRT-LLM does); no end id, so both run the whole length."""
+    executor, new = Executor(ShardedSlotModel(model, max_batch=3, max_seq_len=MAX_SEQ)), 24
+    runs = [(prompt, Collected()) for prompt in prompts[:3]]
+    for prompt, collected in runs:
+        executor.submit(Request(prompt, new, repetition_penalty=penalty), collected)
+    run(executor)
+    for prompt, collected in runs:
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                     repetition_penalty=penalty, eos_token_id=None, pad_token_id=0)
+        expected = out[0, len(prompt):].tolist()
+        assert collected.tokens == expected
+    plain = Collected()
+    executor.submit(Request(prompts[0], new), plain)
+    run(executor)
+    assert plain.tokens != runs[0][1].tokens  # the penalty changed the reply
+
+
+def test_a_repetition_penalty_of_zero_is_refused(model, prompts):
+    with pytest.raises(UsageError, match="repetition_penalty must be greater than 0"):
+        Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ)).submit(
+            Request(prompts[0], 4, repetition_penalty=0.0), Collected())

@@ -44,7 +44,7 @@ import torch
 from trtglm.errors import UsageError
 from trtglm.runtime.request import (ExecutorStats, ExecutorStopped, Handle, Output, OutputCallback, QueueFullError,
                                     Request, check_request)
-from trtglm.runtime.sampling import BadWords, Sampler, processed
+from trtglm.runtime.sampling import BadWords, Penalties, Sampler, processed
 from trtglm.runtime.slots import SlotModel
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,8 @@ class _Sequence:
         self.generated = 0
         self.slot: int | None = None
         self.sampler = Sampler(request.temperature, request.top_k, request.top_p, request.seed, device)
+        self.penalties = Penalties(request.repetition_penalty, request.presence_penalty, request.frequency_penalty,
+                                   request.temperature)
         self.stops_by_last = _by_last_token(request.stop_words)
         self.bad_words = BadWords(request.bad_words)
 
@@ -90,7 +92,7 @@ class _Sequence:
         """Greedy with nothing to adjust: the next token is the row's argmax."""
         request = self.request
         return (self.sampler.greedy and request.embedding_bias is None and not request.log_probs
-                and not self.banned())
+                and not self.penalties.active and not self.banned())
 
     def stop_word_ends(self) -> bool:
         return any(self.history[-len(w):] == w for w in self.stops_by_last.get(self.history[-1], ()))
@@ -315,6 +317,7 @@ class Executor:
             self._finish(sequence, Output([], finished=True, reason="end_id"))
             return
         sequence.history.append(token)
+        sequence.penalties.add(token)
         sequence.generated += 1
         self._stats.generated_tokens += 1
         reason = "stop_word" if sequence.stop_word_ends() else \
@@ -326,7 +329,9 @@ class Executor:
             self._finish(sequence, Output([], finished=True, reason="cancelled"))
 
     def _choose(self, sequence: _Sequence, row: torch.Tensor) -> tuple[int, float]:
-        logits = processed(row, sequence.request.embedding_bias, sequence.banned())
+        if sequence.penalties.active and sequence.penalties.counts is None:
+            sequence.penalties.start(sequence.history, row.numel(), row.device)
+        logits = processed(row, sequence.request.embedding_bias, sequence.banned(), sequence.penalties)
         token = int(sequence.sampler(logits[None])[0])
         return token, sequence.sampler.log_prob(logits, token) if sequence.request.log_probs else 0.0
 

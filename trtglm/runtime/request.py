@@ -38,6 +38,9 @@ class Request:
     top_p: float = 1.0
     seed: int | None = None
     log_probs: bool = False
+    repetition_penalty: float = 1.0  # TensorRT-LLM's penalties (sampling.Penalties)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
 @dataclass
@@ -99,6 +102,8 @@ def check_request(request: Request, vocab: int, max_seq_len: int) -> None:
         raise UsageError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
     if request.temperature < 0 or request.top_k < 0 or not 0 < request.top_p <= 1:
         raise UsageError("need temperature >= 0, runtime_top_k >= 0 and 0 < runtime_top_p <= 1")
+    if not request.repetition_penalty > 0:
+        raise UsageError(f"repetition_penalty must be greater than 0, not {request.repetition_penalty:g}")
     if request.embedding_bias is not None and request.embedding_bias.numel() > vocab:
         raise UsageError(f"embedding_bias has {request.embedding_bias.numel()} values, more than the vocabulary "
                          f"({vocab})")

@@ -72,15 +72,18 @@ class BadWords:
         return self.always + [last for prefix, last in self.after if list(history[-len(prefix):]) == prefix]
 
 
-def processed(logits: torch.Tensor, bias: torch.Tensor | None, banned: Sequence[int]) -> torch.Tensor:
-    """float32 `logits` `[vocab]` with the embedding bias added and the `banned` ids at -inf; UsageError when that
-    leaves no token to choose."""
+def processed(logits: torch.Tensor, bias: torch.Tensor | None, banned: Sequence[int],
+              penalties: Penalties | None = None) -> torch.Tensor:
+    """float32 `logits` `[vocab]` with the embedding bias added, the penalties applied and the `banned` ids at
+    -inf (TensorRT-LLM's order); UsageError when that leaves no token to choose."""
     logits = logits.float()
     if bias is not None:
         bias = bias.to(device=logits.device, dtype=torch.float32)
         logits = logits.clone()
         width = min(bias.numel(), logits.numel())  # past the tokenizer's ids logits are cut off
         logits[:width] += bias[:width]
+    if penalties is not None:
+        logits = penalties(logits)
     banned = [t for t in banned if t < logits.numel()]
     if banned:
         logits = logits.clone()
