@@ -22,7 +22,7 @@ from trtglm.errors import UsageError
 from trtglm.runtime.distributed import DECODE, PREFILL, RELEASE, STOP, RankInfo, Step, follow, rank_info, rendezvous
 from trtglm.runtime.generate import generate
 from trtglm.runtime.model import load_model
-from trtglm.serve.engine import ServedEngine
+from trtglm.backend.engine import ServedEngine
 
 PROFILE = REPO / "configs" / "tiny.yaml"
 MAX_NEW = 40
@@ -33,7 +33,7 @@ RANK_PROGRAM = '''
 import json, os, sys, time
 from trtglm.runtime.distributed import rendezvous
 from trtglm.runtime.executor import Request
-from trtglm.serve.engine import ServedEngine
+from trtglm.backend.engine import ServedEngine
 
 engine_dir, prompts_file, out_dir, mode = sys.argv[1:5]
 engine = ServedEngine(engine_dir)

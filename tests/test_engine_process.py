@@ -1,4 +1,4 @@
-"""The engine in a process of its own (trtglm.serve.engine_process), as the tensorrt_llm model's stub uses it:
+"""The engine in a process of its own (trtglm.backend.engine_process), as the tensorrt_llm model's stub uses it:
 a real child process on the fixture's engine, its answers against generate() on the same checkpoint,
 refusals, cancellation, the death of the child, and the rule that a finished request is never asked
 whether it was cancelled (Triton frees it once its final response is sent)."""
@@ -24,8 +24,8 @@ from trtglm.errors import UsageError
 from trtglm.runtime.executor import CANCEL_CHECK_S, ExecutorStats, Output, QueueFullError, Request
 from trtglm.runtime.generate import generate
 from trtglm.runtime.model import load_model
-from trtglm.serve.engine import engine_info
-from trtglm.serve.engine_process import EngineProcess, Limits, Wire
+from trtglm.backend.engine import engine_info
+from trtglm.backend.engine_process import EngineProcess, Limits, Wire
 
 STOPS = [[518], [520]]  # <|user|>, <|observation|>
 

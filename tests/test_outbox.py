@@ -9,7 +9,7 @@ import pytest
 
 from trtglm.errors import TrtglmError
 from trtglm.runtime.executor import Output
-from trtglm.serve.outbox import Outbox, merge
+from trtglm.backend.outbox import Outbox, merge
 
 
 @pytest.fixture

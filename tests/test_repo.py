@@ -264,7 +264,7 @@ def test_upstream_copy_for_trtglms_runtime_streams_through_the_ensemble(tmp_path
     engine = make_engine(tmp_path, "torch", tok)
     template = upstream_copy(tmp_path, version)
     (template / "tensorrt_llm" / "1").mkdir(exist_ok=True)
-    (template / "tensorrt_llm" / "1" / "model.py").write_text("from trtglm.serve.triton_model import TritonPythonModel\n")
+    (template / "tensorrt_llm" / "1" / "model.py").write_text("from trtglm.backend.triton_model import TritonPythonModel\n")
     repo = patch_repo(engine, tok, tmp_path / "repo", template=template)
     configs = read_configs(repo)
     assert configs["tensorrt_llm"].backend == "python"

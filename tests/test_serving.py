@@ -29,7 +29,7 @@ from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
 from trtglm.repo import patch_repo
 from trtglm.runtime.executor import Output
-from trtglm.serve.triton_model import Gathered, Reply, engine_request, engine_requests
+from trtglm.backend.triton_model import Gathered, Reply, engine_request, engine_requests
 
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 WORLD_SIZES = (1, 2, 4)

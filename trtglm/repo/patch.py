@@ -68,7 +68,7 @@ STREAMING_WIRING = (
 )
 WHOLE_REPLY_UNWIRED = (("tensorrt_llm", "streaming"),)  # (step's model, input)
 UNWIRED = (("tensorrt_llm", "exclude_input_in_output"),)
-# what trtglm's preprocessing produces (python_models.preprocessing.assemble)
+# what trtglm's preprocessing produces (backend.preprocessing.assemble)
 PREPROCESSING_OUTPUTS = frozenset({"INPUT_ID", "REQUEST_INPUT_LEN", "REQUEST_OUTPUT_LEN", "OUT_END_ID", "OUT_PAD_ID",
                                    "STOP_WORDS_IDS", "BAD_WORDS_IDS", "EMBEDDING_BIAS"})
 

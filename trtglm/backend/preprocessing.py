@@ -32,8 +32,8 @@ import numpy as np
 from trtglm.chatglm.chat import bad_sequences, prompt_ids, stack_word_lists, stop_sequences, word_ids, word_list
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError, int32_range_error
-from trtglm.repo.python_models import triton_io
-from trtglm.repo.python_models.triton_io import pb_utils
+from trtglm.backend import triton_io
+from trtglm.backend.triton_io import pb_utils
 
 INPUTS = ("QUERY", "REQUEST_OUTPUT_LEN", "BAD_WORDS_DICT", "STOP_WORDS_DICT", "EMBEDDING_BIAS_WORDS",
           "EMBEDDING_BIAS_WEIGHTS", "END_ID", "PAD_ID", "STREAM")

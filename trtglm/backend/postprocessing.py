@@ -25,8 +25,8 @@ import numpy as np
 from trtglm.chatglm.chat import reply_piece, reply_text
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
-from trtglm.repo.python_models import triton_io
-from trtglm.repo.python_models.triton_io import pb_utils
+from trtglm.backend import triton_io
+from trtglm.backend.triton_io import pb_utils
 
 INPUTS = ("TOKENS_BATCH", "SEQUENCE_LENGTH", "GENERATED_IDS", "IS_FINAL", "CUM_LOG_PROBS", "OUTPUT_LOG_PROBS")
 PASS_THROUGH = {"OUT_CUM_LOG_PROBS": "CUM_LOG_PROBS", "OUT_OUTPUT_LOG_PROBS": "OUTPUT_LOG_PROBS"}

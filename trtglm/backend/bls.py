@@ -30,9 +30,9 @@ import numpy as np
 from trtglm.chatglm.chat import ReplyStream, reply_text
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import TrtglmError, UsageError
-from trtglm.repo.python_models import triton_io
-from trtglm.repo.python_models.preprocessing import CLIENT_NAMES, Limits, preprocess
-from trtglm.repo.python_models.triton_io import pb_utils
+from trtglm.backend import triton_io
+from trtglm.backend.preprocessing import CLIENT_NAMES, Limits, preprocess
+from trtglm.backend.triton_io import pb_utils
 
 log = logging.getLogger(__name__)
 

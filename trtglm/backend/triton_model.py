@@ -1,8 +1,8 @@
 """trtglm's PyTorch runtime as Triton's `tensorrt_llm` model (python backend, NVIDIA's tensor contract).
 
 The engine folder is the `gpt_model_path` parameter (`trtglm build-engine` output with engine
-`torch`). The engine runs in a process of its own (serve/engine_process.py: `ServedEngine` of
-serve/engine.py, under its own GIL); this stub parses requests and sends responses. Every rank
+`torch`). The engine runs in a process of its own (backend/engine_process.py: `ServedEngine` of
+backend/engine.py, under its own GIL); this stub parses requests and sends responses. Every rank
 loads only its own `rank{r}.safetensors`; rank 0 takes the requests and runs the in-flight
 batching executor, the other ranks follow its steps.
 
@@ -32,7 +32,7 @@ when requested.
 Errors a client causes come back as error responses; a full queue is one too ("busy … retry
 later"). A cancelled request (`is_cancelled()`, or a response that cannot be sent) stops at
 the next step and frees its slot. Decoupled responses are sent by a few sender threads
-(serve/outbox.py), never by the executor, with the tokens that piled up during a send merged
+(backend/outbox.py), never by the executor, with the tokens that piled up during a send merged
 into the next response; a request whose send has waited outbox.SEND_TIMEOUT_S is stopped
 (whoever asked is gone).
 
@@ -55,9 +55,9 @@ import torch
 from trtglm.chatglm.chat import word_sequences
 from trtglm.errors import TrtglmError, UsageError, int32_range_error
 from trtglm.runtime.executor import Output, QueueFullError, Request
-from trtglm.serve.engine import log_to_stderr
-from trtglm.serve.engine_process import EngineProcess
-from trtglm.serve.outbox import Outbox
+from trtglm.backend.engine import log_to_stderr
+from trtglm.backend.engine_process import EngineProcess
+from trtglm.backend.outbox import Outbox
 
 log = logging.getLogger(__name__)
 
@@ -277,8 +277,8 @@ class TritonPythonModel:
     """Triton's entry point (decoupled for streaming; non-decoupled answers each request once)."""
 
     def initialize(self, args: dict) -> None:
-        from trtglm.repo.python_models import triton_io
-        from trtglm.repo.python_models.triton_io import pb_utils
+        from trtglm.backend import triton_io
+        from trtglm.backend.triton_io import pb_utils
 
         log_to_stderr()
         self.io, self.pb = triton_io, pb_utils
