@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO
+from trtglm.backend.engine import ServedEngine
 from trtglm.chatglm.chat import chat_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.engine.build import build_engine
@@ -22,7 +23,6 @@ from trtglm.errors import UsageError
 from trtglm.runtime.distributed import DECODE, PREFILL, RELEASE, STOP, RankInfo, Step, follow, rank_info, rendezvous
 from trtglm.runtime.generate import generate
 from trtglm.runtime.model import load_model
-from trtglm.backend.engine import ServedEngine
 
 PROFILE = REPO / "configs" / "tiny.yaml"
 MAX_NEW = 40
@@ -31,9 +31,9 @@ MAX_NEW = 40
 # at once, so they are batched) and writes the tokens; every rank reports how it ended.
 RANK_PROGRAM = '''
 import json, os, sys, time
+from trtglm.backend.engine import ServedEngine
 from trtglm.runtime.distributed import rendezvous
 from trtglm.runtime.executor import Request
-from trtglm.backend.engine import ServedEngine
 
 engine_dir, prompts_file, out_dir, mode = sys.argv[1:5]
 engine = ServedEngine(engine_dir)

@@ -18,14 +18,14 @@ import pytest
 import torch
 from test_distributed import MAX_NEW, build_tiny_engine
 
+from trtglm.backend.engine import engine_info
+from trtglm.backend.engine_process import EngineProcess, Limits, Wire
 from trtglm.chatglm.chat import chat_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
 from trtglm.runtime.executor import CANCEL_CHECK_S, ExecutorStats, Output, QueueFullError, Request
 from trtglm.runtime.generate import generate
 from trtglm.runtime.model import load_model
-from trtglm.backend.engine import engine_info
-from trtglm.backend.engine_process import EngineProcess, Limits, Wire
 
 STOPS = [[518], [520]]  # <|user|>, <|observation|>
 

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
+from trtglm.backend.outbox import Outbox, merge
 from trtglm.errors import TrtglmError
 from trtglm.runtime.executor import Output
-from trtglm.backend.outbox import Outbox, merge
 
 
 @pytest.fixture

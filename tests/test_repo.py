@@ -14,9 +14,9 @@ from tritonclient.grpc import model_config_pb2
 from conftest import REPO, run_cli
 from test_repo_support import (LIMITS, MODELS, TEMPLATE, engine_vocab, ensemble_step, make_engine, parameter,
                                read_configs, template_copy, tree, upstream_copy)
+from trtglm.cli.repo import patch_repo as patch_repo_command
 from trtglm.errors import ModelFileError, OutputExistsError, UsageError
 from trtglm.repo import check_repo, patch_repo
-from trtglm.cli.repo import patch_repo as patch_repo_command
 
 PLACEHOLDER = re.compile(r"\$\{\w+\}")
 TRTGLM_MODEL_FILES = ("preprocessing/1/model.py", "postprocessing/1/model.py", "tensorrt_llm_bls/1/model.py")

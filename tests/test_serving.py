@@ -24,12 +24,13 @@ import pytest
 
 from conftest import CONVERSATION_KINDS, REPO, free_ports, kill_repo_processes, repo_processes
 from test_distributed import build_tiny_engine
+from trtglm.backend.llm_requests import engine_request, engine_requests
+from trtglm.backend.llm_responses import Gathered, Reply
 from trtglm.chatglm.chat import prompt_ids, stack_word_lists, word_list
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
 from trtglm.repo import patch_repo
 from trtglm.runtime.executor import Output
-from trtglm.backend.triton_model import Gathered, Reply, engine_request, engine_requests
 
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 WORLD_SIZES = (1, 2, 4)

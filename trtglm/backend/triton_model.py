@@ -6,15 +6,8 @@ backend/engine.py, under its own GIL); this stub parses requests and sends respo
 loads only its own `rank{r}.safetensors`; rank 0 takes the requests and runs the in-flight
 batching executor, the other ranks follow its steps.
 
-Inputs (batch first; each sequence of a request is a request of its own to the in-flight batcher,
-as in NVIDIA's backend):
-input_ids, input_lengths, request_output_len, end_id, stop_words_list and bad_words_list
-(TensorRT-LLM's [2, n] ids/offsets layout), embedding_bias, min_length, temperature,
-runtime_top_k, runtime_top_p, random_seed, return_log_probs, streaming. pad_id and
-len_penalty (beam search only) are accepted and unused. Sampling follows TensorRT-LLM: with
-neither runtime_top_k nor runtime_top_p above 0 the choice is greedy; otherwise temperature
-(default 1), then top-k, then top-p. beam_width above 1 and non-neutral repetition,
-presence or frequency penalties are refused with an error naming them.
+Requests are parsed by `llm_requests` (NVIDIA's input tensors -> the executor's Requests, one per
+sequence, as in NVIDIA's in-flight batching backend) and answered by `llm_responses`.
 
 Outputs, as the repository's config declares them (`[batch, beam, …]`, the input never
 included): output_ids and output_log_probs hold the response's tokens, sequence_length how
@@ -47,230 +40,20 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
-import numpy as np
-import torch
-
-from trtglm.chatglm.chat import word_sequences
-from trtglm.errors import TrtglmError, UsageError, int32_range_error
-from trtglm.runtime.executor import Output, QueueFullError, Request
+from trtglm.backend.contract import ENGINE_DIR, TENSORRT_LLM
 from trtglm.backend.engine import log_to_stderr
 from trtglm.backend.engine_process import EngineProcess
+from trtglm.backend.llm_requests import INPUTS, engine_requests
+from trtglm.backend.llm_responses import Gathered, Reply
 from trtglm.backend.outbox import Outbox
+from trtglm.errors import TrtglmError, UsageError
+from trtglm.runtime.executor import Output, QueueFullError, Request
 
 log = logging.getLogger(__name__)
 
-ENGINE_PARAMETER = "gpt_model_path"
-INPUTS = ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list",
-          "bad_words_list", "embedding_bias", "beam_width", "temperature", "runtime_top_k", "runtime_top_p",
-          "len_penalty", "repetition_penalty", "min_length", "presence_penalty", "frequency_penalty",
-          "random_seed", "return_log_probs", "streaming")
-NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}  # refused otherwise
 DRAIN_S = 2.0  # at unload, how long the last responses (shutdown errors) may take to go out
-
-
-# --- requests -----------------------------------------------------------------------------------------
-
-
-def _one(arrays: Mapping[str, np.ndarray | None], name: str, default=None):
-    array = arrays.get(name)
-    if array is None:
-        if default is None:
-            raise UsageError(f"{name} is required")
-        return default
-    values = np.asarray(array).reshape(-1)
-    if values.size != 1:
-        raise UsageError(f"{name} must hold one value for each sequence, not {values.size}")
-    return values[0].item()
-
-
-def engine_requests(arrays: Mapping[str, np.ndarray | None]) -> tuple[list[Request], bool]:
-    """One executor Request per sequence of a request's input arrays (batch first), and whether to stream.
-
-    As in NVIDIA's backend, each sequence of a batch is a request of its own to the in-flight batcher."""
-    ids = arrays.get("input_ids")
-    if ids is None:
-        raise UsageError("input_ids is required")
-    if ids.ndim != 2 or ids.shape[0] < 1:
-        raise UsageError(f"input_ids must be [batch, ids], not {list(ids.shape)}")
-    batch = ids.shape[0]
-    for name, array in arrays.items():
-        if array is not None and (array.ndim == 0 or array.shape[0] != batch):
-            raise UsageError(f"{name} has {array.shape[0] if array.ndim else 0} rows for the {batch} sequences of "
-                             "input_ids")
-    parsed = [_row_request(arrays, row, batch) for row in range(batch)]
-    streaming = {stream for _, stream in parsed}
-    if len(streaming) > 1:
-        raise UsageError("streaming must be the same for every sequence of a request")
-    if batch > 1 and True in streaming:
-        raise UsageError(f"streaming takes one sequence per request; this one has {batch}: stream each as its own "
-                         "request, or leave streaming off to have every reply in one response")
-    return [request for request, _ in parsed], streaming.pop()
-
-
-def _row_request(arrays: Mapping[str, np.ndarray | None], row: int, batch: int) -> tuple[Request, bool]:
-    one_row = {name: None if array is None else array[row:row + 1] for name, array in arrays.items()}
-    try:
-        return engine_request(one_row)
-    except UsageError as e:
-        if batch == 1:
-            raise
-        raise UsageError(f"sequence {row} of {batch}: {e}") from None
-
-
-def engine_request(arrays: Mapping[str, np.ndarray | None]) -> tuple[Request, bool]:
-    """The executor's Request and whether to stream, from one sequence's input arrays (batch 1 first)."""
-    ids = arrays.get("input_ids")
-    if ids is None:
-        raise UsageError("input_ids is required")
-    if ids.ndim != 2 or ids.shape[0] != 1:
-        raise UsageError(f"input_ids must be [1, ids] for one sequence, not {list(ids.shape)}")
-    length = int(_one(arrays, "input_lengths", ids.shape[1]))
-    if not 0 < length <= ids.shape[1]:
-        raise UsageError(f"input_lengths {length} must be between 1 and the {ids.shape[1]} ids given")
-    beams = int(_one(arrays, "beam_width", 1))
-    if beams != 1:
-        raise UsageError(f"beam_width {beams}: trtglm's runtime does not search beams (max_beam_width 1)")
-    for name, neutral in NEUTRAL.items():
-        value = float(_one(arrays, name, neutral))
-        if value != neutral:
-            raise UsageError(f"{name} {value:g} is not supported by trtglm's runtime (leave it out, or {neutral:g})")
-    top_k, top_p = int(_one(arrays, "runtime_top_k", 0)), float(_one(arrays, "runtime_top_p", 0.0))
-    output_len, min_length = int(_one(arrays, "request_output_len")), int(_one(arrays, "min_length", 0))
-    for name, value, low in (("request_output_len", output_len, 1), ("runtime_top_k", top_k, 0),
-                             ("min_length", min_length, 0)):
-        if value < low:
-            raise int32_range_error(name, value, low)
-    sampled = top_k > 0 or top_p > 0
-    end_id = int(_one(arrays, "end_id", -1))
-    bias, seed = arrays.get("embedding_bias"), arrays.get("random_seed")
-    request = Request(
-        prompt=[int(t) for t in ids[0, :length]],
-        max_new_tokens=output_len,
-        end_id=end_id if end_id >= 0 else None,
-        stop_words=_words(arrays, "stop_words_list"),
-        bad_words=_words(arrays, "bad_words_list"),
-        min_length=min_length,
-        embedding_bias=torch.from_numpy(np.asarray(bias, np.float32).reshape(-1).copy())
-        if bias is not None and bias.size else None,
-        temperature=float(_one(arrays, "temperature", 1.0)) if sampled else 0.0,
-        top_k=top_k,
-        top_p=top_p if top_p > 0 else 1.0,
-        seed=int(_one(arrays, "random_seed")) if seed is not None else None,
-        log_probs=bool(_one(arrays, "return_log_probs", False)),
-    )
-    return request, bool(_one(arrays, "streaming", False))
-
-
-def _words(arrays: Mapping[str, np.ndarray | None], name: str) -> list[list[int]]:
-    array = arrays.get(name)
-    if array is None:
-        return []
-    if array.ndim != 3 or array.shape[0] != 1:
-        raise UsageError(f"{name} must be [1, 2, n] for each sequence, not {list(array.shape)}")
-    return word_sequences(array[0], name)
-
-
-# --- responses ----------------------------------------------------------------------------------------
-
-
-def response_arrays(new_ids: list[int], new_log_probs: list[float], all_ids: list[int], cum_log_prob: float,
-                    final: bool) -> dict[str, np.ndarray]:
-    """Every output tensor of one response ([batch 1, beam 1, …])."""
-    count = len(new_ids)
-    log_probs = new_log_probs if len(new_log_probs) == count else [0.0] * count
-    return {
-        "output_ids": np.array(new_ids, dtype=np.int32).reshape(1, 1, count),
-        "sequence_length": np.array([[count]], dtype=np.int32),
-        "cum_log_probs": np.array([[cum_log_prob]], dtype=np.float32),
-        "output_log_probs": np.array(log_probs, dtype=np.float32).reshape(1, 1, count),
-        "generated_ids": np.array(all_ids, dtype=np.int32).reshape(1, 1, len(all_ids)),
-        "is_final": np.array([[final]], dtype=bool),
-    }
-
-
-class Reply:
-    """Turns one request's executor Outputs into responses (`send(arrays, final)` or `fail(message)`)."""
-
-    def __init__(self, streaming: bool, send: Callable[[dict, bool], None], fail: Callable[[str], None]):
-        self.streaming, self.send, self.fail = streaming, send, fail
-        self.ids: list[int] = []
-        self.log_probs: list[float] = []
-        self.gone = False  # a response could not be sent: the client is gone
-
-    def __call__(self, output: Output) -> None:
-        if self.gone:
-            return
-        try:
-            self._handle(output)
-        except Exception:
-            self.gone = True
-            raise
-
-    def _handle(self, output: Output) -> None:
-        before = len(self.ids)
-        self.ids += output.tokens
-        self.log_probs += output.log_probs
-        if output.error or output.reason == "cancelled":
-            self.fail(output.error or "the request was cancelled")
-        elif self.streaming:
-            self.send(response_arrays(self.ids[before:], self.log_probs[before:], self.ids, sum(self.log_probs),
-                                      output.finished), output.finished)
-        elif output.finished:
-            self.send(response_arrays(self.ids, self.log_probs, self.ids, sum(self.log_probs), True), True)
-
-
-PADDING = -1  # past a sequence's length in a response of several (NVIDIA's padding of shorter beams)
-
-
-def stacked(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Several sequences' response arrays as one response's ([batch, …]), the shorter padded with PADDING."""
-    if len(parts) == 1:
-        return parts[0]
-    out = {}
-    for name in parts[0]:
-        arrays = [part[name] for part in parts]
-        width = max(array.shape[-1] for array in arrays)
-        out[name] = np.concatenate([np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, width - a.shape[-1])],
-                                           constant_values=PADDING) for a in arrays])
-    return out
-
-
-class Gathered:
-    """A request's sequences answered together in one response once every one has finished (each its whole
-    reply); the first error fails the request, and `failed()` then tells the others to stop."""
-
-    def __init__(self, count: int, send: Callable[[dict, bool], None], fail: Callable[[Exception], None]):
-        self.send, self.fail = send, fail
-        self.parts: list[dict | None] = [None] * count
-        self._failed = False
-        self._lock = threading.Lock()
-
-    def reply(self, index: int) -> Reply:
-        """The Reply that turns sequence `index`'s outputs into its part."""
-        return Reply(False, lambda arrays, _last: self._arrived(index, arrays),
-                     lambda message: self.error(TrtglmError(message)))
-
-    def error(self, error: Exception) -> None:
-        with self._lock:
-            if self._failed:
-                return
-            self._failed = True
-        self.fail(error)
-
-    def failed(self) -> bool:
-        return self._failed
-
-    def _arrived(self, index: int, arrays: dict) -> None:
-        with self._lock:
-            self.parts[index] = arrays
-            if self._failed or any(part is None for part in self.parts):
-                return
-        self.send(stacked(self.parts), True)
-
-
-# --- Triton ----------------------------------------------------------------------------------------------
 
 
 class TritonPythonModel:
@@ -283,8 +66,8 @@ class TritonPythonModel:
         log_to_stderr()
         self.io, self.pb = triton_io, pb_utils
         config = triton_io.model_config(args)
-        name = config.get("name", "tensorrt_llm")
-        engine_dir = triton_io.parameter(triton_io.parameters(config), ENGINE_PARAMETER, name)
+        name = config.get("name", TENSORRT_LLM)
+        engine_dir = triton_io.parameter(triton_io.parameters(config), ENGINE_DIR, name)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.dtypes = triton_io.output_dtypes(config)
         self.outbox = Outbox()
