@@ -16,21 +16,21 @@ import torch
 
 from conftest import REPO
 from support.engines import MAX_NEW, build_tiny_engine
+from trtglm.backend.engine import ServedEngine
 from trtglm.chatglm.chat import chat_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
 from trtglm.runtime.distributed import DECODE, PREFILL, RELEASE, STOP, RankInfo, Step, follow, rank_info, rendezvous
 from trtglm.runtime.generate import generate
 from trtglm.runtime.model import load_model
-from trtglm.serve.engine import ServedEngine
 
 # One rank's program: a ServedEngine from the OMPI environment; rank 0 answers the prompts (all submitted
 # at once, so they are batched) and writes the tokens; every rank reports how it ended.
 RANK_PROGRAM = '''
 import json, os, sys, time
+from trtglm.backend.engine import ServedEngine
 from trtglm.runtime.distributed import rendezvous
 from trtglm.runtime.request import Request
-from trtglm.serve.engine import ServedEngine
 
 engine_dir, prompts_file, out_dir, mode = sys.argv[1:5]
 engine = ServedEngine(engine_dir)

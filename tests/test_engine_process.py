@@ -1,4 +1,4 @@
-"""The engine in a process of its own (trtglm.serve.engine_process), as the tensorrt_llm model's stub uses it:
+"""The engine in a process of its own (trtglm.backend.engine_process), as the tensorrt_llm model's stub uses it:
 a real child process on the fixture's engine, its answers against generate() on the same checkpoint,
 refusals, cancellation, the death of the child, and the rule that a finished request is never asked
 whether it was cancelled (Triton frees it once its final response is sent)."""
@@ -18,6 +18,8 @@ import pytest
 import torch
 from support.engines import MAX_NEW, build_tiny_engine
 
+from trtglm.backend.engine import engine_info
+from trtglm.backend.engine_process import EngineProcess, Limits, Wire
 from trtglm.chatglm.chat import chat_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
@@ -25,8 +27,6 @@ from trtglm.runtime.executor import CANCEL_CHECK_S
 from trtglm.runtime.request import ExecutorStats, Output, QueueFullError, Request
 from trtglm.runtime.generate import generate
 from trtglm.runtime.model import load_model
-from trtglm.serve.engine import engine_info
-from trtglm.serve.engine_process import EngineProcess, Limits, Wire
 
 STOPS = [[518], [520]]  # <|user|>, <|observation|>
 

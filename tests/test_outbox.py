@@ -7,9 +7,9 @@ import time
 
 import pytest
 
+from trtglm.backend.outbox import Outbox, merge
 from trtglm.errors import TrtglmError
 from trtglm.runtime.request import Output
-from trtglm.serve.outbox import Outbox, merge
 
 
 @pytest.fixture

@@ -9,12 +9,12 @@ import json
 import numpy as np
 import pytest
 
+from trtglm.backend.bls import Reply, engine_inputs
+from trtglm.backend.postprocessing import postprocess
+from trtglm.backend.preprocessing import Limits, preprocess
 from trtglm.chatglm.chat import ReplyStream, tool_call
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
-from trtglm.repo.python_models.bls import Reply, engine_inputs
-from trtglm.repo.python_models.postprocessing import postprocess
-from trtglm.repo.python_models.preprocessing import Limits, preprocess
 
 JUNK = "What is my name?"  # what a model that misses the stop token would go on to say
 

@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
+from trtglm.backend import preprocessing
+from trtglm.backend.preprocessing import Limits, preprocess, refuse_streaming
 from trtglm.chatglm.chat import chat_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
-from trtglm.repo.python_models import preprocessing
-from trtglm.repo.python_models.preprocessing import Limits, preprocess, refuse_streaming
 
 LIMITS = Limits(max_input_len=384, max_seq_len=512, vocab_size=1024)
 

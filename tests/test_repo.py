@@ -14,9 +14,9 @@ from tritonclient.grpc import model_config_pb2
 from conftest import REPO, run_cli
 from support.repos import (LIMITS, MODELS, TEMPLATE, engine_vocab, ensemble_step, make_engine, parameter,
                                read_configs, template_copy, tree, upstream_copy)
+from trtglm.cli.repo import patch_repo as patch_repo_command
 from trtglm.errors import ModelFileError, OutputExistsError, UsageError
 from trtglm.repo import check_repo, patch_repo
-from trtglm.cli.repo import patch_repo as patch_repo_command
 
 PLACEHOLDER = re.compile(r"\$\{\w+\}")
 TRTGLM_MODEL_FILES = ("preprocessing/1/model.py", "postprocessing/1/model.py", "tensorrt_llm_bls/1/model.py")
@@ -264,7 +264,7 @@ def test_upstream_copy_for_trtglms_runtime_streams_through_the_ensemble(tmp_path
     engine = make_engine(tmp_path, "torch", tok)
     template = upstream_copy(tmp_path, version)
     (template / "tensorrt_llm" / "1").mkdir(exist_ok=True)
-    (template / "tensorrt_llm" / "1" / "model.py").write_text("from trtglm.serve.triton_model import TritonPythonModel\n")
+    (template / "tensorrt_llm" / "1" / "model.py").write_text("from trtglm.backend.triton_model import TritonPythonModel\n")
     repo = patch_repo(engine, tok, tmp_path / "repo", template=template)
     configs = read_configs(repo)
     assert configs["tensorrt_llm"].backend == "python"

@@ -23,8 +23,9 @@ from trtglm.chatglm.chat import prompt_ids, stack_word_lists, word_list
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
 from trtglm.repo import patch_repo
+from trtglm.backend.llm_requests import engine_request, engine_requests
+from trtglm.backend.llm_responses import Gathered, Reply
 from trtglm.runtime.request import Output
-from trtglm.serve.triton_model import Gathered, Reply, engine_request, engine_requests
 
 WORLD_SIZES = (1, 2, 4)
 KINDS = {kind: match for kind, match in CONVERSATION_KINDS.items()  # also streamed: the first of each kind

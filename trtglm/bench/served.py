@@ -1,7 +1,7 @@
 """`trtglm bench served`: a launched repository against the same engine in-process, streaming included.
 
 Against a running server (`trtglm launch`), in one process that also loads the server's engine
-(`InProcess`: trtglm.serve.engine.ServedEngine, the executor and slot model the
+(`InProcess`: trtglm.backend.engine.ServedEngine, the executor and slot model the
 server runs, with the repository's tokenizer, end id and stop words):
 
 1. Overhead, one request at a time (`measure_overhead`: HTTP `generate` through

@@ -13,7 +13,7 @@ Against a launched model repository (`trtglm launch`), two measurements:
    from that many threads, each sending its next request when the previous one is answered.
    Generated tokens/s = reply tokens × replies / wall time, with requests/s and latency.
 
-The in-process side is the server's own engine object (trtglm.serve.engine.ServedEngine:
+The in-process side is the server's own engine object (trtglm.backend.engine.ServedEngine:
 executor, slot model, torch threads). Reply tokens are counted by the in-process run (the
 tokens the engine returns: a stop word counts, end_id does not); greedy decoding is
 deterministic, so each served reply is checked to be that same text (a differing reply is
@@ -98,7 +98,7 @@ def parse_concurrency(value: str | int | tuple | list) -> tuple[int, ...]:
 
 
 class InProcess:
-    """The engine as the server's tensorrt_llm model runs it (trtglm.serve.engine.ServedEngine: the
+    """The engine as the server's tensorrt_llm model runs it (trtglm.backend.engine.ServedEngine: the
     same executor and slot model), called here with the repository's prompt, stop-word and reply rules."""
 
     def __init__(self, engine_dir: Path, device: str | None, tokenizer_dir: str | Path | None = None):
@@ -107,7 +107,7 @@ class InProcess:
         from trtglm.chatglm.tokenizer import ChatGLMTokenizer
         from trtglm.engine.manifest import read_manifest
         from trtglm.runtime.distributed import RankInfo
-        from trtglm.serve.engine import ServedEngine
+        from trtglm.backend.engine import ServedEngine
 
         self.manifest = read_manifest(engine_dir)
         self.tokenizer = ChatGLMTokenizer(tokenizer_dir or self.manifest["tokenizer_dir"])

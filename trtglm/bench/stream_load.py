@@ -11,7 +11,7 @@ closed loop: `concurrency` requests in flight, the next one sent as one finishes
   client and stream per thread, reused for that thread's requests;
 - `run_in_process`: the same prompts (the ids the repository's preprocessing makes of each
   text, with its end id and stop words) submitted straight to an `Executor`, the one
-  `trtglm.serve.engine.ServedEngine` runs on its own thread in the server.
+  `trtglm.backend.engine.ServedEngine` runs on its own thread in the server.
 
 Each request's trace holds its send time and one time per generated token; load_stats.py
 turns the traces into statistics. Tokens per response: trtglm's runtime returns

@@ -21,7 +21,7 @@ template wrong) and makes the layout carry what they need:
 - ensemble tensors nothing uses any more are unmapped (Triton refuses unused tensors), as are
   preprocessing outputs trtglm does not produce (encoder-decoder, multimodal, prompt-table
   extras) with whatever read them;
-- the parameters trtglm's models read (`MODEL_PARAMETERS`) are added where missing;
+- the parameters trtglm's models read (`contract.PYTHON_MODEL_PARAMETERS`) are added where missing;
 - tensorrt_llm's backend follows the engine kind (`python` for trtglm's torch runtime).
 """
 
@@ -30,47 +30,41 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from trtglm.backend.contract import (CONTRACT, ENSEMBLE, ENSEMBLE_WIRING, POSTPROCESSING, PREPROCESSING, PYTHON,
+                                     PYTHON_MODEL_PARAMETERS, TENSORRT_LLM, TENSORRTLLM, contract_tensor, names)
 from trtglm.errors import UsageError
-from trtglm.repo.placeholders import CONFIG, MODEL_PARAMETERS, MODELS, PLACEHOLDER, check_filled, fill_text
+from trtglm.repo.placeholders import CONFIG, MODELS, PLACEHOLDER, check_filled, fill_text
 from trtglm.repo.validate import protobuf
 
-# tensors trtglm's models use: (model, "input" | "output", name, data type, dims, optional)
-ADDED_TENSORS = (
-    ("preprocessing", "input", "END_ID", "TYPE_INT32", [1], True),
-    ("preprocessing", "input", "PAD_ID", "TYPE_INT32", [1], True),
-    ("preprocessing", "input", "STREAM", "TYPE_BOOL", [1], True),
-    ("preprocessing", "output", "OUT_END_ID", "TYPE_INT32", [1], False),
-    ("preprocessing", "output", "OUT_PAD_ID", "TYPE_INT32", [1], False),
-)
-# tensors trtglm's runtime adds for exact streaming through the ensemble (backend python only)
-STREAMING_TENSORS = (
-    ("tensorrt_llm", "output", "generated_ids", "TYPE_INT32", [-1, -1], False),
-    ("tensorrt_llm", "output", "is_final", "TYPE_BOOL", [1], False),
-    ("postprocessing", "input", "GENERATED_IDS", "TYPE_INT32", [-1, -1], True),
-    ("postprocessing", "input", "IS_FINAL", "TYPE_BOOL", [1], True),
-)
+# tensors of trtglm's contract that NVIDIA's layouts lack: (model, "input" | "output", name)
+ADDED_TENSORS = ((PREPROCESSING, "input", "END_ID"), (PREPROCESSING, "input", "PAD_ID"),
+                 (PREPROCESSING, "input", "STREAM"), (PREPROCESSING, "output", "OUT_END_ID"),
+                 (PREPROCESSING, "output", "OUT_PAD_ID"))
+# those trtglm's runtime adds for exact streaming through the ensemble (backend python only)
+STREAMING_TENSORS = ((TENSORRT_LLM, "output", "generated_ids"), (TENSORRT_LLM, "output", "is_final"),
+                     (POSTPROCESSING, "input", "GENERATED_IDS"), (POSTPROCESSING, "input", "IS_FINAL"))
 # ensemble wiring: (step's model, "input_map" | "output_map", the model's tensor, the ensemble's tensor)
-WIRING = (
-    ("preprocessing", "input_map", "END_ID", "end_id"),
-    ("preprocessing", "input_map", "PAD_ID", "pad_id"),
-    ("preprocessing", "output_map", "OUT_END_ID", "_PREPROCESSOR_END_ID"),
-    ("preprocessing", "output_map", "OUT_PAD_ID", "_PREPROCESSOR_PAD_ID"),
-    ("tensorrt_llm", "input_map", "end_id", "_PREPROCESSOR_END_ID"),
-    ("tensorrt_llm", "input_map", "pad_id", "_PREPROCESSOR_PAD_ID"),
+WIRING = (  # end and pad ids through preprocessing, under NVIDIA's names for the ensemble's tensors
+    (PREPROCESSING, "input_map", "END_ID", "end_id"),
+    (PREPROCESSING, "input_map", "PAD_ID", "pad_id"),
+    (PREPROCESSING, "output_map", "OUT_END_ID", "_PREPROCESSOR_END_ID"),
+    (PREPROCESSING, "output_map", "OUT_PAD_ID", "_PREPROCESSOR_PAD_ID"),
+    (TENSORRT_LLM, "input_map", "end_id", "_PREPROCESSOR_END_ID"),
+    (TENSORRT_LLM, "input_map", "pad_id", "_PREPROCESSOR_PAD_ID"),
 )
-WHOLE_REPLY_WIRING = (("preprocessing", "input_map", "STREAM", "stream"),)  # refused there
-STREAMING_WIRING = (
-    ("tensorrt_llm", "input_map", "streaming", "stream"),
-    ("tensorrt_llm", "output_map", "generated_ids", "_GENERATED_IDS"),
-    ("tensorrt_llm", "output_map", "is_final", "_IS_FINAL"),
-    ("postprocessing", "input_map", "GENERATED_IDS", "_GENERATED_IDS"),
-    ("postprocessing", "input_map", "IS_FINAL", "_IS_FINAL"),
-)
-WHOLE_REPLY_UNWIRED = (("tensorrt_llm", "streaming"),)  # (step's model, input)
-UNWIRED = (("tensorrt_llm", "exclude_input_in_output"),)
-# what trtglm's preprocessing produces (python_models.preprocessing.assemble)
-PREPROCESSING_OUTPUTS = frozenset({"INPUT_ID", "REQUEST_INPUT_LEN", "REQUEST_OUTPUT_LEN", "OUT_END_ID", "OUT_PAD_ID",
-                                   "STOP_WORDS_IDS", "BAD_WORDS_IDS", "EMBEDDING_BIAS"})
+
+
+def _backend_wiring(backend: str) -> tuple[tuple[str, str, str, str], ...]:
+    """The contract's wires that exist only with `backend` (`stream` and the streaming tensors)."""
+    return tuple((w.step, "input_map" if w.reads else "output_map", w.tensor, w.ensemble_tensor)
+                 for w in ENSEMBLE_WIRING if w.backend == backend)
+
+
+WHOLE_REPLY_WIRING = _backend_wiring(TENSORRTLLM)  # `stream` to preprocessing, which refuses it
+STREAMING_WIRING = _backend_wiring(PYTHON)
+WHOLE_REPLY_UNWIRED = ((TENSORRT_LLM, "streaming"),)  # (step's model, input)
+UNWIRED = ((TENSORRT_LLM, "exclude_input_in_output"),)
+PREPROCESSING_OUTPUTS = frozenset(names(CONTRACT[PREPROCESSING].outputs))  # what trtglm's preprocessing produces
 
 
 def patch_upstream(template: Path, version: str, values: Mapping[str, str | None]) -> dict[str, bytes]:
@@ -104,26 +98,27 @@ def parse_config(text: str, where: str):
 def adapt(configs: dict, values: Mapping[str, str | None]) -> None:
     """The changes listed in the module docstring, in place."""
     pb = protobuf()[1]
-    configs["tensorrt_llm"].backend = values["triton_backend"]
-    streams = values["triton_backend"] == "python"
-    for model, kind, name, data_type, dims, optional in ADDED_TENSORS + (STREAMING_TENSORS if streams else ()):
+    configs[TENSORRT_LLM].backend = values["triton_backend"]
+    streams = values["triton_backend"] == PYTHON
+    for model, kind, name in ADDED_TENSORS + (STREAMING_TENSORS if streams else ()):
         tensors = getattr(configs[model], kind)
         if all(t.name != name for t in tensors):
-            tensor = tensors.add(name=name, data_type=pb.DataType.Value(data_type), dims=dims)
-            if optional:
+            spec = contract_tensor(model, kind, name)
+            tensor = tensors.add(name=name, data_type=pb.DataType.Value(spec.data_type), dims=spec.dims)
+            if spec.optional:
                 tensor.optional = True
     if streams:
-        configs["postprocessing"].dynamic_batching.preserve_ordering = True
-    steps = {step.model_name: step for step in configs["ensemble"].ensemble_scheduling.step}
+        configs[POSTPROCESSING].dynamic_batching.preserve_ordering = True
+    steps = {step.model_name: step for step in configs[ENSEMBLE].ensemble_scheduling.step}
     for model, field, key, value in WIRING + (STREAMING_WIRING if streams else WHOLE_REPLY_WIRING):
         getattr(steps[model], field)[key] = value
     for model, key in UNWIRED + (() if streams else WHOLE_REPLY_UNWIRED):
         steps[model].input_map.pop(key, None)
-    for key in [k for k in steps["preprocessing"].output_map if k not in PREPROCESSING_OUTPUTS]:
-        del steps["preprocessing"].output_map[key]
-    _prune(configs["ensemble"])
-    for model, names in MODEL_PARAMETERS.items():
-        for name in names:
+    for key in [k for k in steps[PREPROCESSING].output_map if k not in PREPROCESSING_OUTPUTS]:
+        del steps[PREPROCESSING].output_map[key]
+    _prune(configs[ENSEMBLE])
+    for model, parameters in PYTHON_MODEL_PARAMETERS.items():
+        for name in parameters:
             if name not in configs[model].parameters:
                 configs[model].parameters[name].string_value = values[name]
 

@@ -2,8 +2,8 @@
 
 A template is recognised by the exact set of placeholders its five config.pbtxt files carry
 outside comments: trtglm's own template (triton_model_repo/) or a copy of NVIDIA's
-`inflight_batcher_llm` at v0.7.1 or v0.19.0. `MODEL_PARAMETERS` lists the parameters that
-trtglm's python models read; patching an upstream copy adds the ones it lacks, each filled
+`inflight_batcher_llm` at v0.7.1 or v0.19.0. `contract.PYTHON_MODEL_PARAMETERS` lists the
+parameters that trtglm's python models read; patching an upstream copy adds the ones it lacks, each filled
 from the placeholder of the same name, so `--set` accepts them for every version.
 """
 
@@ -13,12 +13,12 @@ import re
 
 from collections.abc import Mapping
 
+from trtglm.backend.contract import MODELS, PYTHON_MODEL_PARAMETERS
 from trtglm.errors import UsageError
 
 PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
 BARE_VALUE = re.compile(r"[A-Za-z0-9_.+-]+")  # what may stand outside quotes (numbers, enums, booleans)
 CONFIG = "config.pbtxt"
-MODELS = ("preprocessing", "tensorrt_llm", "postprocessing", "ensemble", "tensorrt_llm_bls")
 TRTGLM = "trtglm"
 
 
@@ -76,21 +76,10 @@ PLACEHOLDERS: dict[str, dict[str, frozenset[str]]] = {
     },
 }
 
-# model -> parameters trtglm's python model reads (each filled from the placeholder of that name)
-MODEL_PARAMETERS: dict[str, tuple[str, ...]] = {
-    "preprocessing": ("tokenizer_dir", "max_input_len", "max_seq_len", "vocab_size"),
-    "postprocessing": ("tokenizer_dir",),
-    "tensorrt_llm_bls": ("tokenizer_dir", "max_input_len", "max_seq_len", "vocab_size",
-                         "tensorrt_llm_model_name", "accumulate_tokens"),
-}
-
-# The tensorrt_llm parameter that names the engine folder, for both backends (NVIDIA's name).
-ENGINE_DIR_PARAMETER = "gpt_model_path"
-
 
 def known_placeholders(version: str) -> frozenset[str]:
     """Every placeholder `--set` may name for a template of `version`."""
-    added = {name for names in MODEL_PARAMETERS.values() for name in names}
+    added = {name for names in PYTHON_MODEL_PARAMETERS.values() for name in names}
     return frozenset().union(*PLACEHOLDERS[version].values(), added)
 
 

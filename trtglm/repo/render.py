@@ -5,7 +5,8 @@ The template is trtglm's own (triton_model_repo/) or a copy of NVIDIA's inflight
 placeholder is filled from the engine's trtglm.json, its profile's serve section and `--set`
 (`values.py`); an unknown `--set` key or a placeholder left unfilled is an error naming the
 file and the placeholder. A line of trtglm's template whose comment says `only with backend X`
-is kept only when tensorrt_llm's backend is X (the python backend's extra streaming tensors).
+is kept only when tensorrt_llm's backend is X (the python backend's extra streaming tensors);
+the filled configs must match the serving contract (`contract_check.py`).
 The result is checked (`validate.check_repo`) in a temporary folder beside the output and
 renamed into place only when it has no problems. Rendering is deterministic: the same inputs
 give the same bytes.
@@ -24,6 +25,7 @@ from pathlib import Path
 from trtglm.chatglm.chat import tokenizer_facts
 from trtglm.engine.manifest import read_manifest
 from trtglm.errors import ModelFileError, OutputExistsError, UsageError
+from trtglm.repo.contract_check import check_contract
 from trtglm.repo.patch import patch_upstream
 from trtglm.repo.placeholders import (CONFIG, MODELS, PLACEHOLDER, TRTGLM, check_filled, detect_version, fill_text,
                                       split_comment)
@@ -92,6 +94,7 @@ def render(template: Path, version: str, values: Mapping[str, str | None]) -> di
         text = fill_text(for_backend(path.read_text(encoding="utf-8"), values["triton_backend"]), values, str(path))
         check_filled(text, str(path))
         files[f"{model}/{CONFIG}"] = text.encode("utf-8")
+    check_contract(files, values["triton_backend"], str(template))
     return {**files, **model_files(template, values["triton_backend"])}
 
 

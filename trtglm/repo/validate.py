@@ -23,12 +23,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from trtglm.backend.contract import ENGINE_DIR, MODELS, PYTHON_MODEL_PARAMETERS
 from trtglm.engine.manifest import MANIFEST, read_manifest
 from trtglm.errors import DependencyError, ModelFileError
-from trtglm.repo.placeholders import ENGINE_DIR_PARAMETER, MODELS, PLACEHOLDER, split_comment
+from trtglm.repo.placeholders import PLACEHOLDER, split_comment
 from trtglm.repo.values import BACKENDS
 
-TRTGLM_MODELS = ("preprocessing", "postprocessing", "tensorrt_llm_bls")
+TRTGLM_MODELS = tuple(PYTHON_MODEL_PARAMETERS)  # trtglm's python models, which stand in for NVIDIA's
 TRTGLM_IMPORT = re.compile(r"^\s*(from|import)\s+trtglm\b", re.M)
 LENGTH_PARAMETERS = ("max_input_len", "max_seq_len")  # parameters that must not exceed the engine's
 WHOLE_STREAM = {"generated_ids": "GENERATED_IDS", "is_final": "IS_FINAL"}  # trtglm runtime's -> postprocessing
@@ -270,16 +271,16 @@ def _engine(configs: dict, manifest: Mapping | None, problems: list[str]) -> Eng
         config = configs.get("tensorrt_llm")
         if config is None:
             return None
-        engine_dir = config.parameters[ENGINE_DIR_PARAMETER].string_value \
-            if ENGINE_DIR_PARAMETER in config.parameters else ""
+        engine_dir = config.parameters[ENGINE_DIR].string_value \
+            if ENGINE_DIR in config.parameters else ""
         if not engine_dir:
-            problems.append(f"tensorrt_llm/config.pbtxt: parameter {ENGINE_DIR_PARAMETER} (the engine folder) is "
+            problems.append(f"tensorrt_llm/config.pbtxt: parameter {ENGINE_DIR} (the engine folder) is "
                             "not set")
             return None
         try:
             return _engine_from_dir(Path(engine_dir))
         except ModelFileError as e:
-            problems.append(f"tensorrt_llm/config.pbtxt: {ENGINE_DIR_PARAMETER}: {e}")
+            problems.append(f"tensorrt_llm/config.pbtxt: {ENGINE_DIR}: {e}")
             return None
     return _engine_from_manifest(manifest)
 

@@ -12,6 +12,7 @@ import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from trtglm.backend.contract import LLM_MODEL_NAME, TENSORRT_LLM
 from trtglm.errors import ModelFileError, UsageError
 from trtglm.repo.placeholders import known_placeholders
 
@@ -54,7 +55,7 @@ LIMIT_KEYS = {  # placeholder -> key of trtglm.json's limits
 }
 FIXED = {
     "exclude_input_in_output": True,  # postprocessing decodes generated ids only
-    "tensorrt_llm_model_name": "tensorrt_llm",
+    LLM_MODEL_NAME: TENSORRT_LLM,
     "accumulate_tokens": False,  # streamed text_output pieces are deltas
     "enable_kv_cache_reuse": False,
     "enable_trt_overlap": False,

@@ -6,11 +6,11 @@ import errno
 import socket
 from pathlib import Path
 
+from trtglm.backend.contract import ENGINE_DIR
 from trtglm.errors import ModelFileError, UsageError
 from trtglm.files import read_json_object
 from trtglm.serve.command import LLM_MODEL, Endpoints
 
-ENGINE_DIR_PARAMETER = "gpt_model_path"  # tensorrt_llm's parameter naming the engine folder
 MANIFEST = "trtglm.json"
 
 
@@ -61,9 +61,9 @@ def _engine_dir(repo: Path) -> Path | None:
     if not config_path.is_file():
         return None
     config = _model_config(config_path)
-    value = config.parameters[ENGINE_DIR_PARAMETER].string_value if ENGINE_DIR_PARAMETER in config.parameters else ""
+    value = config.parameters[ENGINE_DIR].string_value if ENGINE_DIR in config.parameters else ""
     if not value or "${" in value:
-        raise ModelFileError(f"{config_path}: parameter {ENGINE_DIR_PARAMETER} (the engine folder) is not set "
+        raise ModelFileError(f"{config_path}: parameter {ENGINE_DIR} (the engine folder) is not set "
                              "(render the repository with `trtglm patch-repo`)")
     engine_dir = Path(value)
     if not engine_dir.is_dir():

@@ -34,7 +34,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-LLM_MODEL = "tensorrt_llm"  # the one model ranks > 0 load
+from trtglm.backend.contract import TENSORRT_LLM
+
+LLM_MODEL = TENSORRT_LLM  # the one model ranks > 0 load
 API_KEY_HEADER = "trtglm-api-key"
 # The ranks share one host: Open MPI's daemons and transports listen on loopback alone, not on every interface.
 LOOPBACK_ONLY = ("--mca", "oob_tcp_if_include", "lo", "--mca", "btl_tcp_if_include", "lo")

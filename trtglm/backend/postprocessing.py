@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from trtglm.backend import triton_io
+from trtglm.backend.contract import CONTRACT, POSTPROCESSING, TOKENIZER_DIR, names
+from trtglm.backend.triton_io import pb_utils
 from trtglm.chatglm.chat import reply_piece, reply_text
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
-from trtglm.repo.python_models import triton_io
-from trtglm.repo.python_models.triton_io import pb_utils
 
-INPUTS = ("TOKENS_BATCH", "SEQUENCE_LENGTH", "GENERATED_IDS", "IS_FINAL", "CUM_LOG_PROBS", "OUTPUT_LOG_PROBS")
-PASS_THROUGH = {"OUT_CUM_LOG_PROBS": "CUM_LOG_PROBS", "OUT_OUTPUT_LOG_PROBS": "OUTPUT_LOG_PROBS"}
+PASS_THROUGH = {"OUT_CUM_LOG_PROBS": "CUM_LOG_PROBS", "OUT_OUTPUT_LOG_PROBS": "OUTPUT_LOG_PROBS"}  # NVIDIA v0.7.1
+INPUTS = names(CONTRACT[POSTPROCESSING].inputs) + tuple(PASS_THROUGH.values())
 
 
 def postprocess(tokenizer: ChatGLMTokenizer, tokens: np.ndarray | None, lengths: np.ndarray | None,
@@ -54,8 +55,8 @@ class TritonPythonModel:
 
     def initialize(self, args: dict) -> None:
         config = triton_io.model_config(args)
-        params, name = triton_io.parameters(config), config.get("name", "postprocessing")
-        self.tokenizer = ChatGLMTokenizer(triton_io.parameter(params, "tokenizer_dir", name))
+        params, name = triton_io.parameters(config), config.get("name", POSTPROCESSING)
+        self.tokenizer = ChatGLMTokenizer(triton_io.parameter(params, TOKENIZER_DIR, name))
         self.dtypes = triton_io.output_dtypes(config)
 
     def execute(self, requests: list) -> list:

@@ -29,19 +29,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from trtglm.backend import triton_io
+from trtglm.backend.contract import (CONTRACT, ENSEMBLE, MAX_INPUT_LEN, MAX_SEQ_LEN, PREPROCESSING, TOKENIZER_DIR,
+                                     VOCAB_SIZE, feeds, names)
+from trtglm.backend.triton_io import pb_utils
 from trtglm.chatglm.chat import bad_sequences, prompt_ids, stack_word_lists, stop_sequences, word_ids, word_list
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError, int32_range_error
-from trtglm.repo.python_models import triton_io
-from trtglm.repo.python_models.triton_io import pb_utils
 
-INPUTS = ("QUERY", "REQUEST_OUTPUT_LEN", "BAD_WORDS_DICT", "STOP_WORDS_DICT", "EMBEDDING_BIAS_WORDS",
-          "EMBEDDING_BIAS_WEIGHTS", "END_ID", "PAD_ID", "STREAM")
-CLIENT_NAMES = {  # what the client calls each input (ensemble and BLS), for error messages
-    "QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "BAD_WORDS_DICT": "bad_words",
-    "STOP_WORDS_DICT": "stop_words", "EMBEDDING_BIAS_WORDS": "embedding_bias_words",
-    "EMBEDDING_BIAS_WEIGHTS": "embedding_bias_weights", "END_ID": "end_id", "PAD_ID": "pad_id",
-}
+INPUTS = names(CONTRACT[PREPROCESSING].inputs)
+# what the client calls each input (ensemble and BLS), for error messages
+CLIENT_NAMES = {name: client for client, name in feeds(ENSEMBLE, PREPROCESSING).items()}
 
 
 @dataclass(frozen=True)
@@ -56,7 +54,7 @@ class Limits:
     def from_parameters(cls, params: dict, model: str) -> "Limits":
         """The limits patch-repo wrote into a model's config.pbtxt parameters."""
         return cls(**{field: triton_io.int_parameter(params, field, model)
-                      for field in ("max_input_len", "max_seq_len", "vocab_size")})
+                      for field in (MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE)})
 
 
 @dataclass(frozen=True)
@@ -210,8 +208,8 @@ class TritonPythonModel:
 
     def initialize(self, args: dict) -> None:
         config = triton_io.model_config(args)
-        params, name = triton_io.parameters(config), config.get("name", "preprocessing")
-        self.tokenizer = ChatGLMTokenizer(triton_io.parameter(params, "tokenizer_dir", name))
+        params, name = triton_io.parameters(config), config.get("name", PREPROCESSING)
+        self.tokenizer = ChatGLMTokenizer(triton_io.parameter(params, TOKENIZER_DIR, name))
         self.limits = Limits.from_parameters(params, name)
         self.dtypes = triton_io.output_dtypes(config)
 

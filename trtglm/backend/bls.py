@@ -27,29 +27,23 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from trtglm.backend import triton_io
+from trtglm.backend.contract import (ACCUMULATE_TOKENS, BLS, CONTRACT, ENSEMBLE, LLM_MODEL_NAME, PREPROCESSING,
+                                     TENSORRT_LLM, TOKENIZER_DIR, client_outputs_from, feeds, for_backend, names)
+from trtglm.backend.preprocessing import Limits, preprocess
+from trtglm.backend.triton_io import pb_utils
 from trtglm.chatglm.chat import ReplyStream, reply_text
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import TrtglmError, UsageError
-from trtglm.repo.python_models import triton_io
-from trtglm.repo.python_models.preprocessing import CLIENT_NAMES, Limits, preprocess
-from trtglm.repo.python_models.triton_io import pb_utils
 
 log = logging.getLogger(__name__)
 
-TO_PREPROCESSING = {client: name for name, client in CLIENT_NAMES.items()}  # client input -> preprocessing input
-PREPROCESSED = {  # preprocessing output -> tensorrt_llm input
-    "INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths", "REQUEST_OUTPUT_LEN": "request_output_len",
-    "OUT_END_ID": "end_id", "OUT_PAD_ID": "pad_id", "STOP_WORDS_IDS": "stop_words_list",
-    "BAD_WORDS_IDS": "bad_words_list", "EMBEDDING_BIAS": "embedding_bias",
-}
-PASSED = {  # client input -> tensorrt_llm input, as sent
-    "top_k": "runtime_top_k", "top_p": "runtime_top_p", "temperature": "temperature",
-    "length_penalty": "len_penalty", "repetition_penalty": "repetition_penalty", "min_length": "min_length",
-    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "random_seed": "random_seed",
-    "return_log_probs": "return_log_probs", "beam_width": "beam_width", "stream": "streaming",
-}
-ENGINE_OUTPUTS = ("output_ids", "sequence_length", "cum_log_probs", "output_log_probs")
-LOG_PROBS = ("cum_log_probs", "output_log_probs")
+# the ensemble's steps, run here (contract.py)
+TO_PREPROCESSING = feeds(ENSEMBLE, PREPROCESSING)  # client input -> preprocessing input
+PREPROCESSED = feeds(PREPROCESSING, TENSORRT_LLM)  # preprocessing output -> tensorrt_llm input
+PASSED = feeds(ENSEMBLE, TENSORRT_LLM)  # client input -> tensorrt_llm input, as sent
+ENGINE_OUTPUTS = names(for_backend(CONTRACT[TENSORRT_LLM].outputs, None))  # what either backend sends
+LOG_PROBS = tuple(client_outputs_from(TENSORRT_LLM))  # tensorrt_llm outputs the client gets as they are
 WAIT_S = 0.5  # longest wait for an engine response before looking whether the engine still runs
 
 
@@ -184,12 +178,12 @@ class TritonPythonModel:
 
     def initialize(self, args: dict) -> None:
         config = triton_io.model_config(args)
-        params, name = triton_io.parameters(config), config.get("name", "tensorrt_llm_bls")
-        self.tokenizer = ChatGLMTokenizer(triton_io.parameter(params, "tokenizer_dir", name))
+        params, name = triton_io.parameters(config), config.get("name", BLS)
+        self.tokenizer = ChatGLMTokenizer(triton_io.parameter(params, TOKENIZER_DIR, name))
         self.limits = Limits.from_parameters(params, name)
-        self.engine = triton_io.parameter(params, "tensorrt_llm_model_name", name)
+        self.engine = triton_io.parameter(params, LLM_MODEL_NAME, name)
         self.engine_processes = triton_io.ModelProcesses(self.engine)
-        self.accumulate = triton_io.bool_parameter(params, "accumulate_tokens", name)
+        self.accumulate = triton_io.bool_parameter(params, ACCUMULATE_TOKENS, name)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.dtypes = triton_io.output_dtypes(config)
         self.pool = ThreadPoolExecutor(max_workers=max(1, int(config.get("max_batch_size", 1))),

@@ -3,7 +3,7 @@
 Building and sending a python-backend response takes the stub's GIL, and 64 streams send
 thousands of responses a second: with the executor's step loop in the same interpreter, a 7 ms
 decode step became a 13 ms one on an H100 (docs/benchmarks.md). So the stub starts
-`python -m trtglm.serve.engine_process`, which loads the engine (`ServedEngine`) and runs its step
+`python -m trtglm.backend.engine_process`, which loads the engine (`ServedEngine`) and runs its step
 loop under a GIL of its own; the stub only parses requests and sends responses.
 
 `EngineProcess` (in the stub) takes the executor's calls: `submit` checks a request against the
@@ -371,9 +371,9 @@ class EngineHost:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trtglm.serve.engine import ServedEngine, log_to_stderr
+    from trtglm.backend.engine import ServedEngine, log_to_stderr
 
-    parser = argparse.ArgumentParser(prog="python -m trtglm.serve.engine_process")
+    parser = argparse.ArgumentParser(prog="python -m trtglm.backend.engine_process")
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--engine-dir", required=True)
     parser.add_argument("--max-queue", type=int, default=None)
@@ -394,8 +394,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run the module's own copy, not __main__'s, so that what it pickles names trtglm.serve.engine_process.
-    from trtglm.serve.engine_process import main as module_main
+    # Run the module's own copy, not __main__'s, so that what it pickles names trtglm.backend.engine_process.
+    from trtglm.backend.engine_process import main as module_main
 
     code = module_main()
     logging.shutdown()

@@ -2,7 +2,7 @@
 follower thread (trtglm.runtime.distributed). Every rank loads only its own `rank{r}.safetensors`. At load
 rank 0 runs one short request (prefill and decode) so that the first real one is not slow.
 
-The `tensorrt_llm` model runs a `ServedEngine` in a process of its own (serve/engine_process.py); the
+The `tensorrt_llm` model runs a `ServedEngine` in a process of its own (backend/engine_process.py); the
 benchmarks run one in theirs.
 """
 

@@ -1,0 +1,117 @@
+"""The tensorrt_llm model's responses: the executor's Outputs -> NVIDIA's output tensors.
+
+Outputs, as the repository's config declares them (`[batch, beam, …]`, the input never
+included): output_ids and output_log_probs hold the response's tokens, sequence_length how
+many there are, cum_log_probs the sum of the log probabilities so far (zeros unless
+return_log_probs), generated_ids every token so far and is_final whether this is the last
+response. Not streaming: one response with every token of every sequence, sent once the last
+one finishes (`Gathered`: rows shorter than the longest padded with -1; sequence_length tells
+each row's count); the first sequence to fail fails the request and stops the others.
+Streaming (`Reply`, one sequence per request): one response per output, the last one flagged
+final.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from trtglm.errors import TrtglmError
+from trtglm.runtime.executor import Output
+
+
+def response_arrays(new_ids: list[int], new_log_probs: list[float], all_ids: list[int], cum_log_prob: float,
+                    final: bool) -> dict[str, np.ndarray]:
+    """Every output tensor of one response ([batch 1, beam 1, …])."""
+    count = len(new_ids)
+    log_probs = new_log_probs if len(new_log_probs) == count else [0.0] * count
+    return {
+        "output_ids": np.array(new_ids, dtype=np.int32).reshape(1, 1, count),
+        "sequence_length": np.array([[count]], dtype=np.int32),
+        "cum_log_probs": np.array([[cum_log_prob]], dtype=np.float32),
+        "output_log_probs": np.array(log_probs, dtype=np.float32).reshape(1, 1, count),
+        "generated_ids": np.array(all_ids, dtype=np.int32).reshape(1, 1, len(all_ids)),
+        "is_final": np.array([[final]], dtype=bool),
+    }
+
+
+class Reply:
+    """Turns one request's executor Outputs into responses (`send(arrays, final)` or `fail(message)`)."""
+
+    def __init__(self, streaming: bool, send: Callable[[dict, bool], None], fail: Callable[[str], None]):
+        self.streaming, self.send, self.fail = streaming, send, fail
+        self.ids: list[int] = []
+        self.log_probs: list[float] = []
+        self.gone = False  # a response could not be sent: the client is gone
+
+    def __call__(self, output: Output) -> None:
+        if self.gone:
+            return
+        try:
+            self._handle(output)
+        except Exception:
+            self.gone = True
+            raise
+
+    def _handle(self, output: Output) -> None:
+        before = len(self.ids)
+        self.ids += output.tokens
+        self.log_probs += output.log_probs
+        if output.error or output.reason == "cancelled":
+            self.fail(output.error or "the request was cancelled")
+        elif self.streaming:
+            self.send(response_arrays(self.ids[before:], self.log_probs[before:], self.ids, sum(self.log_probs),
+                                      output.finished), output.finished)
+        elif output.finished:
+            self.send(response_arrays(self.ids, self.log_probs, self.ids, sum(self.log_probs), True), True)
+
+
+PADDING = -1  # past a sequence's length in a response of several (NVIDIA's padding of shorter beams)
+
+
+def stacked(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Several sequences' response arrays as one response's ([batch, …]), the shorter padded with PADDING."""
+    if len(parts) == 1:
+        return parts[0]
+    out = {}
+    for name in parts[0]:
+        arrays = [part[name] for part in parts]
+        width = max(array.shape[-1] for array in arrays)
+        out[name] = np.concatenate([np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, width - a.shape[-1])],
+                                           constant_values=PADDING) for a in arrays])
+    return out
+
+
+class Gathered:
+    """A request's sequences answered together in one response once every one has finished (each its whole
+    reply); the first error fails the request, and `failed()` then tells the others to stop."""
+
+    def __init__(self, count: int, send: Callable[[dict, bool], None], fail: Callable[[Exception], None]):
+        self.send, self.fail = send, fail
+        self.parts: list[dict | None] = [None] * count
+        self._failed = False
+        self._lock = threading.Lock()
+
+    def reply(self, index: int) -> Reply:
+        """The Reply that turns sequence `index`'s outputs into its part."""
+        return Reply(False, lambda arrays, _last: self._arrived(index, arrays),
+                     lambda message: self.error(TrtglmError(message)))
+
+    def error(self, error: Exception) -> None:
+        with self._lock:
+            if self._failed:
+                return
+            self._failed = True
+        self.fail(error)
+
+    def failed(self) -> bool:
+        return self._failed
+
+    def _arrived(self, index: int, arrays: dict) -> None:
+        with self._lock:
+            self.parts[index] = arrays
+            if self._failed or any(part is None for part in self.parts):
+                return
+        self.send(stacked(self.parts), True)

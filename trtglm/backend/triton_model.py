@@ -1,0 +1,247 @@
+"""trtglm's PyTorch runtime as Triton's `tensorrt_llm` model (python backend, NVIDIA's tensor contract).
+
+The engine folder is the `gpt_model_path` parameter (`trtglm build-engine` output with engine
+`torch`). The engine runs in a process of its own (backend/engine_process.py: `ServedEngine` of
+backend/engine.py, under its own GIL); this stub parses requests and sends responses. Every rank
+loads only its own `rank{r}.safetensors`; rank 0 takes the requests and runs the in-flight
+batching executor, the other ranks follow its steps.
+
+Requests are parsed by `llm_requests` (NVIDIA's input tensors -> the executor's Requests, one per
+sequence, as in NVIDIA's in-flight batching backend) and answered by `llm_responses`.
+
+Outputs, as the repository's config declares them (`[batch, beam, …]`, the input never
+included): output_ids and output_log_probs hold the response's tokens, sequence_length how
+many there are, cum_log_probs the sum of the log probabilities so far (zeros unless
+return_log_probs). Not streaming: one response with every token of every sequence, sent once
+the last one finishes (rows shorter than the longest padded with -1; sequence_length tells
+each row's count); the first sequence to fail fails the request and stops the others.
+Streaming (one sequence per request): one response per step's token, or several tokens in
+one when sending fell behind (below), the last one flagged final; a request that ends at
+end_id (never returned) ends with a final response of no tokens. The python backend's
+repository also declares `generated_ids` (every token so far) and `is_final` (whether this is the last response),
+which let the ensemble's postprocessing decode a streamed reply exactly; they are sent only
+when requested.
+
+Errors a client causes come back as error responses; a full queue is one too ("busy … retry
+later"). A cancelled request (`is_cancelled()`, or a response that cannot be sent) stops at
+the next step and frees its slot. Decoupled responses are sent by a few sender threads
+(backend/outbox.py), never by the executor, with the tokens that piled up during a send merged
+into the next response; a request whose send has waited outbox.SEND_TIMEOUT_S is stopped
+(whoever asked is gone).
+
+Custom metrics on rank 0: `trtglm_active_sequences`, `trtglm_queued_requests`,
+`trtglm_max_decode_batch`, `trtglm_decode_steps_total`, `trtglm_generated_tokens_total`,
+`trtglm_step_microseconds_total` (Triton's /metrics).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from trtglm.backend.contract import ENGINE_DIR, TENSORRT_LLM
+from trtglm.backend.engine import log_to_stderr
+from trtglm.backend.engine_process import EngineProcess
+from trtglm.backend.llm_requests import INPUTS, engine_requests
+from trtglm.backend.llm_responses import Gathered, Reply
+from trtglm.backend.outbox import Outbox
+from trtglm.errors import TrtglmError, UsageError
+from trtglm.runtime.executor import Output, QueueFullError, Request
+
+log = logging.getLogger(__name__)
+
+DRAIN_S = 2.0  # at unload, how long the last responses (shutdown errors) may take to go out
+
+
+class TritonPythonModel:
+    """Triton's entry point (decoupled for streaming; non-decoupled answers each request once)."""
+
+    def initialize(self, args: dict) -> None:
+        from trtglm.backend import triton_io
+        from trtglm.backend.triton_io import pb_utils
+
+        log_to_stderr()
+        self.io, self.pb = triton_io, pb_utils
+        config = triton_io.model_config(args)
+        name = config.get("name", TENSORRT_LLM)
+        engine_dir = triton_io.parameter(triton_io.parameters(config), ENGINE_DIR, name)
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        self.dtypes = triton_io.output_dtypes(config)
+        self.outbox = Outbox()
+        queue = int((config.get("dynamic_batching") or {}).get("default_queue_policy", {}).get("max_queue_size", 0))
+        started = time.monotonic()
+        log.info("%s: initializing (engine %s)", name, engine_dir)
+        self.engine = EngineProcess.start(engine_dir, max_queue=queue or None, on_death=self._engine_died)
+        self.executor = self.engine if self.engine.limits.takes_requests else None
+        self.metrics = Metrics(self.executor, pb_utils) if self.executor is not None else None
+        log.info("%s: initialized in %.2f s", name, time.monotonic() - started)
+
+    def execute(self, requests: list):
+        if self.executor is None:  # ranks > 0 serve no clients
+            error = self.io.error_response(UsageError(f"rank {self.engine.limits.rank} takes no requests; send them "
+                                                      "to rank 0"))
+            if self.decoupled:
+                for request in requests:
+                    self._send_alone(request, error)
+                return None
+            return [error for _ in requests]
+        if self.decoupled:
+            for request in requests:
+                self._start_streamed(request)
+            return None
+        return self._answer_all(requests)
+
+    def finalize(self) -> None:
+        if self.metrics is not None:
+            self.metrics.stop()
+        self.engine.stop()
+        self.outbox.stop(DRAIN_S)
+
+    def _engine_died(self, why: str) -> None:
+        """The engine cannot come back in this stub: let the errors out, then end the stub, so that the
+        launch's supervisor loads the model again (or stops the launch)."""
+        self.outbox.stop(DRAIN_S)
+        log.error("%s: ending this model's stub", why)
+        logging.shutdown()
+        os._exit(1)
+
+    # --- requests ---------------------------------------------------------------------------------------
+
+    def _parse(self, request) -> tuple[list[Request], bool]:
+        return engine_requests(self.io.input_arrays(request, INPUTS))
+
+    def _wanted(self, request) -> set[str]:
+        names = set(request.requested_output_names())
+        return names or set(self.dtypes)
+
+    def _response(self, arrays: dict, wanted: set[str]):
+        chosen = {name: array for name, array in arrays.items() if name in wanted}
+        return self.pb.InferenceResponse(output_tensors=self.io.output_tensors(chosen, self.dtypes))
+
+    def _start_streamed(self, request) -> None:
+        sender = request.get_response_sender()
+        final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        try:
+            sequences, streaming = self._parse(request)
+            wanted = self._wanted(request)
+        except Exception as e:
+            self._send_alone(request, self._error(e))
+            return
+
+        def send(arrays: dict, last: bool) -> None:
+            sender.send(self._response(arrays, wanted), flags=final if last else 0)
+
+        if streaming:  # one sequence (engine_requests refuses more)
+            reply = Reply(True, send, lambda message: sender.send(self.io.error_response(TrtglmError(message)),
+                                                                  flags=final))
+            try:
+                self.executor.submit(sequences[0], self.outbox.mailbox(reply), request.is_cancelled)
+            except Exception as e:
+                self._send_alone(request, self._error(e))
+            return
+        gathered = Gathered(len(sequences), send, lambda error: self._send_alone(request, self._error(error)))
+        self._submit(sequences, gathered, lambda: request.is_cancelled() or gathered.failed(), self.outbox.mailbox)
+
+    def _submit(self, sequences: list[Request], gathered: Gathered, is_cancelled: Callable[[], bool],
+                deliver: Callable[[Reply], Callable[[Output], None]] = lambda reply: reply) -> list:
+        """Queue each sequence with its part of `gathered`; the executor's handles of those queued."""
+        handles = []
+        for index, sequence in enumerate(sequences):
+            try:
+                handles.append(self.executor.submit(sequence, deliver(gathered.reply(index)), is_cancelled))
+            except Exception as e:
+                gathered.error(e)
+                break
+        return handles
+
+    def _send_alone(self, request, response) -> None:
+        """Send a request's one and final response from a thread of its own (a send may never return)."""
+        sender = request.get_response_sender()
+        threading.Thread(target=sender.send, args=(response,),
+                         kwargs={"flags": self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL},
+                         name="trtglm-send", daemon=True).start()
+
+    def _error(self, error: Exception):
+        """An error response; a full queue is UNAVAILABLE (HTTP 503: retry later), not the client's mistake."""
+        if isinstance(error, QueueFullError):
+            return self.pb.InferenceResponse(output_tensors=[], error=self.io.triton_error(str(error), "UNAVAILABLE"))
+        return self.io.error_response(error)
+
+    def _answer_all(self, requests: list) -> list:
+        """Non-decoupled: every sequence of every request runs together; one response per request."""
+        waiting, responses = [], [None] * len(requests)
+        for index, request in enumerate(requests):
+            try:
+                sequences, streaming = self._parse(request)
+                if streaming:
+                    raise UsageError("streaming needs a decoupled tensorrt_llm (decoupled_mode true)")
+                wanted = self._wanted(request)
+            except Exception as e:
+                responses[index] = self._error(e)
+                continue
+
+            def send(arrays: dict, _last: bool, index=index, wanted=wanted) -> None:
+                responses[index] = self._response(arrays, wanted)
+
+            def fail(error: Exception, index=index) -> None:
+                responses[index] = self._error(error)
+
+            gathered = Gathered(len(sequences), send, fail)
+            waiting += self._submit(sequences, gathered, gathered.failed)
+        for handle in waiting:
+            handle.done.wait()
+        return responses
+
+
+class Metrics:
+    """The executor's counters as Triton custom metrics, refreshed twice a second by a thread of their own."""
+
+    GAUGES = {"trtglm_active_sequences": ("active", "requests being generated now"),
+              "trtglm_queued_requests": ("queued", "requests waiting for a slot"),
+              "trtglm_max_decode_batch": ("max_decode_batch", "the most requests decoded together in one step")}
+    COUNTERS = {"trtglm_decode_steps_total": ("decode_calls", "decode steps run"),
+                "trtglm_generated_tokens_total": ("generated_tokens", "tokens generated"),
+                "trtglm_step_microseconds_total": ("step_us", "time the engine spent in steps")}
+    PERIOD_S = 0.5
+
+    def __init__(self, executor: EngineProcess, pb_utils):
+        self.executor = executor
+        self.metrics: dict[str, tuple[str, object, bool]] = {}
+        self.families = []  # a metric works only while its family lives
+        family = pb_utils.MetricFamily
+        for table, kind, is_counter in ((self.GAUGES, family.GAUGE, False), (self.COUNTERS, family.COUNTER, True)):
+            for name, (field, description) in table.items():
+                self.families.append(family(name=name, description=description, kind=kind))
+                self.metrics[name] = (field, self.families[-1].Metric(labels={}), is_counter)
+        self.counted: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="trtglm-metrics", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.PERIOD_S):
+            try:
+                self.refresh()
+            except Exception as e:  # metrics must never take the model down
+                log.warning("metrics: %s", e)
+
+    def refresh(self) -> None:
+        stats = self.executor.stats()
+        for name, (field, metric, is_counter) in self.metrics.items():
+            value = int(getattr(stats, field))
+            if is_counter:
+                delta = value - self.counted.get(name, 0)
+                if delta:
+                    metric.increment(delta)
+                    self.counted[name] = value
+            else:
+                metric.set(value)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.metrics.clear()  # metrics before their families
+        self.families.clear()
