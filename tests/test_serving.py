@@ -14,12 +14,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import torch
 import pytest
 
 from conftest import CONVERSATION_KINDS, repo_processes
 from support.engines import build_tiny_engine
 from support.servers import Server
-from trtglm.chatglm.chat import prompt_ids, stack_word_lists, word_list
+from trtglm.chatglm.chat import chat_ids, prompt_ids, reply_text, stack_word_lists, stop_ids, word_list
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
 from trtglm.repo import patch_repo
@@ -65,13 +66,22 @@ def test_sampling_follows_tensorrt_llms_rules(sampling, expected):
     assert request.top_p == pytest.approx(expected[2]) and request.seed == 2**63 + 5
 
 
+def test_penalties_reach_the_executor_request():
+    request, _ = engine_request(arrays(repetition_penalty=np.array([1.2], np.float32),
+                                       presence_penalty=np.array([0.5], np.float32),
+                                       frequency_penalty=np.array([0.25], np.float32)))
+    assert (request.repetition_penalty, request.presence_penalty, request.frequency_penalty) == \
+        pytest.approx((1.2, 0.5, 0.25))
+    plain, _ = engine_request(arrays())
+    assert (plain.repetition_penalty, plain.presence_penalty, plain.frequency_penalty) == (1.0, 0.0, 0.0)
+
+
 @pytest.mark.parametrize("extra, message", [
     ({"input_ids": np.zeros((2, 3), np.int32)}, "input_lengths has 1 rows for the 2 sequences of input_ids"),
     ({"request_output_len": np.array([-2**31], np.int32)}, r"request_output_len must be between 1 and 2147483647, "
                                                            r"not -2147483648 \(over HTTP JSON .* 2147483648 arrives"),
     ({"runtime_top_k": np.array([-1], np.int32)}, "runtime_top_k must be between 0 and 2147483647, not -1"),
     ({"beam_width": np.array([2], np.int32)}, "does not search beams"),
-    ({"repetition_penalty": np.array([1.2], np.float32)}, "repetition_penalty 1.2 is not supported"),
     ({"input_lengths": np.array([9], np.int32)}, "input_lengths 9 must be between 1 and the 4 ids"),
     ({"stop_words_list": np.array([[[1, 2], [3, -1]]], np.int32)}, r"offset 3 does not follow 0 within 2 ids"),
 ])
@@ -406,3 +416,32 @@ def test_a_grpc_stream_cut_by_the_servers_death_is_an_error_for_trtglms_client(t
         killer.join()
     finally:
         server.kill_leftovers()
+
+
+@pytest.fixture(scope="module")
+def reference(fixture_dir):
+    """transformers' GlmForCausalLM with the fixture's weights."""
+    from trtglm.chatglm.config import ChatGLMConfig
+    from trtglm.chatglm.reference import load_reference
+    from trtglm.chatglm.weights import HFWeights
+
+    return load_reference(ChatGLMConfig.from_model_dir(fixture_dir), HFWeights(fixture_dir).get, torch.float32).eval()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_a_repetition_penalty_answers_as_transformers_does(server, conversations, tok, reference, model):
+    """A served greedy reply with repetition_penalty is transformers' generate() with the same penalty, cut at the
+    first stop id and decoded as the reply (on a conversation whose reply the penalty changes)."""
+    def penalized(conversation: dict) -> str:
+        prompt = chat_ids(tok, conversation["messages"])
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False,
+                                     repetition_penalty=3.0, eos_token_id=list(stop_ids(tok)), pad_token_id=0)
+        return reply_text(tok, out[0, len(prompt):].tolist())
+
+    conversation, expected = next((c, text) for c in conversations for text in [penalized(c)] if text != c["answer"])
+    status, body = server.generate(model, {"text_input": chat(conversation), "max_tokens": 48,
+                                           "repetition_penalty": 3.0})
+    assert status == 200, body
+    assert body["text_output"] == expected

@@ -7,8 +7,9 @@ input_ids, input_lengths, request_output_len, end_id, stop_words_list and bad_wo
 runtime_top_k, runtime_top_p, random_seed, return_log_probs, streaming. pad_id and
 len_penalty (beam search only) are accepted and unused. Sampling follows TensorRT-LLM: with
 neither runtime_top_k nor runtime_top_p above 0 the choice is greedy; otherwise temperature
-(default 1), then top-k, then top-p. beam_width above 1 and non-neutral repetition,
-presence or frequency penalties are refused with an error naming them.
+(default 1), then top-k, then top-p; repetition_penalty, presence_penalty and
+frequency_penalty as TensorRT-LLM applies them (runtime/sampling.py). beam_width above 1 is
+refused with an error naming it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from trtglm.errors import UsageError, int32_range_error
 from trtglm.runtime.executor import Request
 
 INPUTS = names(CONTRACT[TENSORRT_LLM].inputs)
-NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}  # refused otherwise
 
 
 def _one(arrays: Mapping[str, np.ndarray | None], name: str, default=None):
@@ -86,10 +86,6 @@ def engine_request(arrays: Mapping[str, np.ndarray | None]) -> tuple[Request, bo
     beams = int(_one(arrays, "beam_width", 1))
     if beams != 1:
         raise UsageError(f"beam_width {beams}: trtglm's runtime does not search beams (max_beam_width 1)")
-    for name, neutral in NEUTRAL.items():
-        value = float(_one(arrays, name, neutral))
-        if value != neutral:
-            raise UsageError(f"{name} {value:g} is not supported by trtglm's runtime (leave it out, or {neutral:g})")
     top_k, top_p = int(_one(arrays, "runtime_top_k", 0)), float(_one(arrays, "runtime_top_p", 0.0))
     output_len, min_length = int(_one(arrays, "request_output_len")), int(_one(arrays, "min_length", 0))
     for name, value, low in (("request_output_len", output_len, 1), ("runtime_top_k", top_k, 0),
@@ -113,6 +109,9 @@ def engine_request(arrays: Mapping[str, np.ndarray | None]) -> tuple[Request, bo
         top_p=top_p if top_p > 0 else 1.0,
         seed=int(_one(arrays, "random_seed")) if seed is not None else None,
         log_probs=bool(_one(arrays, "return_log_probs", False)),
+        repetition_penalty=float(_one(arrays, "repetition_penalty", 1.0)),
+        presence_penalty=float(_one(arrays, "presence_penalty", 0.0)),
+        frequency_penalty=float(_one(arrays, "frequency_penalty", 0.0)),
     )
     return request, bool(_one(arrays, "streaming", False))
 
