@@ -81,8 +81,8 @@ def test_answers_are_those_of_generate_on_the_same_checkpoint(engine, prompts, e
 
 
 def test_bad_requests_and_a_full_queue_are_refused_at_once(engine, prompts):
-    with pytest.raises(UsageError, match="exceeds max_seq_len"):
-        engine.submit(Request(prompts[0], 10_000), lambda output: None)
+    with pytest.raises(UsageError, match="leaves no room for a token"):
+        engine.submit(Request(list(range(1, engine.limits.max_seq_len + 1)), 4), lambda output: None)
     with pytest.raises(UsageError, match="outside the vocabulary"):
         engine.submit(Request([10**6], 4), lambda output: None)
     long = Request(prompts[0], 200, min_length=200)  # never stops early

@@ -289,7 +289,7 @@ def test_requests_the_model_cannot_serve_are_refused(model, tok, prompts):
     for request, message in (
             (Request([], 4), "prompt is empty"),
             (Request(prompts[0], 0), "request_output_len must be at least 1"),
-            (Request(list(range(60)), 5), r"plus request_output_len \(5\) exceeds max_seq_len \(64\)"),
+            (Request(list(range(64)), 5), r"prompt \(64 tokens\) leaves no room for a token within max_seq_len \(64\)"),
             (Request([model.config.vocab_size], 4), "outside the vocabulary"),
             (Request([1, 2], 4, top_p=0.0), "runtime_top_p")):
         with pytest.raises(UsageError, match=message):
@@ -528,3 +528,12 @@ def test_a_repetition_penalty_of_zero_is_refused(model, prompts):
     with pytest.raises(UsageError, match="repetition_penalty must be greater than 0"):
         Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ)).submit(
             Request(prompts[0], 4, repetition_penalty=0.0), Collected())
+
+
+def test_an_output_length_past_max_seq_len_is_cut_to_what_fits(model, prompts):
+    """As TensorRT-LLM's executor: the request is not refused; it generates up to max_seq_len and ends by length."""
+    executor = Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ))
+    collected = Collected()
+    executor.submit(Request(prompts[0], 10_000), collected)
+    run(executor, limit=MAX_SEQ + 10)
+    assert len(collected.tokens) == MAX_SEQ - len(prompts[0]) and collected.reason == "length"

@@ -445,3 +445,13 @@ def test_a_repetition_penalty_answers_as_transformers_does(server, conversations
                                            "repetition_penalty": 3.0})
     assert status == 200, body
     assert body["text_output"] == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_max_tokens_past_max_seq_len_is_answered_as_tensorrt_llm_does(server, conversations, model):
+    """Clients written for TensorRT-LLM commonly send max_tokens 1024 or more: the engine cuts it to what fits."""
+    conversation = conversations[0]
+    status, body = server.generate(model, {"text_input": chat(conversation), "max_tokens": 100_000})
+    assert status == 200, body
+    assert body["text_output"] == conversation["answer"]

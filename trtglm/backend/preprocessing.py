@@ -12,9 +12,9 @@ returns the output arrays by name:
 | BAD_WORDS_DICT (bad_words), optional | BAD_WORDS_IDS |
 | EMBEDDING_BIAS_WORDS / _WEIGHTS, optional | EMBEDDING_BIAS: [vocab] or [0] |
 
-A prompt longer than the engine's max_input_len, or one that leaves less room than max_tokens
-before max_seq_len, is refused with a UsageError, which the model returns as an error
-response. So is STREAM (stream) true, which the ensemble routes here when NVIDIA's
+A prompt longer than the engine's max_input_len is refused with a UsageError, which the model
+returns as an error response (a max_tokens past what max_seq_len leaves is the engine's to cut,
+as TensorRT-LLM's executor does). So is STREAM (stream) true, which the ensemble routes here when NVIDIA's
 tensorrtllm backend serves the engine: its responses carry only their new ids, and an
 ensemble's postprocessing may read nothing but those (Triton forbids mixing them with tensors
 from before the engine), so it could not continue a request's text across streamed
@@ -93,9 +93,6 @@ def prepare(tokenizer: ChatGLMTokenizer, limits: Limits, inputs: dict, row: int)
     if len(ids) > limits.max_input_len:
         raise UsageError(f"the prompt is {len(ids)} tokens, more than the engine's max_input_len "
                          f"({limits.max_input_len})")
-    if len(ids) + output_len > limits.max_seq_len:
-        raise UsageError(f"the prompt ({len(ids)} tokens) plus max_tokens ({output_len}) exceeds the engine's "
-                         f"max_seq_len ({limits.max_seq_len})")
     bias_words = _texts(inputs, "EMBEDDING_BIAS_WORDS", row)
     bias_weights = _floats(inputs, "EMBEDDING_BIAS_WEIGHTS", row)
     return Prepared(

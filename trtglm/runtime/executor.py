@@ -43,7 +43,7 @@ import torch
 
 from trtglm.errors import UsageError
 from trtglm.runtime.request import (ExecutorStats, ExecutorStopped, Handle, Output, OutputCallback, QueueFullError,
-                                    Request, check_request)
+                                    Request, check_request, fitted)
 from trtglm.runtime.sampling import BadWords, Penalties, Sampler, processed
 from trtglm.runtime.slots import SlotModel
 
@@ -145,6 +145,7 @@ class Executor:
         ExecutorStopped once stopped.
         """
         self.check(request)
+        request = fitted(request, self.model.max_seq_len)
         handle = Handle(next(self._numbers))
         sequence = _Sequence(handle, request, on_output, is_cancelled, self.device)
         with self._lock:

@@ -5,6 +5,8 @@ cannot serve before it is queued."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -12,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from trtglm.errors import TrtglmError, UsageError
+
+log = logging.getLogger(__name__)
 
 
 class QueueFullError(TrtglmError):
@@ -85,6 +89,17 @@ class Handle:
         self.cancelled = True
 
 
+def fitted(request: Request, max_seq_len: int) -> Request:
+    """`request` with its output length cut to what fits in `max_seq_len` after the prompt, as TensorRT-LLM's
+    executor clamps it (with a warning) instead of refusing the request."""
+    room = max_seq_len - len(request.prompt)
+    if request.max_new_tokens <= room:
+        return request
+    log.warning("the prompt (%d tokens) plus request_output_len (%d) exceeds max_seq_len (%d): generating at most %d "
+                "tokens", len(request.prompt), request.max_new_tokens, max_seq_len, room)
+    return dataclasses.replace(request, max_new_tokens=room)
+
+
 def check_request(request: Request, vocab: int, max_seq_len: int) -> None:
     """UsageError when `request` cannot be served by a model of `vocab` ids and `max_seq_len` positions."""
     prompt = request.prompt
@@ -92,9 +107,9 @@ def check_request(request: Request, vocab: int, max_seq_len: int) -> None:
         raise UsageError("the prompt is empty")
     if request.max_new_tokens < 1:
         raise UsageError(f"request_output_len must be at least 1, not {request.max_new_tokens}")
-    if len(prompt) + request.max_new_tokens > max_seq_len:
-        raise UsageError(f"the prompt ({len(prompt)} tokens) plus request_output_len ({request.max_new_tokens}) "
-                         f"exceeds max_seq_len ({max_seq_len})")
+    if len(prompt) >= max_seq_len:
+        raise UsageError(f"the prompt ({len(prompt)} tokens) leaves no room for a token within max_seq_len "
+                         f"({max_seq_len})")
     words = [t for word in (*request.stop_words, *request.bad_words) for t in word]
     ends = [request.end_id] if request.end_id is not None else []
     bad = [t for t in (*prompt, *words, *ends) if not 0 <= int(t) < vocab]
