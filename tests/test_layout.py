@@ -1,0 +1,60 @@
+"""The package layering of docs/architecture.md, checked against every import in trtglm/ (module level and
+inside functions)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import REPO
+
+EVERYTHING = {"errors", "files", "chatglm", "convert", "profile", "engine", "runtime", "backend", "repo", "serve",
+              "client", "bench", "cli"}
+ALLOWED = {
+    "errors": set(),
+    "files": {"errors"},
+    "chatglm": {"errors", "files"},
+    "convert": {"chatglm", "errors", "files"},
+    "profile": {"chatglm", "errors"},
+    "engine": {"chatglm", "convert", "errors", "files", "profile"},
+    "runtime": {"chatglm", "errors", "files"},
+    "backend": {"chatglm", "engine", "errors", "files", "runtime"},
+    "repo": {"backend.contract", "chatglm", "engine", "errors", "files"},
+    "serve": {"backend.contract", "client", "engine", "errors", "files"},
+    "client": {"errors"},
+    "bench": EVERYTHING - {"cli", "bench"},
+    "cli": EVERYTHING - {"cli"},
+}
+
+
+def imports_of(path: Path) -> set[str]:
+    """trtglm modules `path` imports, as `package` or `package.module` below trtglm."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
+            [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        found |= {".".join(name.split(".")[1:3]) for name in names if name.startswith("trtglm.")}
+    return found
+
+
+def allowed(package: str, target: str) -> bool:
+    rules = ALLOWED[package]
+    return target.split(".")[0] == package or target.split(".")[0] in rules or target in rules
+
+
+def test_every_import_follows_the_layering():
+    broken = []
+    for path in sorted((REPO / "trtglm").rglob("*.py")):
+        parts = path.relative_to(REPO / "trtglm").parts
+        package = parts[0] if len(parts) > 1 else path.stem
+        if package in ("__init__", "__main__"):
+            continue
+        broken += [f"{path.relative_to(REPO)} imports trtglm.{target}" for target in sorted(imports_of(path))
+                   if not allowed(package, target)]
+    assert broken == []
+
+
+def test_the_rules_cover_every_package():
+    packages = {p.name if p.is_dir() else p.stem for p in (REPO / "trtglm").iterdir()
+                if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and not p.stem.startswith("_"))}
+    assert packages == set(ALLOWED)
