@@ -49,7 +49,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 log "installing trtglm and its test dependencies (log: $LOG)"
 pip_install -e ".[test]"
-# For tests/test_stub_python.py: numpy 2 in a side folder, and this numpy's wheel for an offline pip
+# For tests/serve/test_stub_python.py: numpy 2 in a side folder, and this numpy's wheel for an offline pip
 # (the python stubs under numpy 2, as on machines whose Python ships it).
 pip_install --target "$VENV/numpy2" --upgrade "numpy>=2,<2.3"
 "$VENV/bin/python" -m pip download --disable-pip-version-check --quiet --no-deps --only-binary=:all: \

@@ -29,7 +29,7 @@ from conftest import free_ports, kill_repo_processes, repo_processes
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CLI = ["-m", "trtglm"]
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
