@@ -11,9 +11,9 @@ engine's limits and counts it against the queue at once (so a bad or refused req
 synchronously, as with an executor in the same process), `stats` gives the engine's latest
 counters, `stop` ends the process. Outputs come back batched: the engine's step thread sends what
 its step gave as one message when the step ends (no thread hand-over, no second thread taking the
-GIL from the steps), and the stub's reader thread hands each output to its request's callback. A cancelled request (its
-`is_cancelled`, asked every CANCEL_CHECK_S, or a callback that raises: the client is gone) is
-cancelled in the engine too.
+GIL from the steps), and the stub's reader thread hands each output to its request's callback.
+A cancelled request (its `is_cancelled`, asked every CANCEL_CHECK_S, or a callback that raises:
+the client is gone) is cancelled in the engine too.
 
 The two ends talk over a socket pair private to them (pickled tuples; both ends are trtglm's own):
 
