@@ -1,8 +1,8 @@
-"""NVIDIA's own v0.19.0 client, end_to_end_grpc_client.py, run unchanged against a repository rendered
-from trtglm's template (the fixture engine, served by `trtglm launch` as in test_serving): the reply of
-`ensemble` and `tensorrt_llm_bls`, streamed and not, with and without --exclude-input-in-output, checked
-by the client's own --check-outputs against the fixture's exact answer (the client adds the prompt itself
-where NVIDIA's output holds it: not streamed and not excluded)."""
+"""NVIDIA's own v0.19.0 client, end_to_end_grpc_client.py, run unchanged against repositories rendered
+from trtglm's template and patched from NVIDIA's v0.19.0 (the fixture engine, served by `trtglm launch`
+as in test_serving): the reply of `ensemble` and `tensorrt_llm_bls`, streamed and not, with and without
+--exclude-input-in-output, checked by the client's own --check-outputs against the fixture's exact answer
+(the client adds the prompt itself where NVIDIA's output holds it: not streamed and not excluded)."""
 
 from __future__ import annotations
 
@@ -17,16 +17,19 @@ from support.engines import build_tiny_engine
 from support.servers import Server
 from trtglm.repo import patch_repo
 
-CLIENT = SHARED / "upstream/tensorrtllm_backend-v0.19.0/clients/inflight_batcher_llm/client/end_to_end_grpc_client.py"
+UPSTREAM = SHARED / "upstream/tensorrtllm_backend-v0.19.0"
+CLIENT = UPSTREAM / "clients/inflight_batcher_llm/client/end_to_end_grpc_client.py"
+TEMPLATES = {"trtglm": None, "nvidia-v0.19.0": UPSTREAM / "inflight_batcher_llm"}  # None: trtglm's own
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture(scope="module", params=TEMPLATES, ids=list(TEMPLATES))
+def server(request, tmp_path_factory):
     if not CLIENT.is_file():
         pytest.skip(f"NVIDIA's client is not here: {CLIENT}")
     pytest.importorskip("tritonclient.grpc")
     root = tmp_path_factory.mktemp("nvidia-clients")
-    server = Server(patch_repo(build_tiny_engine(root / "engine", tp=1), None, root / "repo"), 1, root / "state")
+    engine = build_tiny_engine(root / "engine", tp=1)
+    server = Server(patch_repo(engine, None, root / "repo", TEMPLATES[request.param]), 1, root / "state")
     yield server
     server.stop()
 
