@@ -221,6 +221,10 @@ def test_the_prompt_leads_a_whole_reply_only_when_not_excluded():
     assert reply_prefixes(prompts, flags(False, False), True, 2).tolist() == [[b""], [b""]]
 
 
-def test_asking_for_the_prompt_without_it_is_a_usage_error():
-    with pytest.raises(UsageError, match="text"):
+def test_asking_for_the_prompt_without_it_or_with_the_wrong_rows_is_a_usage_error():
+    with pytest.raises(UsageError, match="needs the request's text"):
         reply_prefixes(None, flags(False), False, 1)
+    with pytest.raises(UsageError, match="exclude_input_in_output must hold one value for each of the 2 sequences"):
+        reply_prefixes(text_inputs("a", "b"), flags(False), False, 2)
+    with pytest.raises(UsageError, match="text_input must hold one value for each of the 2 sequences, not 1"):
+        reply_prefixes(text_inputs("a"), flags(False, False), False, 2)

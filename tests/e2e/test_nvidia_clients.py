@@ -57,3 +57,17 @@ def test_end_to_end_grpc_client_checks_the_fixtures_answer(server, conversation,
     # what the client printed of the reply: the prompt before it exactly when not streamed and not excluded
     shown = question + conversation["answer"] if not (streaming or exclude) else conversation["answer"]
     assert shown in run.stdout, run.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_http_generate_gives_the_prompt_before_the_reply_only_when_asked(server, conversation, model):
+    """HTTP generate shows one sequence's text_output as a plain string; the prompt comes first only for
+    exclude_input_in_output false (left out, it is true)."""
+    question, answer = conversation["messages"][0]["content"], conversation["answer"]
+    for exclude, expected in ((False, question + answer), (True, answer), (None, answer)):
+        body = {"text_input": question, "max_tokens": 64}
+        if exclude is not None:
+            body["exclude_input_in_output"] = exclude
+        status, reply = server.generate(model, body)
+        assert (status, reply.get("text_output")) == (200, expected), (exclude, reply)

@@ -41,13 +41,20 @@ INPUTS = names(CONTRACT[POSTPROCESSING].inputs) + tuple(PASS_THROUGH.values())
 def reply_prefixes(text: np.ndarray | None, exclude: np.ndarray | None, streaming: bool, rows: int) -> np.ndarray:
     """Per row [rows, 1]: the request's text when exclude_input_in_output is false (absent: true, as
     tensorrt_llm's parameter of that name is in trtglm's repositories) and the reply is not streamed, else b""."""
-    flags = [True] * rows if exclude is None else [bool(f) for f in np.asarray(exclude).reshape(rows, -1)[:, 0]]
+    flags = [True] * rows if exclude is None else [bool(f) for f in _per_row(exclude, rows, "exclude_input_in_output")]
     if streaming or all(flags):
         return np.full((rows, 1), b"", dtype=np.object_)
     if text is None:
         raise UsageError("exclude_input_in_output false needs the request's text")
-    texts = np.asarray(text).reshape(rows, -1)[:, 0]
+    texts = _per_row(text, rows, "text_input")
     return np.array([[_utf8(t) if not excluded else b""] for t, excluded in zip(texts, flags)], dtype=np.object_)
+
+
+def _per_row(array: np.ndarray, rows: int, name: str) -> np.ndarray:
+    values = np.asarray(array).reshape(-1)
+    if values.size != rows:
+        raise UsageError(f"{name} must hold one value for each of the {rows} sequences, not {values.size}")
+    return values
 
 
 def flat_texts(texts: list[list[str]], prefixes: np.ndarray | None = None) -> np.ndarray:
