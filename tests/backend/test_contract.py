@@ -75,10 +75,18 @@ def test_the_bls_model_runs_the_ensembles_steps(rendered):
     moved = {} if backend == PYTHON else {"stream": "STREAM"}
     assert {**bls.TO_PREPROCESSING, **moved} == joined(configs, ENSEMBLE, PREPROCESSING)
     assert bls.PREPROCESSED == joined(configs, PREPROCESSING, TENSORRT_LLM)
-    assert {k: v for k, v in bls.PASSED.items() if k not in moved} == joined(configs, ENSEMBLE, TENSORRT_LLM)
+    # the inputs that put the prompt before the reply the BLS model applies itself; the ensemble passes them to
+    # trtglm's runtime, and with NVIDIA's backend lacks them
+    reply_form = {client: llm for llm, client in bls.REPLY_FORM.items()} if backend == PYTHON else {}
+    assert {k: v for k, v in bls.PASSED.items() if k not in moved} | reply_form == joined(configs, ENSEMBLE,
+                                                                                          TENSORRT_LLM)
     # every client input goes somewhere, and both models take the same client tensors
-    assert set(bls.TO_PREPROCESSING) | set(bls.PASSED) == {t.name for t in configs[BLS].input}
-    assert declared(configs[BLS].input) == declared(configs[ENSEMBLE].input)
+    assert set(bls.TO_PREPROCESSING) | set(bls.PASSED) | set(bls.REPLY_FORM.values()) == {
+        t.name for t in configs[BLS].input}
+    bls_inputs = declared(configs[BLS].input)
+    if backend != PYTHON:
+        assert bls_inputs.pop("exclude_input_in_output") == ("TYPE_BOOL", (1,), True)
+    assert bls_inputs == declared(configs[ENSEMBLE].input)
     assert declared(configs[BLS].output) == declared(configs[ENSEMBLE].output)
 
 
@@ -92,9 +100,10 @@ def test_the_bls_model_reads_what_either_backend_sends(tmp_path, fixture_dir):
 
 
 def test_the_python_models_read_the_inputs_their_configs_declare(rendered):
-    _, configs = rendered
+    backend, configs = rendered
     assert set(preprocessing.INPUTS) == {t.name for t in configs[PREPROCESSING].input}
-    assert set(llm_requests.INPUTS) == {t.name for t in configs[TENSORRT_LLM].input}
+    llm_inputs = {t.name for t in configs[TENSORRT_LLM].input}  # trtglm's runtime reads these with backend python
+    assert set(llm_requests.INPUTS) == llm_inputs if backend == PYTHON else llm_inputs < set(llm_requests.INPUTS)
     assert {t.name for t in configs[POSTPROCESSING].input} <= set(postprocessing.INPUTS)
     client = {t.name for t in configs[ENSEMBLE].input}
     assert set(preprocessing.CLIENT_NAMES.values()) <= client

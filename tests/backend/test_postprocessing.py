@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from trtglm.backend.bls import Reply, engine_inputs
-from trtglm.backend.postprocessing import postprocess
+from trtglm.backend.postprocessing import flat_texts, postprocess, reply_prefixes
 from trtglm.backend.preprocessing import Limits, preprocess
 from trtglm.chatglm.chat import ReplyStream, tool_call
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
@@ -194,3 +194,37 @@ def test_generated_ids_need_is_final(tok):
     tokens, lengths = batch([5])
     with pytest.raises(UsageError, match="GENERATED_IDS .* and IS_FINAL"):
         postprocess(tok, tokens, lengths, np.array([[[5]]], np.int32), None)
+
+
+def flags(*values: bool) -> np.ndarray:
+    return np.array([[v] for v in values], dtype=bool)
+
+
+def text_inputs(*texts: str) -> np.ndarray:
+    return np.array([[t.encode()] for t in texts], dtype=np.object_)
+
+
+def test_text_output_is_flat_as_nvidias():
+    """NVIDIA's postprocessing gives one flat entry per row and beam (its client reads text_output[0])."""
+    texts = flat_texts([["A1", "A2"], ["B1", "B2"]])
+    assert texts.shape == (4,) and texts.tolist() == [b"A1", b"A2", b"B1", b"B2"]
+
+
+def test_the_prompt_leads_a_whole_reply_only_when_not_excluded():
+    """exclude_input_in_output false (not streamed): text_input + reply, as NVIDIA's end_to_end_grpc_client checks
+    it; absent it is true (tensorrt_llm's parameter); streamed pieces never hold the prompt."""
+    prompts = text_inputs("天空", "sky ")
+    assert reply_prefixes(prompts, None, False, 2).tolist() == [[b""], [b""]]
+    prefixes = reply_prefixes(prompts, flags(False, True), False, 2)
+    assert prefixes.tolist() == [["天空".encode()], [b""]]
+    assert [t.decode() for t in flat_texts([["是蓝色的。"], ["blue"]], prefixes)] == ["天空是蓝色的。", "blue"]
+    assert reply_prefixes(prompts, flags(False, False), True, 2).tolist() == [[b""], [b""]]
+
+
+def test_asking_for_the_prompt_without_it_or_with_the_wrong_rows_is_a_usage_error():
+    with pytest.raises(UsageError, match="needs the request's text"):
+        reply_prefixes(None, flags(False), False, 1)
+    with pytest.raises(UsageError, match="exclude_input_in_output must hold one value for each of the 2 sequences"):
+        reply_prefixes(text_inputs("a", "b"), flags(False), False, 2)
+    with pytest.raises(UsageError, match="text_input must hold one value for each of the 2 sequences, not 1"):
+        reply_prefixes(text_inputs("a"), flags(False, False), False, 2)

@@ -1,7 +1,8 @@
 """ChatGLM3 pipeline as one python model (BLS): tokenize, call tensorrt_llm, detokenize.
 
 It takes the ensemble's inputs and gives its outputs (text_output, cum_log_probs,
-output_log_probs). Preprocessing is `preprocessing.preprocess`, run in-process; the engine is
+output_log_probs; text_output flat and after `postprocessing.reply_prefixes`, as the ensemble's).
+Preprocessing is `preprocessing.preprocess`, run in-process; the engine is
 called through Triton (`pb_utils.InferenceRequest` to the model named by the
 tensorrt_llm_model_name parameter); the reply is decoded here. Since this model sees the
 whole stream of a request, streamed pieces come from one `ReplyStream` per request and beam,
@@ -29,7 +30,9 @@ import numpy as np
 
 from trtglm.backend import triton_io
 from trtglm.backend.contract import (ACCUMULATE_TOKENS, BLS, CONTRACT, ENSEMBLE, LLM_MODEL_NAME, PREPROCESSING,
-                                     TENSORRT_LLM, TOKENIZER_DIR, client_outputs_from, feeds, for_backend, names)
+                                     REPLY_FORM_INPUTS, TENSORRT_LLM, TOKENIZER_DIR, client_outputs_from, feeds,
+                                     for_backend, names)
+from trtglm.backend.postprocessing import flat_texts, reply_prefixes
 from trtglm.backend.preprocessing import Limits, preprocess
 from trtglm.backend.triton_io import pb_utils
 from trtglm.chatglm.chat import ReplyStream, reply_text
@@ -41,7 +44,10 @@ log = logging.getLogger(__name__)
 # the ensemble's steps, run here (contract.py)
 TO_PREPROCESSING = feeds(ENSEMBLE, PREPROCESSING)  # client input -> preprocessing input
 PREPROCESSED = feeds(PREPROCESSING, TENSORRT_LLM)  # preprocessing output -> tensorrt_llm input
-PASSED = feeds(ENSEMBLE, TENSORRT_LLM)  # client input -> tensorrt_llm input, as sent
+PASSED = {client: llm for client, llm in feeds(ENSEMBLE, TENSORRT_LLM).items()  # client input -> tensorrt_llm input
+          if llm not in REPLY_FORM_INPUTS}
+REPLY_FORM = {llm: client for client, llm in feeds(ENSEMBLE, TENSORRT_LLM).items()  # applied here, not sent on
+              if llm in REPLY_FORM_INPUTS}
 ENGINE_OUTPUTS = names(for_backend(CONTRACT[TENSORRT_LLM].outputs, None))  # what either backend sends
 LOG_PROBS = tuple(client_outputs_from(TENSORRT_LLM))  # tensorrt_llm outputs the client gets as they are
 WAIT_S = 0.5  # longest wait for an engine response before looking whether the engine still runs
@@ -202,7 +208,7 @@ class TritonPythonModel:
     # --- one request ----------------------------------------------------------------------------
 
     def _prepare(self, request) -> tuple[dict, dict]:
-        client = triton_io.input_arrays(request, (*TO_PREPROCESSING, *PASSED))
+        client = triton_io.input_arrays(request, (*TO_PREPROCESSING, *PASSED, *REPLY_FORM.values()))
         prepared = preprocess(self.tokenizer, self.limits,
                               {TO_PREPROCESSING[name]: client[name] for name in TO_PREPROCESSING})
         return client, engine_inputs(prepared, client)
@@ -218,7 +224,7 @@ class TritonPythonModel:
                 for outputs in batch:
                     reply.collect(outputs["output_ids"], outputs["sequence_length"])
                     log_probs.update({k: outputs[k] for k in LOG_PROBS if k in outputs})
-            return self._response(reply.whole(), log_probs)
+            return self._response(reply.whole(), log_probs, client)
         except Exception as e:
             return triton_io.error_response(e)
 
@@ -238,12 +244,12 @@ class TritonPythonModel:
                     continue
                 texts = _joined([reply.add(o["output_ids"], o["sequence_length"]) for o in batch], self.accumulate)
                 if texts and (any(any(row) for row in texts) or _wants_log_probs(client)):
-                    sender.send(self._response(texts, log_probs))
+                    sender.send(self._response(texts, log_probs, client))
             if stream:
                 tail = reply.finish()
-                sender.send(self._response(tail, {}) if any(any(row) for row in tail) else None, flags=final)
+                sender.send(self._response(tail, {}, client) if any(any(row) for row in tail) else None, flags=final)
             else:
-                sender.send(self._response(reply.whole(), log_probs), flags=final)
+                sender.send(self._response(reply.whole(), log_probs, client), flags=final)
         except Exception as e:
             sender.send(triton_io.error_response(e), flags=final)
 
@@ -275,8 +281,10 @@ class TritonPythonModel:
                 outputs[name] = tensor.as_numpy()
         return outputs
 
-    def _response(self, texts: list[list[str]], log_probs: dict[str, np.ndarray]):
-        arrays = {"text_output": triton_io.strings(texts), **log_probs}
+    def _response(self, texts: list[list[str]], log_probs: dict[str, np.ndarray], client: dict):
+        prefixes = reply_prefixes(client.get(REPLY_FORM["input_text"]),
+                                  client.get(REPLY_FORM["exclude_input_in_output"]), streaming(client), len(texts))
+        arrays = {"text_output": flat_texts(texts, prefixes), **log_probs}
         return pb_utils.InferenceResponse(output_tensors=triton_io.output_tensors(arrays, self.dtypes))
 
 

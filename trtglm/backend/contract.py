@@ -12,7 +12,7 @@ against this table, and the python models take their tensor and parameter names 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 ENSEMBLE, PREPROCESSING, TENSORRT_LLM, POSTPROCESSING, BLS = (
     "ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
@@ -65,9 +65,17 @@ CLIENT_INPUTS = (  # the ensemble's and the BLS model's
 CLIENT_OUTPUTS = (_t("text_output", "STRING", -1), _t("cum_log_probs", "FP32", -1),
                   _t("output_log_probs", "FP32", -1, -1))
 
+# exclude_input_in_output false: a whole reply starts with the request's text, as NVIDIA's, whose output then
+# decodes the prompt's ids too (streamed pieces never do). In a decoupled ensemble Triton refuses a step reading
+# both the request and tensorrt_llm's outputs, so trtglm's runtime takes the text (input_text) and the flag, and
+# gives postprocessing the prefix (reply_prefix); NVIDIA's C++ backend cannot, so its ensemble lacks the input.
+# The BLS model applies them itself: it sends tensorrt_llm none of REPLY_FORM_INPUTS.
+EXCLUDE_INPUT = _t("exclude_input_in_output", "BOOL", 1, optional=True)
+REPLY_FORM_INPUTS = ("input_text", "exclude_input_in_output")  # tensorrt_llm's
+
 CONTRACT: dict[str, Model] = {
-    ENSEMBLE: Model(CLIENT_INPUTS, CLIENT_OUTPUTS),
-    BLS: Model(CLIENT_INPUTS, CLIENT_OUTPUTS),
+    ENSEMBLE: Model(CLIENT_INPUTS + (replace(EXCLUDE_INPUT, backend=PYTHON),), CLIENT_OUTPUTS),
+    BLS: Model(CLIENT_INPUTS + (EXCLUDE_INPUT,), CLIENT_OUTPUTS),
     PREPROCESSING: Model(
         inputs=(_t("QUERY", "STRING", 1), _t("REQUEST_OUTPUT_LEN", "INT32", 1),
                 _t("BAD_WORDS_DICT", "STRING", -1, optional=True), _t("STOP_WORDS_DICT", "STRING", -1, optional=True),
@@ -90,13 +98,17 @@ CONTRACT: dict[str, Model] = {
                 _t("repetition_penalty", "FP32", 1, optional=True), _t("min_length", "INT32", 1, optional=True),
                 _t("presence_penalty", "FP32", 1, optional=True), _t("frequency_penalty", "FP32", 1, optional=True),
                 _t("random_seed", "UINT64", 1, optional=True), _t("return_log_probs", "BOOL", 1, optional=True),
-                _t("streaming", "BOOL", 1, optional=True)),
+                _t("streaming", "BOOL", 1, optional=True),
+                _t("exclude_input_in_output", "BOOL", 1, optional=True, backend=PYTHON),
+                _t("input_text", "STRING", 1, optional=True, backend=PYTHON)),
         outputs=(_t("output_ids", "INT32", -1, -1), _t("sequence_length", "INT32", -1),
                  _t("cum_log_probs", "FP32", -1), _t("output_log_probs", "FP32", -1, -1),
-                 _t("generated_ids", "INT32", -1, -1, backend=PYTHON), _t("is_final", "BOOL", 1, backend=PYTHON))),
+                 _t("generated_ids", "INT32", -1, -1, backend=PYTHON), _t("is_final", "BOOL", 1, backend=PYTHON),
+                 _t("reply_prefix", "STRING", 1, backend=PYTHON))),
     POSTPROCESSING: Model(
         inputs=(_t("TOKENS_BATCH", "INT32", -1, -1), _t("SEQUENCE_LENGTH", "INT32", -1),
-                _t("GENERATED_IDS", "INT32", -1, -1, optional=True), _t("IS_FINAL", "BOOL", 1, optional=True)),
+                _t("GENERATED_IDS", "INT32", -1, -1, optional=True), _t("IS_FINAL", "BOOL", 1, optional=True),
+                _t("REPLY_PREFIX", "STRING", 1, optional=True)),
         outputs=(_t("OUTPUT", "STRING", -1),)),
 }
 
@@ -144,12 +156,15 @@ ENSEMBLE_WIRING = (
     _in(TENSORRT_LLM, "frequency_penalty", "frequency_penalty"), _in(TENSORRT_LLM, "random_seed", "random_seed"),
     _in(TENSORRT_LLM, "return_log_probs", "return_log_probs"), _in(TENSORRT_LLM, "beam_width", "beam_width"),
     _in(TENSORRT_LLM, "streaming", "stream", PYTHON),
+    _in(TENSORRT_LLM, "exclude_input_in_output", "exclude_input_in_output", PYTHON),
+    _in(TENSORRT_LLM, "input_text", "text_input", PYTHON),
     _out(TENSORRT_LLM, "output_ids", "_TOKENS_BATCH"), _out(TENSORRT_LLM, "sequence_length", "_SEQUENCE_LENGTH"),
     _out(TENSORRT_LLM, "cum_log_probs", "cum_log_probs"), _out(TENSORRT_LLM, "output_log_probs", "output_log_probs"),
     _out(TENSORRT_LLM, "generated_ids", "_GENERATED_IDS", PYTHON), _out(TENSORRT_LLM, "is_final", "_IS_FINAL", PYTHON),
+    _out(TENSORRT_LLM, "reply_prefix", "_REPLY_PREFIX", PYTHON),
     _in(POSTPROCESSING, "TOKENS_BATCH", "_TOKENS_BATCH"), _in(POSTPROCESSING, "SEQUENCE_LENGTH", "_SEQUENCE_LENGTH"),
     _in(POSTPROCESSING, "GENERATED_IDS", "_GENERATED_IDS", PYTHON),
-    _in(POSTPROCESSING, "IS_FINAL", "_IS_FINAL", PYTHON),
+    _in(POSTPROCESSING, "IS_FINAL", "_IS_FINAL", PYTHON), _in(POSTPROCESSING, "REPLY_PREFIX", "_REPLY_PREFIX", PYTHON),
     _out(POSTPROCESSING, "OUTPUT", "text_output"),
 )
 

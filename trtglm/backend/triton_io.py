@@ -79,11 +79,6 @@ def output_tensors(arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, np.dty
             for name, array in arrays.items() if name in dtypes]
 
 
-def strings(texts) -> np.ndarray:
-    """A BYTES tensor's array from text."""
-    return np.array([[t.encode("utf-8") for t in row] for row in texts], dtype=np.object_)
-
-
 class ModelGone(TrtglmError):
     """A model this one calls has no running process (not the client's fault: UNAVAILABLE)."""
 

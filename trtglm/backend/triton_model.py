@@ -19,8 +19,10 @@ Streaming (one sequence per request): one response per step's token, or several 
 one when sending fell behind (below), the last one flagged final; a request that ends at
 end_id (never returned) ends with a final response of no tokens. The python backend's
 repository also declares `generated_ids` (every token so far) and `is_final` (whether this is the last response),
-which let the ensemble's postprocessing decode a streamed reply exactly; they are sent only
-when requested.
+which let the ensemble's postprocessing decode a streamed reply exactly, and `reply_prefix`
+(`postprocessing.reply_prefixes` of input_text and exclude_input_in_output: the request's text
+when it asks for its input in the output, which the ensemble's postprocessing cannot read
+itself); they are sent only when requested.
 
 Errors a client causes come back as error responses; a full queue is one too ("busy … retry
 later"). A cancelled request (`is_cancelled()`, or a response that cannot be sent) stops at
@@ -48,6 +50,7 @@ from trtglm.backend.engine_process import EngineProcess
 from trtglm.backend.llm_requests import INPUTS, engine_requests
 from trtglm.backend.llm_responses import Gathered, Reply
 from trtglm.backend.outbox import Outbox
+from trtglm.backend.postprocessing import reply_prefixes
 from trtglm.errors import TrtglmError, UsageError
 from trtglm.runtime.executor import Output, QueueFullError, Request
 
@@ -110,8 +113,12 @@ class TritonPythonModel:
 
     # --- requests ---------------------------------------------------------------------------------------
 
-    def _parse(self, request) -> tuple[list[Request], bool]:
-        return engine_requests(self.io.input_arrays(request, INPUTS))
+    def _parse(self, request) -> tuple[list[Request], bool, dict]:
+        """The request's sequences, whether to stream, and what every response of it carries besides."""
+        arrays = self.io.input_arrays(request, INPUTS)
+        sequences, streaming = engine_requests(arrays)
+        prefixes = reply_prefixes(arrays["input_text"], arrays["exclude_input_in_output"], streaming, len(sequences))
+        return sequences, streaming, {"reply_prefix": prefixes}
 
     def _wanted(self, request) -> set[str]:
         names = set(request.requested_output_names())
@@ -125,14 +132,14 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         try:
-            sequences, streaming = self._parse(request)
+            sequences, streaming, extra = self._parse(request)
             wanted = self._wanted(request)
         except Exception as e:
             self._send_alone(request, self._error(e))
             return
 
         def send(arrays: dict, last: bool) -> None:
-            sender.send(self._response(arrays, wanted), flags=final if last else 0)
+            sender.send(self._response({**arrays, **extra}, wanted), flags=final if last else 0)
 
         if streaming:  # one sequence (engine_requests refuses more)
             reply = Reply(True, send, lambda message: sender.send(self.io.error_response(TrtglmError(message)),
@@ -175,7 +182,7 @@ class TritonPythonModel:
         waiting, responses = [], [None] * len(requests)
         for index, request in enumerate(requests):
             try:
-                sequences, streaming = self._parse(request)
+                sequences, streaming, extra = self._parse(request)
                 if streaming:
                     raise UsageError("streaming needs a decoupled tensorrt_llm (decoupled_mode true)")
                 wanted = self._wanted(request)
@@ -183,8 +190,8 @@ class TritonPythonModel:
                 responses[index] = self._error(e)
                 continue
 
-            def send(arrays: dict, _last: bool, index=index, wanted=wanted) -> None:
-                responses[index] = self._response(arrays, wanted)
+            def send(arrays: dict, _last: bool, index=index, wanted=wanted, extra=extra) -> None:
+                responses[index] = self._response({**arrays, **extra}, wanted)
 
             def fail(error: Exception, index=index) -> None:
                 responses[index] = self._error(error)

@@ -16,8 +16,11 @@ template wrong) and makes the layout carry what they need:
   runtime (backend python) `stream` stays wired to tensorrt_llm, which also declares
   generated_ids and is_final, and the ensemble routes them to postprocessing (optional inputs
   GENERATED_IDS and IS_FINAL, in order: preserve_ordering), which then streams exactly;
-- the client's exclude_input_in_output is no longer passed on (postprocessing decodes
-  generated ids only);
+- exclude_input_in_output: with trtglm's runtime it stays wired to tensorrt_llm, which also
+  takes text_input (input_text) and gives postprocessing the prefix of a whole reply
+  (reply_prefix -> REPLY_PREFIX: the request's text when it is false); NVIDIA's backend would
+  then return the prompt's ids, which postprocessing cannot tell from the reply's, so there it
+  is no longer passed on (and the ensemble no longer takes it; tensorrt_llm_bls does);
 - ensemble tensors nothing uses any more are unmapped (Triton refuses unused tensors), as are
   preprocessing outputs trtglm does not produce (encoder-decoder, multimodal, prompt-table
   extras) with whatever read them;
@@ -40,9 +43,12 @@ from trtglm.repo.validate import protobuf
 ADDED_TENSORS = ((PREPROCESSING, "input", "END_ID"), (PREPROCESSING, "input", "PAD_ID"),
                  (PREPROCESSING, "input", "STREAM"), (PREPROCESSING, "output", "OUT_END_ID"),
                  (PREPROCESSING, "output", "OUT_PAD_ID"))
-# those trtglm's runtime adds for exact streaming through the ensemble (backend python only)
+# those trtglm's runtime adds for exact streaming through the ensemble and the prompt before a whole reply
+# (backend python only)
 STREAMING_TENSORS = ((TENSORRT_LLM, "output", "generated_ids"), (TENSORRT_LLM, "output", "is_final"),
-                     (POSTPROCESSING, "input", "GENERATED_IDS"), (POSTPROCESSING, "input", "IS_FINAL"))
+                     (POSTPROCESSING, "input", "GENERATED_IDS"), (POSTPROCESSING, "input", "IS_FINAL"),
+                     (TENSORRT_LLM, "input", "exclude_input_in_output"), (TENSORRT_LLM, "input", "input_text"),
+                     (TENSORRT_LLM, "output", "reply_prefix"), (POSTPROCESSING, "input", "REPLY_PREFIX"))
 # ensemble wiring: (step's model, "input_map" | "output_map", the model's tensor, the ensemble's tensor)
 WIRING = (  # end and pad ids through preprocessing, under NVIDIA's names for the ensemble's tensors
     (PREPROCESSING, "input_map", "END_ID", "end_id"),
@@ -62,8 +68,8 @@ def _backend_wiring(backend: str) -> tuple[tuple[str, str, str, str], ...]:
 
 WHOLE_REPLY_WIRING = _backend_wiring(TENSORRTLLM)  # `stream` to preprocessing, which refuses it
 STREAMING_WIRING = _backend_wiring(PYTHON)
-WHOLE_REPLY_UNWIRED = ((TENSORRT_LLM, "streaming"),)  # (step's model, input)
-UNWIRED = ((TENSORRT_LLM, "exclude_input_in_output"),)
+# (step's model, input)
+WHOLE_REPLY_UNWIRED = ((TENSORRT_LLM, "streaming"), (TENSORRT_LLM, "exclude_input_in_output"))
 PREPROCESSING_OUTPUTS = frozenset(names(CONTRACT[PREPROCESSING].outputs))  # what trtglm's preprocessing produces
 
 
@@ -112,7 +118,7 @@ def adapt(configs: dict, values: Mapping[str, str | None]) -> None:
     steps = {step.model_name: step for step in configs[ENSEMBLE].ensemble_scheduling.step}
     for model, field, key, value in WIRING + (STREAMING_WIRING if streams else WHOLE_REPLY_WIRING):
         getattr(steps[model], field)[key] = value
-    for model, key in UNWIRED + (() if streams else WHOLE_REPLY_UNWIRED):
+    for model, key in () if streams else WHOLE_REPLY_UNWIRED:
         steps[model].input_map.pop(key, None)
     for key in [k for k in steps[PREPROCESSING].output_map if k not in PREPROCESSING_OUTPUTS]:
         del steps[PREPROCESSING].output_map[key]
