@@ -30,7 +30,7 @@ import numpy as np
 
 from trtglm.backend import triton_io
 from trtglm.backend.contract import (ACCUMULATE_TOKENS, BLS, CONTRACT, ENSEMBLE, LLM_MODEL_NAME, PREPROCESSING,
-                                     REPLY_FORM_INPUTS, TENSORRT_LLM, TOKENIZER_DIR, client_outputs_from, feeds,
+                                     REPLY_FORM_INPUTS, TENSORRT_LLM, client_outputs_from, feeds,
                                      for_backend, names)
 from trtglm.backend.postprocessing import flat_texts, reply_prefixes
 from trtglm.backend.preprocessing import Limits, preprocess
@@ -183,13 +183,12 @@ class TritonPythonModel:
     """Triton's entry point (decoupled or not, as the repository's decoupled_mode says)."""
 
     def initialize(self, args: dict) -> None:
-        config = triton_io.model_config(args)
-        params, name = triton_io.parameters(config), config.get("name", BLS)
-        self.tokenizer = ChatGLMTokenizer(triton_io.parameter(params, TOKENIZER_DIR, name))
-        self.limits = Limits.from_parameters(params, name)
-        self.engine = triton_io.parameter(params, LLM_MODEL_NAME, name)
+        setup = triton_io.setup(args, BLS)
+        config = setup.config
+        self.tokenizer, self.limits = setup.tokenizer(), Limits.from_parameters(setup.params, setup.name)
+        self.engine = setup.parameter(LLM_MODEL_NAME)
         self.engine_processes = triton_io.ModelProcesses(self.engine)
-        self.accumulate = triton_io.bool_parameter(params, ACCUMULATE_TOKENS, name)
+        self.accumulate = triton_io.bool_parameter(setup.params, ACCUMULATE_TOKENS, setup.name)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.dtypes = triton_io.output_dtypes(config)
         self.pool = ThreadPoolExecutor(max_workers=max(1, int(config.get("max_batch_size", 1))),

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from trtglm.backend import triton_io
-from trtglm.backend.contract import CONTRACT, POSTPROCESSING, TOKENIZER_DIR, names
+from trtglm.backend.contract import CONTRACT, POSTPROCESSING, names
 from trtglm.backend.triton_io import pb_utils
 from trtglm.chatglm.chat import reply_piece, reply_text
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
@@ -90,10 +90,8 @@ class TritonPythonModel:
     """Triton's entry point: one response per request."""
 
     def initialize(self, args: dict) -> None:
-        config = triton_io.model_config(args)
-        params, name = triton_io.parameters(config), config.get("name", POSTPROCESSING)
-        self.tokenizer = ChatGLMTokenizer(triton_io.parameter(params, TOKENIZER_DIR, name))
-        self.dtypes = triton_io.output_dtypes(config)
+        setup = triton_io.setup(args, POSTPROCESSING)
+        self.tokenizer, self.dtypes = setup.tokenizer(), triton_io.output_dtypes(setup.config)
 
     def execute(self, requests: list) -> list:
         return [self._respond(request) for request in requests]

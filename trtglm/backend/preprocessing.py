@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from trtglm.backend import triton_io
-from trtglm.backend.contract import (CONTRACT, ENSEMBLE, MAX_INPUT_LEN, MAX_SEQ_LEN, PREPROCESSING, TOKENIZER_DIR,
+from trtglm.backend.contract import (CONTRACT, ENSEMBLE, MAX_INPUT_LEN, MAX_SEQ_LEN, PREPROCESSING,
                                      VOCAB_SIZE, feeds, names)
 from trtglm.backend.triton_io import pb_utils
 from trtglm.chatglm.chat import bad_sequences, prompt_ids, stack_word_lists, stop_sequences, word_ids, word_list
@@ -204,11 +204,9 @@ class TritonPythonModel:
     """Triton's entry point: one response per request, an error response for a bad request."""
 
     def initialize(self, args: dict) -> None:
-        config = triton_io.model_config(args)
-        params, name = triton_io.parameters(config), config.get("name", PREPROCESSING)
-        self.tokenizer = ChatGLMTokenizer(triton_io.parameter(params, TOKENIZER_DIR, name))
-        self.limits = Limits.from_parameters(params, name)
-        self.dtypes = triton_io.output_dtypes(config)
+        setup = triton_io.setup(args, PREPROCESSING)
+        self.tokenizer, self.limits = setup.tokenizer(), Limits.from_parameters(setup.params, setup.name)
+        self.dtypes = triton_io.output_dtypes(setup.config)
 
     def execute(self, requests: list) -> list:
         return [self._respond(request) for request in requests]

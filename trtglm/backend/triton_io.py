@@ -14,10 +14,13 @@ import re
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import psutil
 
+from trtglm.backend.contract import TOKENIZER_DIR
+from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import TrtglmError, UsageError
 
 try:
@@ -31,6 +34,26 @@ log = logging.getLogger(__name__)
 def model_config(args: Mapping) -> dict:
     """The model's configuration as `initialize(args)` receives it (JSON text)."""
     return json.loads(args["model_config"])
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What `initialize(args)` gives a model: its configuration, its parameters and its name."""
+
+    config: dict
+    params: dict[str, str]
+    name: str
+
+    def parameter(self, key: str) -> str:
+        return parameter(self.params, key, self.name)
+
+    def tokenizer(self) -> ChatGLMTokenizer:
+        return ChatGLMTokenizer(self.parameter(TOKENIZER_DIR))
+
+
+def setup(args: Mapping, default_name: str) -> Setup:
+    config = model_config(args)
+    return Setup(config, parameters(config), config.get("name", default_name))
 
 
 def parameters(config: Mapping) -> dict[str, str]:

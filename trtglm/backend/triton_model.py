@@ -68,9 +68,8 @@ class TritonPythonModel:
 
         log_to_stderr()
         self.io, self.pb = triton_io, pb_utils
-        config = triton_io.model_config(args)
-        name = config.get("name", TENSORRT_LLM)
-        engine_dir = triton_io.parameter(triton_io.parameters(config), ENGINE_DIR, name)
+        setup = triton_io.setup(args, TENSORRT_LLM)
+        config, name, engine_dir = setup.config, setup.name, setup.parameter(ENGINE_DIR)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.dtypes = triton_io.output_dtypes(config)
         self.outbox = Outbox()
