@@ -360,9 +360,12 @@ class EngineHost:
             self._cancelled.discard(number)
 
     def flush(self) -> None:
-        """Send what piled up, with the counters (once a step, on its thread; or after a refusal)."""
+        """Send what piled up, with the counters (at the end of a step that gave outputs, on its thread; or after
+        a refusal). A step that gave none sends nothing: the stub would only unpickle the counters."""
         with self._lock:
             outputs, self._outgoing = self._outgoing, []
+        if not outputs:
+            return
         stats = self.executor.stats() if self.executor else ExecutorStats()
         try:
             self.wire.send(("outputs", outputs, stats))
