@@ -5,7 +5,6 @@ whether it was cancelled (Triton frees it once its final response is sent)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -15,18 +14,13 @@ import time
 from multiprocessing.connection import Connection
 
 import pytest
-import torch
-from support.engines import MAX_NEW, build_tiny_engine
+from support.engines import MAX_NEW, build_tiny_engine, chat_prompts, unsplit_answers
 
 from trtglm.backend.engine import engine_info
 from trtglm.backend.engine_process import EngineProcess, Limits, Wire
-from trtglm.chatglm.chat import chat_ids
-from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
 from trtglm.runtime.executor import CANCEL_CHECK_S
 from trtglm.runtime.request import ExecutorStats, Output, QueueFullError, Request
-from trtglm.runtime.generate import generate
-from trtglm.runtime.model import load_model
 
 STOPS = [[518], [520]]  # <|user|>, <|observation|>
 
@@ -37,20 +31,13 @@ def engine_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def prompts(fixture_dir) -> list[list[int]]:
-    tok = ChatGLMTokenizer(fixture_dir)
-    conversations = [json.loads(line) for line in (fixture_dir / "conversations.jsonl").read_text().splitlines()]
-    return [chat_ids(tok, c["messages"]) for c in conversations[::6]]
+def prompts() -> list[list[int]]:
+    return chat_prompts(every=6)
 
 
 @pytest.fixture(scope="module")
 def expected(engine_dir, prompts) -> list[list[int]]:
-    model = load_model(engine_dir / "checkpoint")
-    out = []
-    for prompt in prompts:
-        tokens = generate(model, prompt, MAX_NEW, end_id=2, stop_ids=[518, 520])
-        out.append(tokens + [518] if len(tokens) < MAX_NEW else tokens)
-    return out
+    return unsplit_answers(engine_dir / "checkpoint", prompts)
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,10 @@ import pytest
 import torch
 
 from conftest import REPO
-from support.engines import MAX_NEW, build_tiny_engine
+from support.engines import MAX_NEW, build_tiny_engine, chat_prompts, unsplit_answers
 from trtglm.backend.engine import ServedEngine
-from trtglm.chatglm.chat import chat_ids
-from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
 from trtglm.runtime.distributed import DECODE, PREFILL, RELEASE, STOP, RankInfo, Step, follow, rank_info, rendezvous
-from trtglm.runtime.generate import generate
 from trtglm.runtime.model import load_model
 
 # One rank's program: a ServedEngine from the OMPI environment; rank 0 answers the prompts (all submitted
@@ -68,22 +65,14 @@ def engines(tmp_path_factory) -> dict[int, Path]:
 
 
 @pytest.fixture(scope="module")
-def prompts(fixture_dir) -> list[list[int]]:
-    tok = ChatGLMTokenizer(fixture_dir)
-    conversations = [json.loads(line) for line in (fixture_dir / "conversations.jsonl").read_text().splitlines()]
-    return [chat_ids(tok, c["messages"]) for c in conversations[::4]]
+def prompts() -> list[list[int]]:
+    return chat_prompts(every=4)
 
 
 @pytest.fixture(scope="module")
 def expected(engines, prompts) -> list[list[int]]:
-    """generate() on the tp-1 checkpoint, each prompt alone, with the stop token appended as the runtime returns it."""
     torch.set_num_threads(1)
-    model = load_model(engines[1] / "checkpoint")
-    out = []
-    for prompt in prompts:
-        tokens = generate(model, prompt, MAX_NEW, end_id=2, stop_ids=[518, 520])
-        out.append(tokens + [518] if len(tokens) < MAX_NEW else tokens)
-    return out
+    return unsplit_answers(engines[1] / "checkpoint", prompts)
 
 
 def run_ranks(tmp_path: Path, engine: Path, world: int, prompts: list[list[int]], mode: str,
