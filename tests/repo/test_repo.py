@@ -12,14 +12,24 @@ import yaml
 from tritonclient.grpc import model_config_pb2
 
 from conftest import REPO, run_cli
-from support.repos import (LIMITS, MODELS, TEMPLATE, engine_vocab, ensemble_step, make_engine, parameter,
+from support.repos import (HISTORY_CHAT, LIMITS, MODELS, TEMPLATE, engine_vocab, ensemble_step, make_engine, parameter,
                                read_configs, template_copy, tree, upstream_copy)
 from trtglm.cli.repo import patch_repo as patch_repo_command
 from trtglm.errors import ModelFileError, OutputExistsError, UsageError
 from trtglm.repo import check_repo, patch_repo
 
 PLACEHOLDER = re.compile(r"\$\{\w+\}")
-TRTGLM_MODEL_FILES = ("preprocessing/1/model.py", "postprocessing/1/model.py", "tensorrt_llm_bls/1/model.py")
+TRTGLM_MODEL_FILES = ("preprocessing/1/model.py", "postprocessing/1/model.py", "tensorrt_llm_bls/1/model.py",
+                      "chatglm3-6b/1/model.py")
+
+
+def batch_sizes(configs: dict) -> set[int]:
+    """The pipeline's max_batch_size values; the history model is always 0 (its clients' shapes), never decoupled."""
+    history = configs[HISTORY_CHAT]
+    assert history.max_batch_size == 0 and not history.model_transaction_policy.decoupled
+    assert parameter(history, "decoupled_mode") == str(configs["tensorrt_llm"].model_transaction_policy.decoupled
+                                                       ).lower()
+    return {c.max_batch_size for name, c in configs.items() if name != HISTORY_CHAT}
 
 
 @pytest.fixture
@@ -49,7 +59,7 @@ def test_tensorrt_engine_fills_every_placeholder_from_the_manifest(tmp_path, trt
     repo = patch_repo(trt_engine, None, tmp_path / "repo")
     assert_filled(repo)
     configs = read_configs(repo)  # parses with Triton's own protobuf
-    assert {name: c.max_batch_size for name, c in configs.items()} == dict.fromkeys(MODELS, LIMITS["max_batch_size"])
+    assert list(configs) == list(MODELS) and batch_sizes(configs) == {LIMITS["max_batch_size"]}
     llm = configs["tensorrt_llm"]
     assert llm.backend == "tensorrtllm"
     assert llm.model_transaction_policy.decoupled is True  # ServeSection's default
@@ -59,11 +69,11 @@ def test_tensorrt_engine_fills_every_placeholder_from_the_manifest(tmp_path, trt
     assert parameter(llm, "kv_cache_free_gpu_mem_fraction") == "0.9"
     assert parameter(llm, "max_beam_width") == "1"
     assert parameter(llm, "exclude_input_in_output") == "true"
-    for model in ("preprocessing", "tensorrt_llm_bls"):
+    for model in ("preprocessing", "tensorrt_llm_bls", HISTORY_CHAT):
         assert parameter(configs[model], "max_input_len") == str(LIMITS["max_input_len"])
         assert parameter(configs[model], "max_seq_len") == str(LIMITS["max_seq_len"])
         assert parameter(configs[model], "vocab_size") == str(engine_vocab(tok))
-    for model in ("preprocessing", "postprocessing", "tensorrt_llm_bls"):
+    for model in ("preprocessing", "postprocessing", "tensorrt_llm_bls", HISTORY_CHAT):
         assert parameter(configs[model], "tokenizer_dir") == str(tok.resolve())
     assert configs["tensorrt_llm_bls"].model_transaction_policy.decoupled is True
     files = tree(repo)
@@ -158,7 +168,7 @@ def test_set_overrides_a_placeholder(tmp_path, trt_engine):
     repo = patch_repo(trt_engine, None, tmp_path / "repo", sets={"triton_max_batch_size": "4",
                                                                   "kv_cache_free_gpu_mem_fraction": "0.7"})
     configs = read_configs(repo)
-    assert {c.max_batch_size for c in configs.values()} == {4}
+    assert batch_sizes(configs) == {4}
     assert parameter(configs["tensorrt_llm"], "kv_cache_free_gpu_mem_fraction") == "0.7"
 
 
@@ -205,7 +215,7 @@ def test_build_engine_output_renders(tmp_path, fixture_dir):
     repo = patch_repo(engine, None, tmp_path / "repo", template=template_copy(tmp_path))
     configs = read_configs(repo)
     assert configs["tensorrt_llm"].backend == "python"
-    assert {c.max_batch_size for c in configs.values()} == {profile["build"]["max_batch_size"]}
+    assert batch_sizes(configs) == {profile["build"]["max_batch_size"]}
     assert parameter(configs["preprocessing"], "max_input_len") == str(profile["build"]["max_input_len"])
     vocab = json.loads((tmp_path / "engine" / "checkpoint" / "config.json").read_text())["vocab_size"]
     assert parameter(configs["preprocessing"], "vocab_size") == str(vocab)
@@ -223,7 +233,7 @@ def test_upstream_copy_is_filled_and_gets_trtglm_models(tmp_path, trt_engine, to
     repo = patch_repo(trt_engine, tok, tmp_path / "repo", template=template)
     assert_filled(repo)
     configs = read_configs(repo)
-    assert {c.max_batch_size for c in configs.values()} == {LIMITS["max_batch_size"]}
+    assert batch_sizes(configs) == {LIMITS["max_batch_size"]}
     llm = configs["tensorrt_llm"]
     assert llm.backend == "tensorrtllm"
     assert llm.model_transaction_policy.decoupled is True
@@ -234,7 +244,7 @@ def test_upstream_copy_is_filled_and_gets_trtglm_models(tmp_path, trt_engine, to
     assert parameter(llm, "exclude_input_in_output") == "true"
     assert "max_tokens_in_paged_kv_cache" not in llm.parameters  # left to the backend's default
     assert configs["tensorrt_llm_bls"].model_transaction_policy.decoupled is True
-    for model in ("preprocessing", "postprocessing", "tensorrt_llm_bls"):
+    for model in ("preprocessing", "postprocessing", "tensorrt_llm_bls", HISTORY_CHAT):
         assert parameter(configs[model], "tokenizer_dir") == str(tok.resolve())
         assert configs[model].instance_group[0].count == 1
     assert parameter(configs["preprocessing"], "max_input_len") == str(LIMITS["max_input_len"])

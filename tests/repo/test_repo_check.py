@@ -64,6 +64,13 @@ def test_rendered_repository_has_no_problems(repo):
      "postprocessing/config.pbtxt: does not parse"),
     ("ensemble", 'input_map { key: "beam_width", value: "beam_width" }', "",
      "ensemble/config.pbtxt: input beam_width is read by no step"),
+    ("chatglm3-6b", 'max_batch_size: 0', 'max_batch_size: 0\nmodel_transaction_policy { decoupled: true }',
+     "chatglm3-6b/config.pbtxt: decoupled must be false (its clients send plain infer requests)"),
+    ("chatglm3-6b", '"decoupled_mode", value { string_value: "true" }',
+     '"decoupled_mode", value { string_value: "false" }',
+     "chatglm3-6b/config.pbtxt: parameter decoupled_mode is 'false', but tensorrt_llm's decoupled is true"),
+    ("chatglm3-6b", '"max_seq_len", value { string_value: "512" }', '"max_seq_len", value { string_value: "513" }',
+     "chatglm3-6b/config.pbtxt: parameter max_seq_len 513 exceeds the engine's 512"),
 ])
 def test_planted_problem_is_reported(repo, model, old, new, expected):
     edit(repo, model, old, new)

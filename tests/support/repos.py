@@ -20,7 +20,9 @@ from trtglm.profile import ServeSection
 TEMPLATE = REPO / "triton_model_repo"
 UPSTREAM = {version: SHARED / "upstream" / f"tensorrtllm_backend-{version}" / "inflight_batcher_llm"
             for version in ("v0.7.1", "v0.19.0")}
-MODELS = ("preprocessing", "tensorrt_llm", "postprocessing", "ensemble", "tensorrt_llm_bls")
+PIPELINE = ("preprocessing", "tensorrt_llm", "postprocessing", "ensemble", "tensorrt_llm_bls")
+HISTORY_CHAT = "chatglm3-6b"  # the history API of the first ChatGLM3-on-Triton deployments
+MODELS = (*PIPELINE, HISTORY_CHAT)
 LIMITS = {"max_batch_size": 8, "max_input_len": 384, "max_seq_len": 512, "max_num_tokens": 2048, "max_beam_width": 1}
 
 # A stand-in for trtglm's PyTorch runtime behind the python backend: it answers each prompt

@@ -190,6 +190,7 @@ class TritonPythonModel:
         self.engine_processes = triton_io.ModelProcesses(self.engine)
         self.accumulate = triton_io.bool_parameter(setup.params, ACCUMULATE_TOKENS, setup.name)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        self.engine_decoupled = self.decoupled  # tensorrt_llm answers as this model does (the repository's mode)
         self.dtypes = triton_io.output_dtypes(config)
         self.pool = ThreadPoolExecutor(max_workers=max(1, int(config.get("max_batch_size", 1))),
                                        thread_name_prefix="bls")
@@ -260,7 +261,7 @@ class TritonPythonModel:
         engine_request = pb_utils.InferenceRequest(
             model_name=self.engine, requested_output_names=list(ENGINE_OUTPUTS),
             inputs=[pb_utils.Tensor(name, np.ascontiguousarray(array)) for name, array in inputs.items()])
-        responses = EngineCall(engine_request, self.decoupled, lambda: self.engine_processes.check(stubs))
+        responses = EngineCall(engine_request, self.engine_decoupled, lambda: self.engine_processes.check(stubs))
         for batch in responses:
             arrived = [self._outputs(response) for response in batch]
             arrived = [outputs for outputs in arrived if "output_ids" in outputs and "sequence_length" in outputs]

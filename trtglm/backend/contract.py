@@ -16,18 +16,24 @@ from dataclasses import dataclass, replace
 
 ENSEMBLE, PREPROCESSING, TENSORRT_LLM, POSTPROCESSING, BLS = (
     "ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
-MODELS = (PREPROCESSING, TENSORRT_LLM, POSTPROCESSING, ENSEMBLE, BLS)
+MODELS = (PREPROCESSING, TENSORRT_LLM, POSTPROCESSING, ENSEMBLE, BLS)  # the pipeline (every template has it)
+# The history API of the first ChatGLM3-on-Triton deployments (their model name and tensors), which trtglm
+# adds to every repository it renders; a python model that calls tensorrt_llm as the BLS model does.
+HISTORY_CHAT = "chatglm3-6b"
+REPO_MODELS = (*MODELS, HISTORY_CHAT)
 PYTHON, TENSORRTLLM = "python", "tensorrtllm"  # tensorrt_llm's backends
 
 # parameters
 ENGINE_DIR = "gpt_model_path"  # tensorrt_llm's engine folder (NVIDIA's name, read by both backends)
 TOKENIZER_DIR, MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE = "tokenizer_dir", "max_input_len", "max_seq_len", "vocab_size"
 LLM_MODEL_NAME, ACCUMULATE_TOKENS = "tensorrt_llm_model_name", "accumulate_tokens"
+LLM_DECOUPLED = "decoupled_mode"  # whether tensorrt_llm answers decoupled (the history model is not itself)
 # model -> parameters trtglm's python model reads (rendering fills each from the placeholder of that name)
 PYTHON_MODEL_PARAMETERS: dict[str, tuple[str, ...]] = {
     PREPROCESSING: (TOKENIZER_DIR, MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE),
     POSTPROCESSING: (TOKENIZER_DIR,),
     BLS: (TOKENIZER_DIR, MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE, LLM_MODEL_NAME, ACCUMULATE_TOKENS),
+    HISTORY_CHAT: (TOKENIZER_DIR, MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE, LLM_MODEL_NAME, LLM_DECOUPLED),
 }
 
 
@@ -110,6 +116,11 @@ CONTRACT: dict[str, Model] = {
                 _t("GENERATED_IDS", "INT32", -1, -1, optional=True), _t("IS_FINAL", "BOOL", 1, optional=True),
                 _t("REPLY_PREFIX", "STRING", 1, optional=True)),
         outputs=(_t("OUTPUT", "STRING", -1),)),
+    # as those deployments declared it (max_batch_size 0: dims are the whole shape); temperature is text
+    HISTORY_CHAT: Model(
+        inputs=(_t("prompt", "STRING", -1), _t("history", "STRING", -1), _t("temperature", "STRING", -1),
+                _t("max_token", "INT16", -1), _t("history_len", "INT16", -1)),
+        outputs=(_t("response", "STRING", -1), _t("history", "STRING", -1))),
 }
 
 

@@ -9,17 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from trtglm.backend.contract import CONTRACT, ENSEMBLE, MODELS, for_backend, step_reads, step_writes
+from trtglm.backend.contract import CONTRACT, ENSEMBLE, REPO_MODELS, for_backend, step_reads, step_writes
 from trtglm.errors import UsageError
 from trtglm.repo.patch import parse_config
 from trtglm.repo.placeholders import CONFIG
 from trtglm.repo.validate import protobuf
 
 
-def check_contract(files: Mapping[str, bytes], backend: str, where: str) -> None:
-    """UsageError listing how the rendered configs (`{model/config.pbtxt: bytes}`) differ from the contract."""
+def check_contract(files: Mapping[str, bytes], backend: str, where: str, models=REPO_MODELS) -> None:
+    """UsageError listing how the rendered configs (`{model/config.pbtxt: bytes}`) of `models` differ from the
+    contract."""
     configs = {model: parse_config(files[f"{model}/{CONFIG}"].decode("utf-8"), f"{where}/{model}/{CONFIG}")
-               for model in MODELS}
+               for model in models}
     problems = contract_problems(configs, backend)
     if problems:
         raise UsageError(f"{where}: does not match trtglm's serving contract (trtglm/backend/contract.py): "
@@ -30,11 +31,13 @@ def contract_problems(configs: dict, backend: str) -> list[str]:
     """The ways the parsed configs (model -> ModelConfig) differ from the contract; empty when none."""
     problems = []
     for model, expected in CONTRACT.items():
+        if model not in configs:
+            continue
         for kind in ("input", "output"):
             problems += [f"{model}/config.pbtxt: {p}" for p in
                          _tensor_problems(getattr(configs[model], kind), for_backend(getattr(expected, f"{kind}s"),
                                                                                      backend), kind)]
-    for step in configs[ENSEMBLE].ensemble_scheduling.step:
+    for step in configs[ENSEMBLE].ensemble_scheduling.step if ENSEMBLE in configs else ():
         for field, wanted in (("input_map", step_reads), ("output_map", step_writes)):
             found, expected = dict(getattr(step, field)), wanted(step.model_name, backend)
             if found != expected:

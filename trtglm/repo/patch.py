@@ -124,7 +124,7 @@ def adapt(configs: dict, values: Mapping[str, str | None]) -> None:
         del steps[PREPROCESSING].output_map[key]
     _prune(configs[ENSEMBLE])
     for model, parameters in PYTHON_MODEL_PARAMETERS.items():
-        for name in parameters:
+        for name in parameters if model in configs else ():
             if name not in configs[model].parameters:
                 configs[model].parameters[name].string_value = values[name]
 

@@ -22,6 +22,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from trtglm.backend.contract import HISTORY_CHAT, REPO_MODELS
 from trtglm.chatglm.chat import tokenizer_facts
 from trtglm.engine.manifest import read_manifest
 from trtglm.errors import ModelFileError, OutputExistsError, UsageError
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "triton_model_repo"
 TOKENIZER_FACTS = ("vocab_size", "pad_id", "end_id", "stop_ids", "special_ids")
 BACKEND_ONLY = re.compile(r"#\s*only with backend (\w+)\s*$")
+ADDED_MODELS = (HISTORY_CHAT,)  # trtglm's models beside the pipeline: every repository gets them
 
 
 def patch_repo(engine_dir: str | Path, tokenizer_dir: str | Path | None, output_repo: str | Path,
@@ -84,18 +86,27 @@ def render(template: Path, version: str, values: Mapping[str, str | None]) -> di
     """{relative path: bytes} of the repository (folders implied; every model gets a version folder 1/).
 
     trtglm's template is filled as it is, model files included; an upstream copy is patched and
-    gets trtglm's model files.
+    gets trtglm's model files, and trtglm's models beside the pipeline (ADDED_MODELS) from its template.
     """
+    backend = values["triton_backend"]
     if version != TRTGLM:
-        return {**patch_upstream(template, version, values), **model_files(TEMPLATE_DIR, values["triton_backend"])}
+        files = {**patch_upstream(template, version, values), **filled_configs(TEMPLATE_DIR, ADDED_MODELS, values)}
+        check_contract(files, backend, str(TEMPLATE_DIR), ADDED_MODELS)
+        return {**files, **model_files(TEMPLATE_DIR, backend)}
+    files = filled_configs(template, REPO_MODELS, values)
+    check_contract(files, backend, str(template), REPO_MODELS)
+    return {**files, **model_files(template, backend)}
+
+
+def filled_configs(template: Path, models, values: Mapping[str, str | None]) -> dict[str, bytes]:
+    """{model/config.pbtxt: bytes} of trtglm's template for `models`, every placeholder filled."""
     files = {}
-    for model in MODELS:
+    for model in models:
         path = template / model / CONFIG
         text = fill_text(for_backend(path.read_text(encoding="utf-8"), values["triton_backend"]), values, str(path))
         check_filled(text, str(path))
         files[f"{model}/{CONFIG}"] = text.encode("utf-8")
-    check_contract(files, values["triton_backend"], str(template))
-    return {**files, **model_files(template, values["triton_backend"])}
+    return files
 
 
 def for_backend(text: str, backend: str | None) -> str:
@@ -111,7 +122,7 @@ def for_backend(text: str, backend: str | None) -> str:
 def model_files(template: Path, backend: str | None) -> dict[str, bytes]:
     """The files under each model's 1/ (the thin model.py files); tensorrt_llm's only for the python backend."""
     files = {}
-    for model in MODELS:
+    for model in REPO_MODELS:
         if model == "tensorrt_llm" and backend != "python":
             continue
         version_dir = template / model / "1"

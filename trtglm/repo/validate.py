@@ -9,7 +9,8 @@ different decoupled origins, batch sizes fit) and tensorrt_llm's end_id comes fr
 preprocessing; against the engine (trtglm.json, or TensorRT-LLM's config.json for an engine
 built elsewhere): batch sizes, input and sequence lengths, beam width, the backend for the
 engine kind, tp × pp = world size; streaming: tensorrt_llm, BLS and the profile agree on
-decoupled mode, and the ensemble streams only when its postprocessing reads tensorrt_llm's
+decoupled mode (the chatglm3-6b history model is never decoupled and says how tensorrt_llm
+is), and the ensemble streams only when its postprocessing reads tensorrt_llm's
 generated_ids and is_final (trtglm's runtime sends them; from new ids alone postprocessing
 cannot decode streamed ChatGLM3 text intact), which NVIDIA's tensorrtllm backend does not
 produce.
@@ -23,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from trtglm.backend.contract import ENGINE_DIR, MODELS, PYTHON_MODEL_PARAMETERS
+from trtglm.backend.contract import ENGINE_DIR, HISTORY_CHAT, LLM_DECOUPLED, MODELS, PYTHON_MODEL_PARAMETERS
 from trtglm.engine.manifest import MANIFEST, read_manifest
 from trtglm.errors import DependencyError, ModelFileError
 from trtglm.repo.placeholders import PLACEHOLDER, split_comment
@@ -371,6 +372,20 @@ def _streaming(configs: dict, engine: Engine | None) -> list[str]:
     if bls is not None and bls.model_transaction_policy.decoupled != decoupled:
         problems.append(f"tensorrt_llm_bls/config.pbtxt: decoupled is {_word(bls.model_transaction_policy.decoupled)}"
                         f", but tensorrt_llm's is {_word(decoupled)} (the BLS model streams what tensorrt_llm streams)")
+    return problems + _history_chat(configs.get(HISTORY_CHAT), decoupled)
+
+
+def _history_chat(config, llm_decoupled: bool) -> list[str]:
+    """The history model answers plain infer requests and knows how tensorrt_llm answers it."""
+    if config is None:
+        return []
+    where = f"{HISTORY_CHAT}/config.pbtxt"
+    problems = [f"{where}: decoupled must be false (its clients send plain infer requests)"
+                ] if config.model_transaction_policy.decoupled else []
+    said = config.parameters[LLM_DECOUPLED].string_value.strip().lower() if LLM_DECOUPLED in config.parameters else ""
+    if said not in ("true", "1", "false", "0") or (said in ("true", "1")) != llm_decoupled:
+        problems.append(f"{where}: parameter {LLM_DECOUPLED} is {said!r}, but tensorrt_llm's decoupled is "
+                        f"{_word(llm_decoupled)}")
     return problems
 
 
