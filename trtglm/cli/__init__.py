@@ -21,7 +21,7 @@ log = logging.getLogger("trtglm")
 COMMANDS = {
     "convert": convert.convert,
     "verify": convert.verify,
-    "chat": convert.chat,
+    "chat": client.chat,
     "synth-model": convert.synth_model,
     "build-engine": engine.build_engine,
     "plan": engine.plan,

@@ -1,12 +1,15 @@
-"""`generate`: ask a served model and print its answer."""
+"""`generate`: ask a served model and print its answer; `chat`: a conversation with an engine or a server."""
 
 from __future__ import annotations
 
+import json
 import sys
-from typing import Iterator
+from collections.abc import Callable, Iterable, Sequence
+from typing import Iterator, Literal
 
 from trtglm.cli.flags import CountInt, PosFloat, PosInt
 from trtglm.client import DEFAULT_URL
+from trtglm.errors import TrtglmError, UsageError
 
 
 def generate(prompt: str, url: str = DEFAULT_URL, max_tokens: PosInt = 64, stream: bool = False,
@@ -42,16 +45,135 @@ def _pieces(url: str, grpc: str | None, model: str, request, timeout: float) -> 
     return iter([http.generate(url, model, request, timeout)])
 
 
-def _print_pieces(pieces: Iterator[str]) -> None:
-    """Each piece as soon as it arrives; a line begun is ended even when the answer breaks off."""
-    printed = False
+def _print_pieces(pieces: Iterator[str]) -> str:
+    """Each piece as soon as it arrives; a line begun is ended even when the answer breaks off. The whole text."""
+    printed = []
     try:
         for piece in pieces:
             sys.stdout.write(piece)
             sys.stdout.flush()
-            printed = True
+            printed.append(piece)
     except BaseException:
         if printed:
             print(flush=True)
         raise
     print(flush=True)
+    return "".join(printed)
+
+
+# --- chat ------------------------------------------------------------------------------------------
+
+Replier = Callable[[Sequence[dict]], Iterator[str]]  # a conversation -> the reply's pieces as they come
+COMMANDS_HELP = "/clear starts a new conversation, /exit (or Ctrl-D) ends"
+
+
+def chat(engine_dir: str | None = None, url: str | None = None, grpc: str | None = None,
+         checkpoint: str | None = None, tokenizer_dir: str | None = None, prompt: str | None = None,
+         system: str | None = None, model: str = "tensorrt_llm_bls", max_new_tokens: PosInt = 256,
+         temperature: float = 0.0, top_k: CountInt = 0, top_p: PosFloat = 1.0, seed: CountInt | None = None,
+         device: Literal["auto", "cpu", "cuda"] = "auto", timeout: PosFloat = 600.0):
+    """Chat with ChatGLM3: an engine folder in-process, or a served repository; replies stream as they come.
+
+    What answers: --engine-dir ENG (trtglm's runtime on the engine's checkpoint, on the GPU when
+    there is one: --device), --checkpoint CKPT with --tokenizer-dir HF, or a server: --url
+    http://HOST:PORT (Triton's HTTP generate_stream) or --grpc HOST:PORT, asking --model
+    (tensorrt_llm_bls or ensemble) with the whole conversation as a JSON chat.
+    --prompt TEXT answers one turn (text or a JSON chat) and exits. Otherwise each line read is a
+    user turn and the conversation goes on (at a terminal: /clear starts over, /exit or Ctrl-D ends);
+    --system TEXT opens it with a system message. A turn that fails is reported and left out of the
+    conversation; the exit code is then 1.
+    """
+    replier = _replier(engine_dir, url, grpc, checkpoint, tokenizer_dir, model, max_new_tokens, temperature,
+                       top_k, top_p, seed, device, timeout)
+    opening = [] if system is None else [{"role": "system", "content": system}]
+    if prompt is not None:
+        from trtglm.chatglm.chat import chat_messages
+
+        _print_pieces(replier([*opening, *chat_messages(prompt, name="--prompt")]))
+        return
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"trtglm chat: {COMMANDS_HELP}", file=sys.stderr)
+    failed = converse(replier, _turns(interactive), opening, interactive)
+    if failed:
+        raise TrtglmError(f"{failed} turn(s) failed")
+
+
+def converse(replier: Replier, turns: Iterable[str], opening: list[dict], interactive: bool) -> int:
+    """Answer each turn in order, each reply printed as it comes; returns how many turns failed."""
+    messages, failed = list(opening), 0
+    for turn in turns:
+        if interactive and turn.strip() in ("/exit", "/quit"):
+            break
+        if interactive and turn.strip() == "/clear":
+            messages = list(opening)
+            continue
+        if not turn.strip():
+            continue
+        asked = [*messages, {"role": "user", "content": turn}]
+        try:
+            reply = _print_pieces(replier(asked))
+        except TrtglmError as e:
+            print(f"trtglm: error: {e}", file=sys.stderr, flush=True)
+            failed += 1
+            continue
+        messages = [*asked, {"role": "assistant", "content": reply}]
+    return failed
+
+
+def _turns(interactive: bool) -> Iterator[str]:
+    """User turns: at a terminal as typed after a `> ` prompt, else one per line read."""
+    if not interactive:
+        for line in sys.stdin:
+            yield line.rstrip("\r\n")
+        return
+    while True:
+        try:
+            yield input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return
+
+
+def _replier(engine_dir, url, grpc, checkpoint, tokenizer_dir, model, max_new_tokens, temperature, top_k, top_p,
+             seed, device, timeout) -> Replier:
+    sources = {"--engine-dir": engine_dir, "--url": url, "--grpc": grpc, "--checkpoint": checkpoint}
+    given = [flag for flag, value in sources.items() if value is not None]
+    if len(given) != 1:
+        raise UsageError(f"chat needs one of {', '.join(sources)} (given: {', '.join(given) or 'none'})")
+    if (checkpoint is None) != (tokenizer_dir is None):
+        raise UsageError("--checkpoint and --tokenizer-dir go together")
+    if url is not None or grpc is not None:
+        return _served(url, grpc, model, max_new_tokens, temperature, top_k, top_p, seed, timeout)
+    if engine_dir is not None:
+        from trtglm.engine.manifest import read_manifest
+
+        manifest = read_manifest(engine_dir)
+        checkpoint, tokenizer_dir = manifest["checkpoint_dir"], manifest["tokenizer_dir"]
+    from trtglm.runtime.answer import LocalChat
+
+    return LocalChat(checkpoint, tokenizer_dir, max_new_tokens, temperature, top_k, top_p, seed,
+                     _device(device)).pieces
+
+
+def _served(url, grpc, model, max_new_tokens, temperature, top_k, top_p, seed, timeout) -> Replier:
+    from trtglm.client import GenerateRequest, check_model
+
+    check_model(model)
+    options = dict(max_tokens=max_new_tokens, stream=True, temperature=temperature or None, top_k=top_k or None,
+                   top_p=None if top_p == 1 else top_p, seed=seed)
+    GenerateRequest("check", **options)  # bad options are reported before the first turn
+
+    def pieces(messages: Sequence[dict]) -> Iterator[str]:
+        request = GenerateRequest(json.dumps({"messages": list(messages)}, ensure_ascii=False), **options)
+        return _pieces(url or DEFAULT_URL, grpc, model, request, timeout)
+
+    return pieces
+
+
+def _device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,11 +1,10 @@
-"""`convert`, `verify`, `chat`, `synth-model`: HF weights → TensorRT-LLM checkpoint, and checking it."""
+"""`convert`, `verify`, `synth-model`: HF weights → TensorRT-LLM checkpoint, and checking it."""
 
 from __future__ import annotations
 
 from typing import Literal
 
 from trtglm.cli.flags import CountInt, PosFloat, PosInt
-
 
 
 def convert(model_dir: str, output_dir: str, dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto",
@@ -24,15 +23,6 @@ def verify(checkpoint: str, hf_model: str, prompts: str | None = None, max_new_t
     from trtglm.runtime.verify import verify_checkpoint
 
     verify_checkpoint(checkpoint, hf_model, prompts=prompts, max_new_tokens=max_new_tokens, device=device)
-
-
-def chat(checkpoint: str, tokenizer_dir: str, prompt: str, max_new_tokens: PosInt = 64, temperature: float = 0.0,
-         top_k: CountInt = 0, top_p: PosFloat = 1.0, seed: CountInt | None = None, device: str = "cpu"):
-    """Answer PROMPT (text, or a JSON list of chat messages) from a checkpoint with trtglm's runtime."""
-    from trtglm.runtime.answer import answer
-
-    print(answer(checkpoint, tokenizer_dir, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                 top_k=top_k, top_p=top_p, seed=seed, device=device))
 
 
 def synth_model(preset: Literal["tiny", "6b", "6b-32k"], out: str, layers: PosInt | None = None,

@@ -2,11 +2,13 @@
 
 The prompt, the stop rules and the reply text are ChatGLM3's chat format (trtglm.chatglm.chat),
 the same the served pipeline applies, so this is the quickest way to see what a checkpoint
-answers.
+answers. `LocalChat` keeps the model loaded for a conversation and streams each reply in the
+pieces `chat.ReplyStream` gives, which join to exactly `chat.reply_text`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from trtglm.chatglm import chat
@@ -14,18 +16,40 @@ from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
 
 
+class LocalChat:
+    """A checkpoint loaded once, answering whole conversations (lists of chat messages)."""
+
+    def __init__(self, checkpoint: str | Path, tokenizer_dir: str | Path, max_new_tokens: int = 64,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 device: str = "cpu"):
+        from trtglm.runtime.model import load_model
+
+        if max_new_tokens < 1:
+            raise UsageError(f"--max-new-tokens must be at least 1, not {max_new_tokens}")
+        self.tokenizer = ChatGLMTokenizer(tokenizer_dir)
+        self.model = load_model(checkpoint, device=device)
+        self.options = dict(max_new_tokens=max_new_tokens, stop_ids=chat.stop_ids(self.tokenizer),
+                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+    def pieces(self, messages: Sequence[dict]) -> Iterator[str]:
+        """The reply to `messages`, in pieces as its ids are generated."""
+        from trtglm.runtime.generate import stream
+
+        ids = chat.chat_ids(self.tokenizer, messages)
+        reply = chat.ReplyStream(self.tokenizer)
+        for token in stream(self.model, ids, **self.options):
+            piece = reply.add([token])
+            if piece:
+                yield piece
+        tail = reply.finish()
+        if tail:
+            yield tail
+
+
 def answer(checkpoint: str | Path, tokenizer_dir: str | Path, prompt: str, max_new_tokens: int = 64,
            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
            device: str = "cpu") -> str:
     """The model's reply to `prompt` (text, or a JSON chat)."""
-    from trtglm.runtime.generate import generate
-    from trtglm.runtime.model import load_model
-
-    if max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be at least 1, not {max_new_tokens}")
-    tokenizer = ChatGLMTokenizer(tokenizer_dir)
-    ids = chat.prompt_ids(tokenizer, prompt, name="--prompt")
-    model = load_model(checkpoint, device=device)
-    new_ids = generate(model, ids, max_new_tokens=max_new_tokens, stop_ids=chat.stop_ids(tokenizer),
-                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    return chat.reply_text(tokenizer, new_ids)
+    messages = chat.chat_messages(prompt, name="--prompt")
+    local = LocalChat(checkpoint, tokenizer_dir, max_new_tokens, temperature, top_k, top_p, seed, device)
+    return "".join(local.pieces(messages))

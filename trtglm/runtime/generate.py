@@ -8,7 +8,8 @@ sequence gets the tokens it would get alone.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -38,26 +39,49 @@ def generate(model: ShardedModel, prompts: Sequence[int] | Sequence[Sequence[int
         prompts = prompts.tolist()
     single = len(prompts) > 0 and isinstance(prompts[0], int)
     batch = [list(prompts)] if single else [list(p) for p in prompts]
-    _check_request(model, batch, max_new_tokens, temperature, top_k, top_p)
-    stops = set(stop_ids) | ({end_id} if end_id is not None else set())
-    sampler = Sampler(temperature, top_k, top_p, seed, model.device)
-
-    logits, positions, cache = _prefill(model, batch, max_new_tokens)
     outputs: list[list[int]] = [[] for _ in batch]
+    for chosen in _steps(model, batch, max_new_tokens, end_id, stop_ids, Sampling(temperature, top_k, top_p, seed)):
+        for output, token in zip(outputs, chosen):
+            if token is not None:
+                output.append(token)
+    return outputs[0] if single else outputs
+
+
+def stream(model: ShardedModel, prompt: Sequence[int], max_new_tokens: int = 16, end_id: int | None = None,
+           stop_ids: Iterable[int] = (), temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+           seed: int | None = None) -> Iterator[int]:
+    """`generate`'s new ids for one prompt, each as soon as it is chosen."""
+    for (token,) in _steps(model, [list(prompt)], max_new_tokens, end_id, stop_ids,
+                           Sampling(temperature, top_k, top_p, seed)):
+        if token is not None:
+            yield token
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+
+
+def _steps(model: ShardedModel, batch: list[list[int]], max_new_tokens: int, end_id: int | None,
+           stop_ids: Iterable[int], sampling: Sampling) -> Iterator[list[int | None]]:
+    """Each decode step's new id per sequence (None once the sequence has ended: a stop id is not given)."""
+    _check_request(model, batch, max_new_tokens, sampling.temperature, sampling.top_k, sampling.top_p)
+    stops = set(stop_ids) | ({end_id} if end_id is not None else set())
+    sampler = Sampler(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed, model.device)
+    logits, positions, cache = _prefill(model, batch, max_new_tokens)
     done = [False] * len(batch)
     for step in range(max_new_tokens):
         chosen = sampler(logits).tolist()
-        for i, token in enumerate(chosen):
-            if not done[i]:
-                done[i] = token in stops
-                if not done[i]:
-                    outputs[i].append(token)
+        done = [ended or token in stops for ended, token in zip(done, chosen)]
+        yield [None if ended else token for ended, token in zip(done, chosen)]
         if all(done) or step == max_new_tokens - 1:
-            break
+            return
         positions = positions + 1
         next_ids = torch.tensor(chosen, device=model.device)[:, None]
         logits = model.forward(next_ids, cache, positions)[:, -1]
-    return outputs[0] if single else outputs
 
 
 def _check_request(model: ShardedModel, batch: list[list[int]], max_new_tokens: int,
