@@ -63,7 +63,7 @@ def error_of(path, overrides=None, kind=UsageError) -> str:
 def test_every_required_profile_is_shipped():
     wanted = {"chatglm3-6b-fp16-tp1.yaml", "chatglm3-6b-bf16-tp1.yaml", "chatglm3-6b-int8-tp1.yaml",
               "chatglm3-6b-int4-tp1.yaml", "chatglm3-6b-fp16-tp2.yaml", "chatglm3-6b-fp16-tp4.yaml",
-              "chatglm3-6b-32k-fp16-tp1.yaml", "tiny.yaml"}
+              "chatglm3-6b-32k-fp16-tp1.yaml", "chatglm3-6b-128k-fp16-tp1.yaml", "tiny.yaml"}
     assert wanted <= set(SHIPPED)
 
 
@@ -86,6 +86,7 @@ def test_shipped_profiles_say_what_their_names_say():
         "chatglm3-6b-fp16-tp2": ("chatglm3-6b", "float16", None, 2, "tensorrt"),
         "chatglm3-6b-fp16-tp4": ("chatglm3-6b", "float16", None, 4, "tensorrt"),
         "chatglm3-6b-32k-fp16-tp1": ("chatglm3-6b-32k", "float16", None, 1, "tensorrt"),
+        "chatglm3-6b-128k-fp16-tp1": ("chatglm3-6b-128k", "float16", None, 1, "tensorrt"),
     }
     for name, expected in facts.items():
         p = load_profile(CONFIGS / f"{name}.yaml")
@@ -216,6 +217,24 @@ def test_seq_len_checked_against_the_hf_config(tmp_path):
                               f"{hf / 'config.json'})")
     (hf / "config.json").write_text("{not json", encoding="utf-8")
     assert "model.dir" in error_of(path, kind=ModelFileError)
+
+
+def test_128k_profile_takes_thudms_whole_context(tmp_path):
+    """THUDM's chatglm3-6b-128k config.json: seq_length 131072, rope_ratio 500 (base 5,000,000)."""
+    from trtglm.chatglm.config import CHATGLM3_6B_CONFIG, ChatGLMConfig
+
+    hf = tmp_path / "chatglm3-6b-128k"
+    hf.mkdir()
+    thudm = {**CHATGLM3_6B_CONFIG, "_name_or_path": "THUDM/chatglm3-6b-128k", "seq_length": 131072, "rope_ratio": 500}
+    (hf / "config.json").write_text(json.dumps(thudm), encoding="utf-8")
+    config = ChatGLMConfig.from_model_dir(hf)
+    assert (config.variant, config.seq_length, config.rotary_base) == ("chatglm3-6b-128k", 131072, 5_000_000.0)
+    path = CONFIGS / "chatglm3-6b-128k-fp16-tp1.yaml"
+    profile = load_profile(path, {"model.dir": str(hf)})
+    assert (profile.build.max_seq_len, profile.build.max_input_len) == (131072, 131072 - 4096)
+    assert profile.model.variant == config.variant
+    assert "build.max_seq_len (131073) exceeds the model's seq_length (131072" in error_of(
+        path, {"model.dir": str(hf), "build.max_seq_len": 131073})
 
 
 def test_bad_yaml_and_missing_file(tmp_path):

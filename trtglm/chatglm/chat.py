@@ -11,6 +11,11 @@ parse, are errors.
 Prompt ids. `[gMASK] sop`, then per message `<|role|>` + encode(metadata + "\\n") +
 encode(content), then `<|assistant|>` so that the model answers next.
 
+ChatGLM2-6B, the same architecture, has no role tokens: its prompt is `[gMASK] sop` and the text
+`[Round N]\n\n问：…\n\n答：…\n\n` per finished round, then `[Round N]\n\n问：…\n\n答：`
+(`chatglm2_prompt`); a chat for it alternates user and assistant turns and ends with a user turn.
+`PROMPT_IDS` picks the format by the checkpoint's chatglm_version.
+
 Stop rules. A reply ends at `</s>` (end_id 2), `<|user|>` (the next turn) or `<|observation|>`
 (a tool's result follows); the stop id is not part of the reply. TensorRT-LLM takes stop and
 bad words as an int32 [2, n] word list per request: row 0 the ids of every word one after
@@ -131,6 +136,35 @@ def chat_ids(tokenizer: ChatGLMTokenizer, messages: Sequence[dict]) -> list[int]
     for position, message in enumerate(messages):
         ids += message_ids(tokenizer, *checked_message(message, position))
     return ids + [tokenizer.special_ids["<|assistant|>"]]
+
+
+def chatglm2_prompt(messages: Sequence[dict]) -> str:
+    """ChatGLM2-6B's prompt text of a conversation (see the module docstring)."""
+    rounds, query = _chatglm2_rounds(messages)
+    done = "".join(f"[Round {n}]\n\n问：{asked}\n\n答：{answered}\n\n"
+                   for n, (asked, answered) in enumerate(rounds, 1))
+    return f"{done}[Round {len(rounds) + 1}]\n\n问：{query}\n\n答："
+
+
+def _chatglm2_rounds(messages: Sequence[dict]) -> tuple[list[tuple[str, str]], str]:
+    """(finished rounds as (user, assistant) contents, the open round's user content)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise UsageError("a chat needs a non-empty list of messages")
+    turns = [checked_message(message, position) for position, message in enumerate(messages)]
+    roles = [role for role, _, _ in turns]
+    if roles != ["user", "assistant"] * (len(roles) // 2) + ["user"]:
+        raise UsageError("a ChatGLM2 chat alternates user and assistant turns and ends with a user turn "
+                         f"(it has no system, observation or tool turns), not {', '.join(roles)}")
+    contents = [content for _, content, _ in turns]
+    return list(zip(contents[0:-1:2], contents[1:-1:2])), contents[-1]
+
+
+def chatglm2_ids(tokenizer: ChatGLMTokenizer, messages: Sequence[dict]) -> list[int]:
+    """Prompt ids of a conversation for ChatGLM2-6B: `[gMASK] sop` and the encoded prompt text."""
+    return [tokenizer.special_ids[t] for t in PROMPT_PREFIX] + tokenizer.sp.encode(chatglm2_prompt(messages))
+
+
+PROMPT_IDS = {"chatglm3": chat_ids, "chatglm2": chatglm2_ids}  # a checkpoint's chatglm_version -> its prompt ids
 
 
 def prompt_ids(tokenizer: ChatGLMTokenizer, text: str, name: str = "the prompt") -> list[int]:

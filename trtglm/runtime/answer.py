@@ -2,7 +2,7 @@
 
 The prompt, the stop rules and the reply text are ChatGLM3's chat format (trtglm.chatglm.chat),
 the same the served pipeline applies, so this is the quickest way to see what a checkpoint
-answers. `LocalChat` keeps the model loaded for a conversation and streams each reply in the
+answers (ChatGLM2's prompt for a ChatGLM2 checkpoint). `LocalChat` keeps the model loaded for a conversation and streams each reply in the
 pieces `chat.ReplyStream` gives, which join to exactly `chat.reply_text`.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from trtglm.chatglm import chat
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
-from trtglm.errors import UsageError
+from trtglm.errors import ModelFileError, UsageError
 
 
 class LocalChat:
@@ -28,6 +28,10 @@ class LocalChat:
             raise UsageError(f"--max-new-tokens must be at least 1, not {max_new_tokens}")
         self.tokenizer = ChatGLMTokenizer(tokenizer_dir)
         self.model = load_model(checkpoint, device=device)
+        version = self.model.config.chatglm_version
+        if version not in chat.PROMPT_IDS:
+            raise ModelFileError(f"{checkpoint}: chatglm_version {version!r} is not one of {', '.join(chat.PROMPT_IDS)}")
+        self.prompt_ids = chat.PROMPT_IDS[version]  # ChatGLM3's or ChatGLM2's format
         self.options = dict(max_new_tokens=max_new_tokens, stop_ids=chat.stop_ids(self.tokenizer),
                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
@@ -35,7 +39,7 @@ class LocalChat:
         """The reply to `messages`, in pieces as its ids are generated."""
         from trtglm.runtime.generate import stream
 
-        ids = chat.chat_ids(self.tokenizer, messages)
+        ids = self.prompt_ids(self.tokenizer, messages)
         reply = chat.ReplyStream(self.tokenizer)
         for token in stream(self.model, ids, **self.options):
             piece = reply.add([token])
