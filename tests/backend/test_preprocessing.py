@@ -211,3 +211,20 @@ def test_streaming_request_is_sent_to_the_bls_model():
     refuse_streaming(np.array([[False]]))
     with pytest.raises(UsageError, match="stream with the tensorrt_llm_bls model"):
         refuse_streaming(np.array([[True]]))
+
+
+def test_a_chatglm2_engine_gets_chatglm2s_prompt(tok):
+    chatglm2 = Limits(max_input_len=384, max_seq_len=512, vocab_size=1024, chatglm_version="chatglm2")
+    out = preprocess(tok, chatglm2, request("What color is the sky?"))
+    expected = [tok.special_ids["[gMASK]"], tok.special_ids["sop"], *tok.sp.encode(
+        "[Round 1]\n\n问：What color is the sky?\n\n答：")]
+    assert out["INPUT_ID"].tolist() == [expected]
+
+
+@pytest.mark.parametrize("params, version", [({}, "chatglm3"), ({"chatglm_version": "chatglm2"}, "chatglm2")])
+def test_limits_read_the_prompt_format(params, version):
+    numbers = {"max_input_len": "384", "max_seq_len": "512", "vocab_size": "1024"}
+    assert Limits.from_parameters({**numbers, **params}, "preprocessing").chatglm_version == version
+    with pytest.raises(UsageError, match="preprocessing: parameter chatglm_version must be one of chatglm3, "
+                                         "chatglm2, not 'glm4'"):
+        Limits.from_parameters({**numbers, "chatglm_version": "glm4"}, "preprocessing")

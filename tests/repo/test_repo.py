@@ -349,3 +349,16 @@ def test_cli_renders_checks_and_exits_with_typed_codes(tmp_path, trt_engine):
     proc = run_cli("patch-repo", "--check", out)
     assert proc.returncode == 3
     assert "postprocessing/1/model.py: missing (python backend)" in proc.stderr.splitlines()
+
+
+@pytest.mark.parametrize("version", [None, "v0.7.1", "v0.19.0"])
+def test_the_engines_chatglm_version_reaches_every_model_that_prompts(tmp_path, tok, version):
+    """A ChatGLM2 engine's models prompt in ChatGLM2's format; an engine that does not say is ChatGLM3's."""
+    template = None if version is None else upstream_copy(tmp_path, version)
+    prompting = ("preprocessing", "tensorrt_llm_bls", HISTORY_CHAT)
+    for said, expected in (({"chatglm_version": "chatglm2"}, "chatglm2"), ({}, "chatglm3")):
+        engine = make_engine(tmp_path / expected, "tensorrt", tok, model=said)
+        repo = patch_repo(engine, None, tmp_path / expected / "repo", template=template)
+        configs = read_configs(repo)
+        assert {model: parameter(configs[model], "chatglm_version") for model in prompting} == dict.fromkeys(
+            prompting, expected)

@@ -112,7 +112,7 @@ class TritonPythonModel:
 
 
 def make_engine(root: Path, kind: str, tokenizer_dir: Path, serve: dict | None = None, limits: dict | None = None,
-                mapping: dict | None = None) -> Path:
+                mapping: dict | None = None, model: dict | None = None) -> Path:
     """An engine folder (trtglm.json, checkpoint config.json, engine files) for `kind` tensorrt or torch."""
     engine = root / f"engine-{kind}"
     (engine / "checkpoint").mkdir(parents=True, exist_ok=True)
@@ -128,7 +128,7 @@ def make_engine(root: Path, kind: str, tokenizer_dir: Path, serve: dict | None =
         "dtype": "float32", "quantization": {"weight_only": None, "quant_algo": None},
         "limits": {**LIMITS, **(limits or {})}, "checkpoint_dir": "checkpoint", "engine_files": files,
         "tokenizer_dir": str(Path(tokenizer_dir).resolve()), "tokenizer": tokenizer_facts(tokenizer_dir),
-        "model": {}, "sources": {}, "profile": {"serve": {**asdict(ServeSection(world_size=1)), **(serve or {})}},
+        "model": model or {}, "sources": {}, "profile": {"serve": {**asdict(ServeSection(world_size=1)), **(serve or {})}},
     }
     write_manifest(engine, manifest)
     return engine

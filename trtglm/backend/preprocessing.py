@@ -5,7 +5,7 @@ returns the output arrays by name:
 
 | input (ensemble name) | output |
 |---|---|
-| QUERY (text_input): one message or a JSON chat | INPUT_ID, REQUEST_INPUT_LEN: the chat prompt's ids |
+| QUERY (text_input): one message or a JSON chat | INPUT_ID, REQUEST_INPUT_LEN: the chat prompt's ids (ChatGLM2's format when the chatglm_version parameter says chatglm2) |
 | REQUEST_OUTPUT_LEN (max_tokens) ≥ 1 | REQUEST_OUTPUT_LEN |
 | END_ID / PAD_ID (end_id / pad_id), optional | OUT_END_ID / OUT_PAD_ID: the client's, else `</s>` 2 and `<unk>` 0 |
 | STOP_WORDS_DICT (stop_words), optional | STOP_WORDS_IDS: `<|user|>`, `<|observation|>` and the client's words |
@@ -30,10 +30,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from trtglm.backend import triton_io
-from trtglm.backend.contract import (CONTRACT, ENSEMBLE, MAX_INPUT_LEN, MAX_SEQ_LEN, PREPROCESSING,
-                                     VOCAB_SIZE, feeds, names)
+from trtglm.backend.contract import (CHATGLM_VERSION, CONTRACT, ENSEMBLE, MAX_INPUT_LEN, MAX_SEQ_LEN,
+                                     PREPROCESSING, VOCAB_SIZE, feeds, names)
 from trtglm.backend.triton_io import pb_utils
-from trtglm.chatglm.chat import bad_sequences, prompt_ids, stack_word_lists, stop_sequences, word_ids, word_list
+from trtglm.chatglm.chat import (PROMPT_IDS, bad_sequences, prompt_ids, stack_word_lists, stop_sequences, word_ids,
+                                 word_list)
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError, int32_range_error
 
@@ -49,12 +50,18 @@ class Limits:
     max_input_len: int
     max_seq_len: int
     vocab_size: int  # the engine's vocabulary (embedding bias length)
+    chatglm_version: str = "chatglm3"  # the prompt format its model was trained on (chat.PROMPT_IDS)
 
     @classmethod
     def from_parameters(cls, params: dict, model: str) -> "Limits":
-        """The limits patch-repo wrote into a model's config.pbtxt parameters."""
+        """The limits patch-repo wrote into a model's config.pbtxt parameters (a repository rendered before
+        chatglm_version was written is ChatGLM3's)."""
+        version = params.get(CHATGLM_VERSION) or "chatglm3"
+        if version not in PROMPT_IDS:
+            raise UsageError(f"{model}: parameter {CHATGLM_VERSION} must be one of {', '.join(PROMPT_IDS)}, "
+                             f"not {version!r}")
         return cls(**{field: triton_io.int_parameter(params, field, model)
-                      for field in (MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE)})
+                      for field in (MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE)}, chatglm_version=version)
 
 
 @dataclass(frozen=True)
@@ -86,7 +93,7 @@ def prepare(tokenizer: ChatGLMTokenizer, limits: Limits, inputs: dict, row: int)
     if size > 4 * limits.max_input_len * tokenizer.longest_piece_bytes:
         raise UsageError(f"the prompt ({size:,} bytes) is longer than the engine's max_input_len "
                          f"({limits.max_input_len} tokens) can hold")
-    ids = prompt_ids(tokenizer, text, name=CLIENT_NAMES["QUERY"])
+    ids = prompt_ids(tokenizer, text, name=CLIENT_NAMES["QUERY"], version=limits.chatglm_version)
     output_len = _one_int(inputs, "REQUEST_OUTPUT_LEN", row)
     if output_len < 1:
         raise int32_range_error("max_tokens", output_len, 1)

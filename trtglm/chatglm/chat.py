@@ -167,9 +167,11 @@ def chatglm2_ids(tokenizer: ChatGLMTokenizer, messages: Sequence[dict]) -> list[
 PROMPT_IDS = {"chatglm3": chat_ids, "chatglm2": chatglm2_ids}  # a checkpoint's chatglm_version -> its prompt ids
 
 
-def prompt_ids(tokenizer: ChatGLMTokenizer, text: str, name: str = "the prompt") -> list[int]:
-    """Prompt ids of a request's text: one user message or a JSON chat (UsageError for a bad chat)."""
-    return chat_ids(tokenizer, chat_messages(text, name))
+def prompt_ids(tokenizer: ChatGLMTokenizer, text: str, name: str = "the prompt",
+               version: str = "chatglm3") -> list[int]:
+    """Prompt ids of a request's text: one user message or a JSON chat (UsageError for a bad chat), in the
+    prompt format of `version` (a checkpoint's chatglm_version)."""
+    return PROMPT_IDS[version](tokenizer, chat_messages(text, name))
 
 
 # --- stop rules and word lists ----------------------------------------------------------------

@@ -30,14 +30,16 @@ def _names(text: str) -> frozenset[str]:
 PLACEHOLDERS: dict[str, dict[str, frozenset[str]]] = {
     TRTGLM: {
         "preprocessing": _names("triton_max_batch_size max_queue_delay_microseconds max_queue_size "
-                                "tokenizer_dir max_input_len max_seq_len vocab_size preprocessing_instance_count"),
+                                "tokenizer_dir max_input_len max_seq_len vocab_size chatglm_version "
+                                "preprocessing_instance_count"),
         "tensorrt_llm": _names("triton_backend triton_max_batch_size decoupled_mode max_queue_delay_microseconds "
                                "max_queue_size max_beam_width batching_strategy engine_dir batch_scheduler_policy "
                                "kv_cache_free_gpu_mem_fraction exclude_input_in_output enable_kv_cache_reuse"),
         "postprocessing": _names("triton_max_batch_size tokenizer_dir postprocessing_instance_count"),
         "ensemble": _names("triton_max_batch_size"),
         "tensorrt_llm_bls": _names("triton_max_batch_size decoupled_mode bls_instance_count accumulate_tokens "
-                                   "tensorrt_llm_model_name tokenizer_dir max_input_len max_seq_len vocab_size"),
+                                   "tensorrt_llm_model_name tokenizer_dir max_input_len max_seq_len vocab_size "
+                                   "chatglm_version"),
     },
     "v0.7.1": {
         "preprocessing": _names("triton_max_batch_size tokenizer_dir tokenizer_type preprocessing_instance_count"),

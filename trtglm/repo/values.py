@@ -76,7 +76,8 @@ def placeholder_values(manifest: Mapping, tokenizer_dir: str, version: str,
     values.update({name: _serve(manifest, key) for name, key in SERVE_KEYS.items()})
     values.update(engine_dir=manifest["engine_dir"], tokenizer_dir=str(tokenizer_dir),
                   triton_backend=BACKENDS[manifest["engine"]], vocab_size=_vocab_size(manifest),
-                  encoder_input_features_data_type=_datatype(manifest))
+                  encoder_input_features_data_type=_datatype(manifest),
+                  chatglm_version=manifest["model"].get("chatglm_version", "chatglm3"))
     known = known_placeholders(version)
     for name, value in (sets or {}).items():
         if name not in known:
