@@ -92,7 +92,7 @@ def check_ports(endpoints: Endpoints) -> None:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             raise UsageError(f"--{name}-port must be a port number (1-65535), not {port!r}")
     if len(set(ports.values())) < len(ports):
-        raise UsageError(f"--http-port, --grpc-port and --metrics-port must differ (got {ports})")
+        raise UsageError(f"{', '.join(f'--{name}-port' for name in ports)} must differ (got {ports})")
     for name, port in ports.items():
         if not port_is_free(endpoints.host, port):
             raise UsageError(f"--{name}-port {port} on {endpoints.host} is in use (pick another port or stop "

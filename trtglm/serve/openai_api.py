@@ -54,6 +54,8 @@ from trtglm.serve.openai_protocol import (ApiError, ChatRequest, CompletionReque
 
 log = logging.getLogger(__name__)
 
+GRACEFUL_S = 5  # how long a stopped server lets open answers finish (< the supervisor's grace)
+
 TRITON_STATUS = {"StatusCode.INVALID_ARGUMENT": 400, "StatusCode.UNAVAILABLE": 503,
                  "StatusCode.RESOURCE_EXHAUSTED": 503}  # others: 500
 
@@ -607,7 +609,8 @@ def serve(repo: Path, grpc_url: str, host: str, port: int) -> None:
     tokenizer = ChatGLMTokenizer(served.tokenizer_dir)
     api = Api(served, Triton(grpc_url, served.triton_model), tokenizer)
     log.info("OpenAI API for %s (%s over %s) on %s:%d", served.model_id, served.triton_model, grpc_url, host, port)
-    uvicorn.run(create_app(api), host=host, port=port, log_level="warning", access_log=False)
+    uvicorn.run(create_app(api), host=host, port=port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=GRACEFUL_S)
 
 
 def main(argv: list[str] | None = None) -> None:
