@@ -574,13 +574,18 @@ def create_app(api: Api):
 def validation_error(errors: list[dict]) -> ApiError:
     """The first of pydantic's complaints as a 400 naming the field."""
     first = errors[0] if errors else {}
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    location = [str(part) for part in first.get("loc", ()) if part != "body" and not _union_tag(part)]
     if first.get("type") == "json_invalid":
         return ApiError(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})",
                         code="invalid_json")
     param = ".".join(location) or None
     message = first.get("msg", "invalid request")
     return ApiError(400, f"{param}: {message}" if param else message, param, "invalid_value")
+
+
+def _union_tag(part) -> bool:
+    """Whether a part of pydantic's error location names a member of a union (`str`, `list[str]`, a model)."""
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool"} or part[:1].isupper())
 
 
 async def sse(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
