@@ -35,8 +35,8 @@ def fixture_answers() -> dict[str, str]:
 class Launched:
     """The fixture's torch engine, its rendered repository and a detached `trtglm launch` of it."""
 
-    def __init__(self, root: Path, server_flags: tuple[str, ...] = ()):
-        self.root, self.repo, self.server_flags = root, root / "repo", server_flags
+    def __init__(self, root: Path, server_flags: tuple[str, ...] = (), launch_flags: tuple[str, ...] = ()):
+        self.root, self.repo, self.server_flags, self.launch_flags = root, root / "repo", server_flags, launch_flags
         self.ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port(), "openai": free_port()}
         self.env = {**os.environ, "TRTGLM_STATE_DIR": str(root / "state"), "PYTHONUNBUFFERED": "1"}
         self.url = f"http://127.0.0.1:{self.ports['http']}"
@@ -53,7 +53,7 @@ class Launched:
         for args in (("build-engine", "--config", "configs/tiny.yaml", "--output-dir", str(engine)),
                      ("patch-repo", "--engine-dir", str(engine), "--output-repo", str(self.repo)),
                      ("launch", "--repo", str(self.repo), "--detach", "--timeout", "180",
-                      *(f"--{name}-port={port}" for name, port in self.ports.items()),
+                      *(f"--{name}-port={port}" for name, port in self.ports.items()), *self.launch_flags,
                       *(("--", *self.server_flags) if self.server_flags else ()))):
             done = self.run(*args)
             if done.returncode != 0:

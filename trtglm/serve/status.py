@@ -9,6 +9,7 @@ from collections import deque
 from pathlib import Path
 
 from trtglm.errors import UsageError
+from trtglm.serve.openai_process import LOG_NAME
 from trtglm.serve.rank_logs import rank_logs
 from trtglm.serve.state import LaunchDir, all_launch_dirs, only_launch
 
@@ -57,9 +58,9 @@ def recorded_launch(repo: str | None) -> LaunchDir:
 
 
 def log_tails(launch_dir: LaunchDir, rank: int, lines: int) -> list[tuple[Path, list[str]]]:
-    """(file, its last `lines` lines) for the rank's stdout and stderr, and the supervisor's log."""
+    """(file, its last `lines` lines) for the rank's stdout and stderr, the supervisor's log and the OpenAI API's."""
     log_dir = Path((launch_dir.read() or {}).get("log_dir") or launch_dir.default_log_dir)
-    files = [*rank_logs(log_dir, rank), log_dir / "supervisor.log", log_dir / "mpirun.log"]
+    files = [*rank_logs(log_dir, rank), log_dir / "supervisor.log", log_dir / "mpirun.log", log_dir / LOG_NAME]
     return [(path, _tail(path, lines)) for path in files if path.is_file()]
 
 
