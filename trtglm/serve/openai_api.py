@@ -323,17 +323,64 @@ def token_log_probs(tokenizer: ChatGLMTokenizer, text: str, call: dict | None,
     return [(pieces[i] if i < len(pieces) else "", value) for i, value in enumerate(values)]
 
 
-# --- chat completions ------------------------------------------------------------------------------
+# --- one request's answer --------------------------------------------------------------------------
 
 
-@dataclass
-class Chat:
-    """One chat completion request, checked, with its prompt's token count and each choice's asks."""
+class Answering:
+    """What chat and completion requests share: the answer of every choice, whole or as chunks, with usage.
+    Subclasses check the request and make its asks (`prepare`), and answer or stream one choice."""
 
-    api: Api
-    request: ChatRequest
-    id: str = field(default_factory=lambda: f"chatcmpl-{secrets.token_hex(12)}")
-    created: int = field(default_factory=lambda: int(time.time()))
+    PREFIX, OBJECT, CHUNK_OBJECT = "", "", ""
+
+    def __init__(self, api: Api, request: ChatRequest | CompletionRequest):
+        self.api, self.request = api, request
+        self.id, self.created = f"{self.PREFIX}-{secrets.token_hex(12)}", int(time.time())
+        self.prompt_tokens = 0
+
+    def prepare(self) -> list[Ask]:
+        raise NotImplementedError
+
+    async def choice(self, index: int, ask: Ask) -> tuple[dict, int]:
+        """One choice and its completion tokens."""
+        raise NotImplementedError
+
+    def choice_chunks(self, index: int, ask: Ask, counts: list[int]) -> AsyncIterator[dict]:
+        """One choice's chunks, its completion tokens kept in counts[index]."""
+        raise NotImplementedError
+
+    async def answer(self, asks: list[Ask]) -> dict:
+        choices = await asyncio.gather(*(self.choice(i, ask) for i, ask in enumerate(asks)))
+        completion = sum(count for _, count in choices)
+        return {"id": self.id, "object": self.OBJECT, "created": self.created, "model": self.request.model,
+                "choices": [choice for choice, _ in choices], "usage": _usage(self.prompt_tokens, completion)}
+
+    async def chunks(self, asks: list[Ask]) -> AsyncIterator[dict]:
+        counts = [0] * len(asks)
+        async for chunk in _merged([self.choice_chunks(i, ask, counts) for i, ask in enumerate(asks)]):
+            yield chunk
+        if self.request.include_usage():
+            yield self.chunk([], usage=_usage(self.prompt_tokens, sum(counts)))
+
+    def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        chunk = {"id": self.id, "object": self.CHUNK_OBJECT, "created": self.created, "model": self.request.model,
+                 "choices": choices}
+        if self.request.include_usage():
+            chunk["usage"] = usage
+        return chunk
+
+    async def replies(self, reply: ChoiceText, ask: Ask, counts: list[int], index: int) -> AsyncIterator[str]:
+        """The text of one choice that can be sent, as pieces arrive."""
+        async for piece in self.api.triton.pieces(ask):
+            text = reply.add(piece)
+            counts[index] = len(reply.log_probs)
+            if text:
+                yield text
+
+
+class Chat(Answering):
+    """One chat completion request."""
+
+    PREFIX, OBJECT, CHUNK_OBJECT = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     def prepare(self) -> list[Ask]:
         refuse_unsupported(self.request)
@@ -347,16 +394,10 @@ class Chat:
         names = tuple(function.name for function in self.request.offered_tools())
         return ChoiceText(tuple(self.request.stop_words()), names, self.limit)
 
-    async def answer(self, asks: list[Ask]) -> dict:
-        choices = await asyncio.gather(*(self._choice(i, ask) for i, ask in enumerate(asks)))
-        completion = sum(count for _, count in choices)
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.request.model,
-                "choices": [choice for choice, _ in choices], "usage": _usage(self.prompt_tokens, completion)}
-
-    async def _choice(self, index: int, ask: Ask) -> tuple[dict, int]:
+    async def choice(self, index: int, ask: Ask) -> tuple[dict, int]:
         reply = self.choice_text()
-        async for piece in self.api.triton.pieces(ask):
-            reply.add(piece)
+        async for _ in self.replies(reply, ask, [0], 0):
+            pass
         _, call = reply.finish()
         message = {"role": "assistant", "content": None if call else reply.text}
         if call:
@@ -368,53 +409,29 @@ class Chat:
                                                "top_logprobs": []} for token, value in pairs]}
         return choice, len(reply.log_probs)
 
-    async def chunks(self, asks: list[Ask]) -> AsyncIterator[dict]:
-        counts = [0] * len(asks)
-        async for chunk in _merged([self._choice_chunks(i, ask, counts) for i, ask in enumerate(asks)]):
-            yield chunk
-        if self.request.include_usage():
-            yield self._chunk([], usage=_usage(self.prompt_tokens, sum(counts)))
-
-    async def _choice_chunks(self, index: int, ask: Ask, counts: list[int]) -> AsyncIterator[dict]:
-        yield self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+    async def choice_chunks(self, index: int, ask: Ask, counts: list[int]) -> AsyncIterator[dict]:
+        yield self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
         reply = self.choice_text()
-        async for piece in self.api.triton.pieces(ask):
-            text = reply.add(piece)
-            counts[index] = len(reply.log_probs)
-            if text:
-                yield self._chunk([{"index": index, "delta": {"content": text}, "finish_reason": None}])
+        async for text in self.replies(reply, ask, counts, index):
+            yield self.chunk([{"index": index, "delta": {"content": text}, "finish_reason": None}])
         text, call = reply.finish()
         if call:
-            yield self._chunk([{"index": index, "delta": {"tool_calls": _tool_calls(call, streamed=True)},
-                                "finish_reason": None}])
+            yield self.chunk([{"index": index, "delta": {"tool_calls": _tool_calls(call, streamed=True)},
+                               "finish_reason": None}])
         elif text:
-            yield self._chunk([{"index": index, "delta": {"content": text}, "finish_reason": None}])
-        yield self._chunk([{"index": index, "delta": {}, "finish_reason": reply.finish_reason(call)}])
-
-    def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
-        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                 "model": self.request.model, "choices": choices}
-        if self.request.include_usage():
-            chunk["usage"] = usage
-        return chunk
+            yield self.chunk([{"index": index, "delta": {"content": text}, "finish_reason": None}])
+        yield self.chunk([{"index": index, "delta": {}, "finish_reason": reply.finish_reason(call)}])
 
 
-# --- completions -----------------------------------------------------------------------------------
-
-
-@dataclass
-class Completion:
+class Completion(Answering):
     """One completion request: each prompt (one user turn) answered `n` times."""
 
-    api: Api
-    request: CompletionRequest
-    id: str = field(default_factory=lambda: f"cmpl-{secrets.token_hex(12)}")
-    created: int = field(default_factory=lambda: int(time.time()))
+    PREFIX, OBJECT, CHUNK_OBJECT = "cmpl", "text_completion", "text_completion"
 
     def prepare(self) -> list[Ask]:
         refuse_unsupported(self.request)
         self.api.check_model(self.request)
-        asks, self.prompt_tokens, self.limits = [], 0, []
+        asks, self.limits = [], []
         for prompt in self.request.prompts():
             messages = completion_messages(prompt)
             count = self.api.prompt_length(messages, "prompt")
@@ -427,16 +444,10 @@ class Completion:
     def choice_text(self, index: int) -> ChoiceText:
         return ChoiceText(tuple(self.request.stop_words()), (), self.limits[index])
 
-    async def answer(self, asks: list[Ask]) -> dict:
-        choices = await asyncio.gather(*(self._choice(i, ask) for i, ask in enumerate(asks)))
-        completion = sum(count for _, count in choices)
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.request.model,
-                "choices": [choice for choice, _ in choices], "usage": _usage(self.prompt_tokens, completion)}
-
-    async def _choice(self, index: int, ask: Ask) -> tuple[dict, int]:
+    async def choice(self, index: int, ask: Ask) -> tuple[dict, int]:
         reply = self.choice_text(index)
-        async for piece in self.api.triton.pieces(ask):
-            reply.add(piece)
+        async for _ in self.replies(reply, ask, [0], 0):
+            pass
         reply.finish()
         choice = {"index": index, "text": reply.text, "logprobs": None, "finish_reason": reply.finish_reason(None)}
         if self.request.logprobs is not None:
@@ -446,30 +457,13 @@ class Completion:
                                   "top_logprobs": None, "text_offset": offsets}
         return choice, len(reply.log_probs)
 
-    async def chunks(self, asks: list[Ask]) -> AsyncIterator[dict]:
-        counts = [0] * len(asks)
-        async for chunk in _merged([self._choice_chunks(i, ask, counts) for i, ask in enumerate(asks)]):
-            yield chunk
-        if self.request.include_usage():
-            yield self._chunk([], usage=_usage(self.prompt_tokens, sum(counts)))
-
-    async def _choice_chunks(self, index: int, ask: Ask, counts: list[int]) -> AsyncIterator[dict]:
+    async def choice_chunks(self, index: int, ask: Ask, counts: list[int]) -> AsyncIterator[dict]:
         reply = self.choice_text(index)
-        async for piece in self.api.triton.pieces(ask):
-            text = reply.add(piece)
-            counts[index] = len(reply.log_probs)
-            if text:
-                yield self._chunk([{"index": index, "text": text, "logprobs": None, "finish_reason": None}])
+        async for text in self.replies(reply, ask, counts, index):
+            yield self.chunk([{"index": index, "text": text, "logprobs": None, "finish_reason": None}])
         text, _ = reply.finish()
-        yield self._chunk([{"index": index, "text": text, "logprobs": None,
-                            "finish_reason": reply.finish_reason(None)}])
-
-    def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
-        chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.request.model,
-                 "choices": choices}
-        if self.request.include_usage():
-            chunk["usage"] = usage
-        return chunk
+        yield self.chunk([{"index": index, "text": text, "logprobs": None,
+                           "finish_reason": reply.finish_reason(None)}])
 
 
 async def _merged(streams: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:
@@ -553,7 +547,7 @@ def create_app(api: Api):
             raise ApiError(404, f"the model {model_id!r} does not exist", "model", "model_not_found")
         return card
 
-    async def respond(work: Chat | Completion):
+    async def respond(work: Answering):
         asks = await asyncio.to_thread(work.prepare)
         if not work.request.stream:
             return await work.answer(asks)

@@ -8,8 +8,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,7 +16,6 @@ from trtglm.serve.rank_logs import ERROR_LINE, read_log
 
 LOG_NAME = "openai.log"
 START_TIMEOUT_S = 60.0
-_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def api_args(repo: str, endpoints: Endpoints, shm_base: str) -> list[str]:
@@ -39,13 +36,14 @@ class OpenAIProcess:
             self.popen = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL, stdout=out,
                                           stderr=subprocess.STDOUT, start_new_session=True)
 
-    def wait_ready(self, stopping: Callable[[], bool], limit_s: float = START_TIMEOUT_S) -> str | None:
-        """None once it answers /health (or a stop was asked for); else why it did not start."""
+    def wait_ready(self, stopping: Callable[[], bool], answers: Callable[[str], bool],
+                   limit_s: float = START_TIMEOUT_S) -> str | None:
+        """None once `answers` its /health URL (or a stop was asked for); else why it did not start."""
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline and not stopping():
             if self.popen.poll() is not None:
                 return f"the OpenAI API exited with status {self.popen.returncode}{self._cause()}"
-            if _answers(self.health):
+            if answers(self.health):
                 return None
             time.sleep(0.2)
         return None if stopping() else f"the OpenAI API did not answer within {limit_s:g} s{self._cause()}"
@@ -68,10 +66,3 @@ class OpenAIProcess:
                   if ERROR_LINE.match(line.strip().removeprefix("trtglm: "))]
         return f" ({errors[-1]})" if errors else ""
 
-
-def _answers(url: str) -> bool:
-    try:
-        with _NO_PROXY.open(url, timeout=1) as reply:
-            return reply.status == 200
-    except (urllib.error.URLError, OSError):
-        return False

@@ -209,7 +209,8 @@ class Supervisor:
             return None
         self.openai.start(dict(os.environ))
         self.launch.write({**(self.launch.read() or {}), "openai_pid": self.openai.popen.pid})
-        problem = self.openai.wait_ready(lambda: self.stop_signal is not None or self.check_ranks() is not None)
+        problem = self.openai.wait_ready(lambda: self.stop_signal is not None or self.check_ranks() is not None,
+                                         is_ready)
         if problem is None:
             return self.check_ranks()
         return Failure(f"{problem}; stopped all ranks (logs: {self.log_dir})", [], (self.openai.log_path,))
