@@ -4,7 +4,8 @@
 engine's tp × pp (read through tensorrt_llm's `gpt_model_path`; the engine's value when the
 flag is left out, 1 when the repository has no tensorrt_llm model); tritonserver (and mpirun
 for several ranks) can be found; no other launch serves the repository (state.py; the remains
-of a dead one are removed first); rank 0's ports are free on `--host`. Then it runs the
+of a dead one are removed first); rank 0's ports (and the OpenAI API's, when it is served: the
+repository has a client-facing model and FastAPI and uvicorn are installed) are free on `--host`. Then it runs the
 supervisor (supervise.py) in the foreground, or with `--detach` as a daemon, returning once
 the server is ready; the daemon keeps watching, so a dying rank still stops the others.
 
