@@ -37,7 +37,8 @@ class Launched:
 
     def __init__(self, root: Path, server_flags: tuple[str, ...] = (), launch_flags: tuple[str, ...] = ()):
         self.root, self.repo, self.server_flags, self.launch_flags = root, root / "repo", server_flags, launch_flags
-        self.ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port(), "openai": free_port()}
+        # below the ephemeral range: the clients' own connections (the OpenAI API's to Triton too) never take them
+        self.ports = dict(zip(("http", "grpc", "metrics", "openai"), free_ports(4)))
         self.env = {**os.environ, "TRTGLM_STATE_DIR": str(root / "state"), "PYTHONUNBUFFERED": "1"}
         self.url = f"http://127.0.0.1:{self.ports['http']}"
         self.grpc = f"127.0.0.1:{self.ports['grpc']}"

@@ -85,7 +85,7 @@ def _serves_openai(repo: Path) -> bool:
     from trtglm.serve.openai_api import served_model
 
     if served_model(repo) is None:
-        log.info("%s has no tensorrt_llm_bls or ensemble with preprocessing: not serving the OpenAI API", repo)
+        log.debug("%s has no tensorrt_llm_bls or ensemble with preprocessing: not serving the OpenAI API", repo)
         return False
     for package in ("fastapi", "uvicorn"):
         if importlib.util.find_spec(package) is None:
