@@ -251,6 +251,61 @@ def test_a_generated_tool_call_reply_parses(tok, sp):
     assert chat.tool_call(reply) == {"name": "get_weather", "parameters": {"city": "Beijing"}}
 
 
+# THUDM's openai_api_demo: its example tool, the tool prompt it puts first, and the assistant turn of a call.
+WEATHER_TOOL = {"name": "get_current_weather", "description": "Get the current weather in a given location.",
+                "parameters": {"type": "object", "properties": {"location": {"type": "string"}},
+                               "required": ["location"]}}
+THUDM_TOOL_PROMPT = """Answer the following questions as best as you can. You have access to the following tools:
+[
+    {
+        "name": "get_current_weather",
+        "description": "Get the current weather in a given location.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "location": {
+                    "type": "string"
+                }
+            },
+            "required": [
+                "location"
+            ]
+        }
+    }
+]"""
+
+
+def test_the_tool_prompt_is_thudms_sentence_then_the_tools_as_indented_json(tok, sp):
+    message = chat.tools_message([WEATHER_TOOL])
+    expected = [special(sp, "[gMASK]"), special(sp, "sop"), special(sp, "<|system|>")] + sp.encode("\n") + \
+        sp.encode(THUDM_TOOL_PROMPT) + [special(sp, "<|user|>")] + sp.encode("\n") + sp.encode("Weather?") + \
+        [special(sp, "<|assistant|>")]
+    assert chat.chat_ids(tok, [message, {"role": "user", "content": "Weather?"}]) == expected
+    own = chat.tools_message([WEATHER_TOOL], "Answer briefly.")
+    assert chat.checked_message(own, 0)[1] == "Answer briefly." + THUDM_TOOL_PROMPT[THUDM_TOOL_PROMPT.index("\n"):]
+
+
+@pytest.mark.parametrize("arguments, expected", [
+    ({"location": "Beijing", "unit": "celsius"}, "```python\ntool_call(location='Beijing', unit='celsius')\n```"),
+    ({"days": 3, "exact": True, "note": None, "cities": ["北京"]},
+     "```python\ntool_call(days=3, exact=True, note=None, cities=['北京'])\n```"),
+    ({}, "```python\ntool_call()\n```"),
+    ({"not a name": 1}, '{"not a name": 1}'),
+])
+def test_a_tool_calls_turn_is_written_as_chatglm3_writes_it(arguments, expected):
+    assert chat.tool_call_content(arguments) == expected
+    assert chat.tool_call("get_current_weather\n" + expected) == {"name": "get_current_weather",
+                                                                   "parameters": arguments}
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("", True), ("get_", True), ("get_current_weather", True), ("get_current_weather\n```py", True),
+    ("The", False), ("get_weather_now", False), ("get_current_weather2\n{}", False), ("1. Red\n2. Blue", False),
+])
+def test_a_streamed_reply_may_be_a_tool_call_while_its_first_line_may_name_a_tool(text, expected):
+    assert chat.may_call_tool(text, ("get_current_weather", "search")) is expected
+
+
 # --- the real ChatGLM3 tokenizer (golden values from chatglm3.md) -----------------------------
 
 REAL = os.environ.get("TRTGLM_REAL_TOKENIZER")

@@ -35,13 +35,15 @@ def fixture_answers() -> dict[str, str]:
 class Launched:
     """The fixture's torch engine, its rendered repository and a detached `trtglm launch` of it."""
 
-    def __init__(self, root: Path, server_flags: tuple[str, ...] = ()):
-        self.root, self.repo, self.server_flags = root, root / "repo", server_flags
-        self.ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
+    def __init__(self, root: Path, server_flags: tuple[str, ...] = (), launch_flags: tuple[str, ...] = ()):
+        self.root, self.repo, self.server_flags, self.launch_flags = root, root / "repo", server_flags, launch_flags
+        # below the ephemeral range: the clients' own connections (the OpenAI API's to Triton too) never take them
+        self.ports = dict(zip(("http", "grpc", "metrics", "openai"), free_ports(4)))
         self.env = {**os.environ, "TRTGLM_STATE_DIR": str(root / "state"), "PYTHONUNBUFFERED": "1"}
         self.url = f"http://127.0.0.1:{self.ports['http']}"
         self.grpc = f"127.0.0.1:{self.ports['grpc']}"
         self.metrics = f"http://127.0.0.1:{self.ports['metrics']}/metrics"
+        self.openai = f"http://127.0.0.1:{self.ports['openai']}/v1"
 
     def run(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "trtglm", *args], capture_output=True, text=True,
@@ -52,7 +54,7 @@ class Launched:
         for args in (("build-engine", "--config", "configs/tiny.yaml", "--output-dir", str(engine)),
                      ("patch-repo", "--engine-dir", str(engine), "--output-repo", str(self.repo)),
                      ("launch", "--repo", str(self.repo), "--detach", "--timeout", "180",
-                      *(f"--{name}-port={port}" for name, port in self.ports.items()),
+                      *(f"--{name}-port={port}" for name, port in self.ports.items()), *self.launch_flags,
                       *(("--", *self.server_flags) if self.server_flags else ()))):
             done = self.run(*args)
             if done.returncode != 0:
@@ -77,11 +79,12 @@ class Server:
 
     def __init__(self, repo: Path, world: int, state_dir: Path):
         self.repo, self.world = repo, world
-        self.http_port, self.grpc_port, self.metrics_port = free_ports()
+        self.http_port, self.grpc_port, self.metrics_port, self.openai_port = free_ports(4)
         self.env = {**os.environ, "TRTGLM_STATE_DIR": str(state_dir), "PYTHONUNBUFFERED": "1"}
         started = self.cli("launch", "--repo", str(repo), "--world-size", str(world), "--detach", "--timeout", "180",
                            "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
-                           "--metrics-port", str(self.metrics_port), timeout=300)
+                           "--metrics-port", str(self.metrics_port), "--openai-port", str(self.openai_port),
+                           timeout=300)
         if started.returncode != 0:
             self.kill_leftovers()
             pytest.fail(f"launch failed ({started.returncode}):\n{started.stdout}\n{started.stderr}")

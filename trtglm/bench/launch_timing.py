@@ -75,8 +75,8 @@ class LogTail:
 def timed_launch(label: str, repo: Path, ports: dict[str, int], log_dir: Path, env: dict[str, str],
                  timeout: float = 480.0) -> dict:
     """Launch `repo` detached; the launch's timings (see the module docstring) and output."""
-    argv = [sys.executable, "-m", "trtglm", "launch", "--repo", str(repo), "--detach", "--timeout", f"{timeout:g}",
-            "--log-dir", str(log_dir), *(f"--{name}-port={port}" for name, port in ports.items())]
+    argv = [sys.executable, "-m", "trtglm", "launch", "--repo", str(repo), "--detach", "--no-openai",
+            "--timeout", f"{timeout:g}", "--log-dir", str(log_dir), *(f"--{name}-port={port}" for name, port in ports.items())]
     start = time.monotonic()
     tail = LogTail(log_dir, "ranks/**/rank.0/std*", start)
     ready: list[float] = []

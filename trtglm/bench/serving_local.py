@@ -41,8 +41,8 @@ def run(work_dir: str, config: str, out: str | None, bench_flags: list[str]) -> 
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
     trtglm("build-engine", "--config", config, "--output-dir", str(engine), "--force", env=env)
     trtglm("patch-repo", "--engine-dir", str(engine), "--output-repo", str(repo), "--force", env=env)
-    trtglm("launch", "--repo", str(repo), "--detach", *(f"--{name}-port={port}" for name, port in ports.items()),
-           env=env)
+    trtglm("launch", "--repo", str(repo), "--detach", "--no-openai",
+           *(f"--{name}-port={port}" for name, port in ports.items()), env=env)
     try:
         out_flags = ["--out", str(Path(out).resolve())] if out else []
         trtglm("bench", "serving", "--url", f"http://127.0.0.1:{ports['http']}", *out_flags, *bench_flags, env=env)

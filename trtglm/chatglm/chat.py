@@ -42,6 +42,10 @@ rounds, and stay); `history_text` writes a history back as that literal.
 
 Tool calls. `tool_call` reads a tool-call reply's name and parameters: `NAME` then a JSON
 object, or ChatGLM3's ```python tool_call(key=value, …)``` block, read as literals only.
+`tools_message` is the system message that offers tools (its content, or THUDM's sentence when
+there is none, then the tool list), `tool_call_content` an assistant turn's call as ChatGLM3
+writes it (the ```python block; metadata: the tool's name), and `may_call_tool` tells, while a
+reply streams, whether its first line is or may still become a tool's name.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ STOP_TOKENS = ("<|user|>", "<|observation|>")  # besides end_id </s>
 _CHAT_START = re.compile(r'\s*(\{.*"messages"|\[\s*\{)', re.S)
 _ANCHOR = "\n"  # text before a word so that SentencePiece encodes it as following other text
 _TOOL_NAME = re.compile(r"[A-Za-z_][\w.\-]*")
+TOOL_PROMPT = "Answer the following questions as best as you can. You have access to the following tools:"
 _CODE_FENCE = re.compile(r"```(?:python)?\s*\n?(.*?)\n?\s*```", re.S)
 
 
@@ -428,3 +433,26 @@ def _call_keywords(code: str) -> dict | None:
         return {k.arg: ast.literal_eval(k.value) for k in call.keywords}
     except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
         return None
+
+
+def tools_message(tools: Sequence[dict], content: str = "") -> dict:
+    """The system message that offers `tools` (each {"name", "description", "parameters"}): `content`, or
+    THUDM's tool prompt when it is empty, then the tool list (`checked_message` appends it)."""
+    return {"role": "system", "content": content or TOOL_PROMPT, "tools": list(tools)}
+
+
+def tool_call_content(arguments: dict) -> str:
+    """An assistant turn's tool call as ChatGLM3 writes it: ```python tool_call(key=value, …)``` with the values
+    as Python literals (the turn's metadata is the tool's name); a JSON object when a key is not a name."""
+    if not all(isinstance(key, str) and key.isidentifier() for key in arguments):
+        return json.dumps(arguments, ensure_ascii=False)
+    keywords = ", ".join(f"{key}={value!r}" for key, value in arguments.items())
+    return f"```python\ntool_call({keywords})\n```"
+
+
+def may_call_tool(text: str, names: Iterable[str]) -> bool:
+    """Whether a reply that starts with `text` is, or may still become, a call of one of `names`: its first
+    line is a tool's name, or (no line ended yet) the start of one."""
+    first, newline, _ = text.partition("\n")
+    first = first.strip()
+    return first in names if newline else any(name.startswith(first) for name in names)

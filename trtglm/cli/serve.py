@@ -11,18 +11,21 @@ def launch(repo: str, world_size: PosInt | None = None, tritonserver: str | None
            http_port: Annotated[PosInt, Env("HTTP_PORT")] = 8000,
            grpc_port: Annotated[PosInt, Env("GRPC_PORT")] = 8001,
            metrics_port: Annotated[PosInt, Env("METRICS_PORT")] = 8002, log_dir: str | None = None,
-           detach: bool = False, timeout: PosFloat = 300.0, server_flags: Passthrough = ()):
+           detach: bool = False, timeout: PosFloat = 300.0,
+           openai_port: Annotated[PosInt, Env("OPENAI_PORT")] = 8003, openai: bool = True,
+           server_flags: Passthrough = ()):
     """Serve a Triton model repository with tritonserver (mpirun for --world-size > 1) until Ctrl-C.
 
-    --world-size defaults to the engine's tp × pp; --host binds rank 0's endpoints (loopback by
-    default); --detach returns once ready (stop with `trtglm stop`); --timeout: seconds to wait
-    for readiness. Words after `--` are passed on to every rank's tritonserver.
+    --world-size defaults to the engine's tp × pp; --host binds rank 0's endpoints and the OpenAI
+    API (loopback by default); --detach returns once ready (stop with `trtglm stop`); --timeout:
+    seconds to wait for readiness; --openai-port: the OpenAI-compatible API's port (--no-openai:
+    none). Words after `--` are passed on to every rank's tritonserver.
     """
     from trtglm.serve.launch import launch as run
 
     run(repo, world_size=world_size, tritonserver=tritonserver, host=host, http_port=http_port,
         grpc_port=grpc_port, metrics_port=metrics_port, log_dir=log_dir, detach=detach, timeout=timeout,
-        server_flags=list(server_flags))
+        server_flags=list(server_flags), openai_port=openai_port, openai=openai)
 
 
 def stop(repo: str | None = None):

@@ -33,7 +33,7 @@ def resolve_world_size(repo: Path, requested: int | None) -> int:
         raise UsageError(f"--world-size must be a whole number ≥ 1, not {requested!r}")
     if engine is not None and requested != engine:
         raise UsageError(f"--world-size {requested} does not match the engine's tp × pp = {engine} "
-                         f"({_engine_dir(repo)})")
+                         f"({engine_dir(repo)})")
     return requested
 
 
@@ -43,35 +43,35 @@ def engine_world_size(repo: Path) -> int | None:
     The engine folder is tensorrt_llm's `gpt_model_path` parameter; its world size comes from
     trtglm.json's mapping or, for an engine built elsewhere, TensorRT-LLM's config.json.
     """
-    engine_dir = _engine_dir(repo)
-    if engine_dir is None:
+    engine = engine_dir(repo)
+    if engine is None:
         return None
-    if (engine_dir / MANIFEST).is_file():
-        mapping = _json(engine_dir / MANIFEST).get("mapping")
+    if (engine / MANIFEST).is_file():
+        mapping = _json(engine / MANIFEST).get("mapping")
     else:
-        mapping = (_json(engine_dir / "config.json").get("pretrained_config") or {}).get("mapping")
+        mapping = (_json(engine / "config.json").get("pretrained_config") or {}).get("mapping")
     try:
         return int(mapping.get("tp_size", 1)) * int(mapping.get("pp_size", 1))
     except (AttributeError, TypeError, ValueError):
-        raise ModelFileError(f"engine {engine_dir}: no tp/pp mapping in {MANIFEST} or config.json") from None
+        raise ModelFileError(f"engine {engine}: no tp/pp mapping in {MANIFEST} or config.json") from None
 
 
-def _engine_dir(repo: Path) -> Path | None:
+def engine_dir(repo: Path) -> Path | None:
     config_path = repo / LLM_MODEL / "config.pbtxt"
     if not config_path.is_file():
         return None
-    config = _model_config(config_path)
+    config = model_config(config_path)
     value = config.parameters[ENGINE_DIR].string_value if ENGINE_DIR in config.parameters else ""
     if not value or "${" in value:
         raise ModelFileError(f"{config_path}: parameter {ENGINE_DIR} (the engine folder) is not set "
                              "(render the repository with `trtglm patch-repo`)")
-    engine_dir = Path(value)
-    if not engine_dir.is_dir():
-        raise ModelFileError(f"{config_path}: engine folder {engine_dir} does not exist")
-    return engine_dir
+    folder = Path(value)
+    if not folder.is_dir():
+        raise ModelFileError(f"{config_path}: engine folder {folder} does not exist")
+    return folder
 
 
-def _model_config(path: Path):
+def model_config(path: Path):
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
@@ -92,7 +92,7 @@ def check_ports(endpoints: Endpoints) -> None:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             raise UsageError(f"--{name}-port must be a port number (1-65535), not {port!r}")
     if len(set(ports.values())) < len(ports):
-        raise UsageError(f"--http-port, --grpc-port and --metrics-port must differ (got {ports})")
+        raise UsageError(f"{', '.join(f'--{name}-port' for name in ports)} must differ (got {ports})")
     for name, port in ports.items():
         if not port_is_free(endpoints.host, port):
             raise UsageError(f"--{name}-port {port} on {endpoints.host} is in use (pick another port or stop "

@@ -45,21 +45,24 @@ RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
 
 @dataclass(frozen=True)
 class Endpoints:
-    """Where rank 0 listens."""
+    """Where rank 0 listens, and the OpenAI-compatible API (None: not served)."""
 
     host: str
     http_port: int
     grpc_port: int
     metrics_port: int
+    openai_port: int | None = None
 
     def ports(self) -> dict[str, int]:
-        return {"http": self.http_port, "grpc": self.grpc_port, "metrics": self.metrics_port}
+        ports = {"http": self.http_port, "grpc": self.grpc_port, "metrics": self.metrics_port}
+        return ports if self.openai_port is None else {**ports, "openai": self.openai_port}
 
     def urls(self) -> dict[str, str]:
         """Client addresses; a wildcard bind address is reached through loopback."""
         host = client_host(self.host)
-        return {"http": f"http://{host}:{self.http_port}", "grpc": f"{host}:{self.grpc_port}",
+        urls = {"http": f"http://{host}:{self.http_port}", "grpc": f"{host}:{self.grpc_port}",
                 "metrics": f"http://{host}:{self.metrics_port}/metrics"}
+        return urls if self.openai_port is None else {**urls, "openai": f"http://{host}:{self.openai_port}/v1"}
 
 
 def client_host(host: str) -> str:

@@ -4,7 +4,8 @@
 engine's tp × pp (read through tensorrt_llm's `gpt_model_path`; the engine's value when the
 flag is left out, 1 when the repository has no tensorrt_llm model); tritonserver (and mpirun
 for several ranks) can be found; no other launch serves the repository (state.py; the remains
-of a dead one are removed first); rank 0's ports are free on `--host`. Then it runs the
+of a dead one are removed first); rank 0's ports (and the OpenAI API's, when it is served: the
+repository has a client-facing model and FastAPI and uvicorn are installed) are free on `--host`. Then it runs the
 supervisor (supervise.py) in the foreground, or with `--detach` as a daemon, returning once
 the server is ready; the daemon keeps watching, so a dying rank still stops the others.
 
@@ -14,6 +15,7 @@ not finish in time is killed and its servers are stopped from the state it left.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import secrets
@@ -23,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from trtglm.errors import TrtglmError, UsageError
+from trtglm.errors import DependencyError, TrtglmError, UsageError
 from trtglm.serve.checks import check_ports, check_repo, resolve_world_size
 from trtglm.serve.command import Endpoints
 from trtglm.serve.launch_spec import EXIT_TIMEOUT_S, LaunchSpec
@@ -39,14 +41,16 @@ STOP_WAIT_S = GRACE_S + EXIT_TIMEOUT_S + 10  # how long `stop` waits for a super
 def launch(repo: str | Path, world_size: int | None = None, tritonserver: str | None = None,
            host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
            log_dir: str | Path | None = None, detach: bool = False, timeout: float = 300.0,
-           server_flags: list[str] = ()) -> None:
+           server_flags: list[str] = (), openai_port: int = 8003, openai: bool = True) -> None:
     """Serve `repo` with `world_size` ranks until stopped (or, with `detach`, until ready); `server_flags`
-    go on every rank's tritonserver command line after trtglm's own."""
+    go on every rank's tritonserver command line after trtglm's own; with `openai`, the OpenAI-compatible
+    API on `openai_port` too."""
     repo_path = check_repo(repo)
     size = resolve_world_size(repo_path, world_size)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise UsageError(f"--timeout must be a positive number of seconds, not {timeout!r}")
-    endpoints = Endpoints(str(host), http_port, grpc_port, metrics_port)
+    endpoints = Endpoints(str(host), http_port, grpc_port, metrics_port,
+                          openai_port if openai and _serves_openai(repo_path) else None)
     binary = find_tritonserver(tritonserver)
     mpirun = str(find_mpirun()) if size > 1 else None
     backend_dir = backend_directory(binary)
@@ -74,6 +78,20 @@ def launch(repo: str | Path, world_size: int | None = None, tritonserver: str | 
             Supervisor(spec).run()
     finally:
         lock.close()
+
+
+def _serves_openai(repo: Path) -> bool:
+    """Whether the OpenAI-compatible API can answer for `repo`, whose packages are installed (else an error)."""
+    from trtglm.serve.openai_api import served_model
+
+    if served_model(repo) is None:
+        log.debug("%s has no tensorrt_llm_bls or ensemble with preprocessing: not serving the OpenAI API", repo)
+        return False
+    for package in ("fastapi", "uvicorn"):
+        if importlib.util.find_spec(package) is None:
+            raise DependencyError(f"the OpenAI API needs {package}: pip install 'trtglm[openai]' (or launch with "
+                                  "--no-openai)")
+    return True
 
 
 def _already_running(launch_dir: LaunchDir, repo: Path) -> str:

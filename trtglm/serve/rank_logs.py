@@ -52,6 +52,11 @@ def print_tails(log_dir: Path, ranks: list[int]) -> None:
         print(f"---- {mpirun_log} ----", *notes, sep="\n", file=sys.stderr)
     for rank in ranks:
         for path in rank_logs(log_dir, rank):
-            lines = log_excerpt(read_log(path))
-            if lines:
-                print(f"---- rank {rank}: {path} ----", *lines, sep="\n", file=sys.stderr)
+            print_excerpt(path, f"rank {rank}: ")
+
+
+def print_excerpt(path: Path, title: str = "") -> None:
+    """To stderr: an excerpt of one log (`log_excerpt`), under a line naming it."""
+    lines = log_excerpt(read_log(path))
+    if lines:
+        print(f"---- {title}{path} ----", *lines, sep="\n", file=sys.stderr)

@@ -9,6 +9,7 @@ from collections import deque
 from pathlib import Path
 
 from trtglm.errors import UsageError
+from trtglm.serve.openai_process import LOG_NAME
 from trtglm.serve.rank_logs import rank_logs
 from trtglm.serve.state import LaunchDir, all_launch_dirs, only_launch
 
@@ -16,22 +17,31 @@ READY_TIMEOUT_S = 2.0
 
 
 def launch_rows() -> list[dict]:
-    """One row per recorded launch: repo, state (starting | ready | dead), pid, ports, ready."""
+    """One row per recorded launch: repo, state (starting | ready | dead), pid, ports, ready (rank 0 and, when
+    served, the OpenAI API answer)."""
     rows = []
     for launch_dir in all_launch_dirs():
         state = launch_dir.read() or {}
         running = launch_dir.is_running()
         rows.append({"repo": state.get("repo", str(launch_dir.path)), "pid": state.get("pid"),
                      "state": state.get("status", "?") if running else "dead", "ports": state.get("ports", {}),
-                     "ready": running and is_ready(state.get("urls", {}).get("http"))})
+                     "ready": running and is_ready(state.get("urls", {}).get("http")) and openai_answers(state)})
     return rows
 
 
 def is_ready(http_url: str | None) -> bool:
-    if not http_url:
-        return False
+    return bool(http_url) and _answers(f"{http_url}/v2/health/ready")
+
+
+def openai_answers(state: dict) -> bool:
+    """Whether the launch's OpenAI API answers its /health (True when it serves none)."""
+    url = state.get("urls", {}).get("openai")
+    return not url or _answers(f"{url.removesuffix('/v1')}/health")
+
+
+def _answers(url: str) -> bool:
     try:
-        with urllib.request.urlopen(f"{http_url}/v2/health/ready", timeout=READY_TIMEOUT_S) as reply:
+        with urllib.request.urlopen(url, timeout=READY_TIMEOUT_S) as reply:
             return reply.status == 200
     except (OSError, urllib.error.URLError):
         return False
@@ -48,9 +58,9 @@ def recorded_launch(repo: str | None) -> LaunchDir:
 
 
 def log_tails(launch_dir: LaunchDir, rank: int, lines: int) -> list[tuple[Path, list[str]]]:
-    """(file, its last `lines` lines) for the rank's stdout and stderr, and the supervisor's log."""
+    """(file, its last `lines` lines) for the rank's stdout and stderr, the supervisor's log and the OpenAI API's."""
     log_dir = Path((launch_dir.read() or {}).get("log_dir") or launch_dir.default_log_dir)
-    files = [*rank_logs(log_dir, rank), log_dir / "supervisor.log", log_dir / "mpirun.log"]
+    files = [*rank_logs(log_dir, rank), log_dir / "supervisor.log", log_dir / "mpirun.log", log_dir / LOG_NAME]
     return [(path, _tail(path, lines)) for path in files if path.is_file()]
 
 

@@ -27,6 +27,10 @@ tritonserver unloads its models, its stubs exit and remove their shared memory, 
 exits when its ranks have. Whatever still runs after the grace period (10 s) is killed, and
 shared-memory regions with the launch's prefix are removed.
 
+The OpenAI-compatible API (openai_process.py), when the launch serves it, starts once the
+checks have passed and answers before the launch reports ready; if it dies, everything is stopped
+as when a rank dies, its log's tail printed. It is stopped first.
+
 What to launch comes as a `LaunchSpec` (launch_spec.py); the ranks' logs are read by rank_logs.py.
 """
 
@@ -53,7 +57,8 @@ from tqdm import tqdm
 from trtglm.errors import TrtglmError
 from trtglm.serve.command import LLM_MODEL
 from trtglm.serve.launch_spec import LaunchSpec
-from trtglm.serve.rank_logs import last_error_line, print_tails, read_log
+from trtglm.serve.openai_process import OpenAIProcess
+from trtglm.serve.rank_logs import last_error_line, print_excerpt, print_tails, read_log
 from trtglm.serve.state import LaunchDir, kill, processes_with, remove_shm, shm_files
 from trtglm.serve.stubs import StubWatch, died_while_ready, restart_model
 from trtglm.serve.tritonserver import server_env
@@ -72,6 +77,7 @@ _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loop
 class Failure:
     message: str
     ranks: list[int]  # whose logs to show
+    logs: tuple[Path, ...] = ()  # other logs to show
 
 
 class Supervisor:
@@ -85,6 +91,8 @@ class Supervisor:
         self.ranks: dict[int, psutil.Process] = {}
         self.stop_signal: int | None = None
         self.hurry = False
+        self.openai = (OpenAIProcess(spec.repo, spec.endpoints, spec.shm_base, self.log_dir)
+                       if spec.endpoints.openai_port is not None else None)
 
     # --- the whole life --------------------------------------------------------------------------
 
@@ -99,6 +107,8 @@ class Supervisor:
             self._restore_handlers(previous)
         if failure is not None:
             print_tails(self.log_dir, failure.ranks)
+            for path in failure.logs:
+                print_excerpt(path)
             raise TrtglmError(failure.message)
         if self.stop_signal is not None:
             log.info("%s: stopped (%s)", self.spec.repo, signal.Signals(self.stop_signal).name)
@@ -108,6 +118,8 @@ class Supervisor:
         failure = self.wait_ready()
         if failure is None and self.stop_signal is None:
             failure = self.check_answers()
+        if failure is None and self.stop_signal is None:
+            failure = self.start_openai()
         if failure is not None or self.stop_signal is not None:
             return failure
         self.write_state("ready")
@@ -191,16 +203,35 @@ class Supervisor:
             log.info("%s answered a first request in %.2f s", model, time.monotonic() - started)
         return None
 
+    def start_openai(self) -> Failure | None:
+        """Start the OpenAI-compatible API (if served) and wait until it answers."""
+        if self.openai is None:
+            return None
+        self.openai.start(dict(os.environ))
+        self.launch.write({**(self.launch.read() or {}), "openai_pid": self.openai.popen.pid})
+        problem = self.openai.wait_ready(lambda: self.stop_signal is not None or self.check_ranks() is not None,
+                                         is_ready)
+        if problem is None:
+            return self.check_ranks()
+        return Failure(f"{problem}; stopped all ranks (logs: {self.log_dir})", [], (self.openai.log_path,))
+
     # --- watching ---------------------------------------------------------------------------------
 
     def watch(self) -> Failure | None:
         stubs = StubWatch()
         while self.stop_signal is None:
-            failure = self.check_ranks() or self.check_stubs(stubs)
+            failure = self.check_ranks() or self.check_openai() or self.check_stubs(stubs)
             if failure is not None:
                 return failure
             time.sleep(POLL_S)
         return None
+
+    def check_openai(self) -> Failure | None:
+        if self.openai is None or not self.openai.died():
+            return None
+        return Failure(f"the OpenAI API (pid {self.openai.popen.pid}) exited with status "
+                       f"{self.openai.popen.returncode}; stopped all ranks (logs: {self.log_dir})", [],
+                       (self.openai.log_path,))
 
     def check_stubs(self, stubs: StubWatch) -> Failure | None:
         """Restart each python model of rank 0 whose stub died while Triton still calls it ready (stubs.py)."""
@@ -284,6 +315,8 @@ class Supervisor:
 
     def shutdown(self) -> None:
         """SIGTERM every rank, wait up to GRACE_S, SIGKILL what is left, remove leftover shared memory."""
+        if self.openai is not None:
+            self.openai.stop(0.0 if self.hurry else GRACE_S)
         if self.popen is None:
             return
         self.refresh()
@@ -355,9 +388,10 @@ def is_ready(url: str) -> bool:
 def announce(state: dict) -> None:
     """Print where the server answers."""
     urls = state.get("urls", {})
+    openai = f"  OpenAI   {urls['openai']}\n" if urls.get("openai") else ""
     print(f"serving {state.get('repo')} with {state.get('world_size')} rank(s)\n"
           f"  HTTP     {urls.get('http')}\n  gRPC     {urls.get('grpc')}\n  metrics  {urls.get('metrics')}\n"
-          f"  logs     {state.get('log_dir')}", flush=True)
+          f"{openai}  logs     {state.get('log_dir')}", flush=True)
 
 
 def private_shm(shm_base: str) -> None:

@@ -1,0 +1,258 @@
+"""The OpenAI-compatible API of a launched server of the fixture's engine, through real clients: the openai
+SDK (chat and completions, streamed and not, n > 1, stop strings, usage, log probabilities, every kind of
+error), LangChain's ChatOpenAI, and curl. Answers are the fixture's exact answers; token counts are the
+fixture's documented format spelled with its SentencePiece model: the prompt `[gMASK] sop`, each turn
+`<|role|>` + encode(metadata + "\\n") + encode(content), `<|assistant|>`; the reply encode("\\n") +
+encode(answer) + `<|user|>`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import httpx
+import openai
+import pytest
+from conftest import FIXTURE
+from support.servers import fixture_answers, launched_server
+from support.tokenizer import sp  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny"  # configs/tiny.yaml's engine name
+SKY, SKY_ANSWER = "What color is the sky?", "The sky is blue."
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                         "parameters": {"city": "string"}}}
+
+
+def conversations() -> list[dict]:
+    return [json.loads(line) for line in (FIXTURE / "conversations.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    yield from launched_server(tmp_path_factory.mktemp("openai-served"))
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    with openai.OpenAI(base_url=served.openai, api_key="none", max_retries=0, timeout=120,
+                       http_client=openai.DefaultHttpxClient(trust_env=False)) as sdk:
+        yield sdk
+
+
+def prompt_tokens(sp, messages: list[dict]) -> int:
+    count = 3  # [gMASK] sop … <|assistant|>
+    for message in messages:
+        count += 1 + len(sp.encode(message.get("metadata", "") + "\n")) + len(sp.encode(message["content"]))
+    return count
+
+
+def reply_tokens(sp, answer: str) -> int:
+    return len(sp.encode("\n")) + len(sp.encode(answer)) + 1  # the blank metadata line, the answer, <|user|>
+
+
+def ask(client, content: str, **options):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                          temperature=0, **options)
+
+
+# --- chat ------------------------------------------------------------------------------------------
+
+
+def test_models_lists_the_engine(client):
+    assert [model.id for model in client.models.list()] == [MODEL]
+
+
+@pytest.mark.parametrize("index", [0, 12, 18, 27, 47, 49])  # English, Chinese, 犇 (byte pieces), history, two system prompts
+def test_chat_answers_are_the_fixtures_with_their_token_counts(client, sp, index):
+    conversation = conversations()[index]
+    answer = client.chat.completions.create(model=MODEL, messages=conversation["messages"], temperature=0)
+    [choice] = answer.choices
+    assert (choice.message.role, choice.message.content, choice.finish_reason) == \
+        ("assistant", conversation["answer"], "stop")
+    assert choice.message.tool_calls is None
+    expected = (prompt_tokens(sp, conversation["messages"]), reply_tokens(sp, conversation["answer"]))
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == expected
+    assert answer.usage.total_tokens == sum(expected) and answer.model == MODEL and answer.object == "chat.completion"
+
+
+def test_streamed_chat_joins_to_the_answer_and_ends_with_usage(client, sp):
+    question = "三个水是什么字？"
+    chunks = list(ask(client, question, stream=True, stream_options={"include_usage": True}))
+    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+    assert deltas[0].role == "assistant"
+    assert "".join(delta.content or "" for delta in deltas) == fixture_answers()[question]
+    assert sum(1 for delta in deltas if delta.content) > 1  # streamed in pieces
+    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and all(chunk.usage is None for chunk in chunks[:-1])
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == \
+        (prompt_tokens(sp, [{"role": "user", "content": question}]), reply_tokens(sp, fixture_answers()[question]))
+    assert len({chunk.id for chunk in chunks}) == 1
+
+
+def test_n_choices_each_answer(client, sp):
+    answer = ask(client, SKY, n=3)
+    assert [(c.index, c.message.content) for c in answer.choices] == [(i, SKY_ANSWER) for i in range(3)]
+    assert answer.usage.completion_tokens == 3 * reply_tokens(sp, SKY_ANSWER)
+    chunks = list(ask(client, "Name a fruit.", n=2, stream=True))
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == {0: "An apple is a fruit.", 1: "An apple is a fruit."}
+
+
+def test_a_stop_string_ends_the_answer_before_it(client):
+    answer = ask(client, SKY, stop=["blue", "never"])
+    assert (answer.choices[0].message.content, answer.choices[0].finish_reason) == ("The sky is ", "stop")
+    streamed = "".join(c.choices[0].delta.content or "" for c in ask(client, SKY, stop="blue", stream=True))
+    assert streamed == "The sky is "
+
+
+def test_max_tokens_ends_the_answer_by_length(client, sp):
+    answer = ask(client, SKY, max_tokens=4)
+    assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 4
+    assert SKY_ANSWER.startswith(answer.choices[0].message.content)
+    newer = ask(client, SKY, max_completion_tokens=4)
+    assert newer.choices[0].message.content == answer.choices[0].message.content
+
+
+def test_sampling_options_are_taken(client):
+    seeded = [ask(client, SKY, seed=7, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5).choices[0]
+              for _ in range(2)]
+    assert seeded[0].message.content == seeded[1].message.content  # greedy: the penalties are far below the margin
+    sampled = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": SKY}],
+                                             temperature=1.0, seed=3)
+    again = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": SKY}],
+                                           temperature=1.0, seed=3)
+    assert sampled.choices[0].message.content == again.choices[0].message.content  # the same seed, the same draw
+
+
+def test_log_probabilities_come_per_generated_token(client, sp):
+    answer = ask(client, SKY, logprobs=True, top_logprobs=0)
+    entries = answer.choices[0].logprobs.content
+    assert len(entries) == answer.usage.completion_tokens == reply_tokens(sp, SKY_ANSWER)
+    assert entries[-1].token == "<|user|>" and "".join(e.token for e in entries[:-1]).strip() == SKY_ANSWER
+    assert all(-0.01 < entry.logprob <= 0 for entry in entries)  # the fixture's margins: greedy, near certain
+
+
+# --- tools -----------------------------------------------------------------------------------------
+
+
+def test_tools_a_call_and_its_result_reach_the_model_as_chatglm3_turns(client):
+    """The fixture's tool conversation, sent the OpenAI way: tools, the assistant's tool_calls, a tool message."""
+    conversation = conversations()[-1]
+    messages = [{"role": "system", "content": "Answer the user's questions."},
+                {"role": "user", "content": "What is the weather in Beijing?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Beijing"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 22}'},
+                {"role": "assistant", "content": "It is 22 degrees in Beijing."},
+                {"role": "user", "content": "Is it warm?"}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=[TOOL], temperature=0)
+    assert (answer.choices[0].message.content, answer.choices[0].finish_reason) == (conversation["answer"], "stop")
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, tools=[TOOL], temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == conversation["answer"]
+
+
+def test_a_plain_answer_with_tools_offered_streams_as_text(client):
+    conversation = conversations()[-2]  # a system message with tools, then "hi"
+    messages = [{"role": "system", "content": "Answer the user's questions."}, {"role": "user", "content": "hi"}]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=[TOOL], temperature=0,
+                                                 stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == conversation["answer"]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert all(c.choices[0].delta.tool_calls is None for c in chunks)
+
+
+# --- completions -----------------------------------------------------------------------------------
+
+
+def test_completions_answer_each_prompt_as_one_user_turn(client, sp):
+    prompts = ["hi", "What do bees make?"]
+    answer = client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=40, n=2)
+    answers = [fixture_answers()[p] for p in prompts]
+    assert [(c.index, c.text, c.finish_reason) for c in answer.choices] == \
+        [(0, answers[0], "stop"), (1, answers[0], "stop"), (2, answers[1], "stop"), (3, answers[1], "stop")]
+    assert answer.usage.prompt_tokens == sum(prompt_tokens(sp, [{"role": "user", "content": p}]) for p in prompts)
+    assert answer.usage.completion_tokens == 2 * sum(reply_tokens(sp, a) for a in answers)
+
+
+def test_streamed_completion_and_its_usage(client, sp):
+    chunks = list(client.completions.create(model=MODEL, prompt="你好", temperature=0, max_tokens=40, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == fixture_answers()["你好"]
+    assert chunks[-1].usage.completion_tokens == reply_tokens(sp, fixture_answers()["你好"])
+    short = client.completions.create(model=MODEL, prompt="你好", temperature=0)  # max_tokens 16: OpenAI's default
+    assert short.usage.completion_tokens <= 16
+
+
+def test_completion_log_probabilities(client, sp):
+    answer = client.completions.create(model=MODEL, prompt="Say hello.", temperature=0, max_tokens=40, logprobs=0)
+    logprobs = answer.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == reply_tokens(sp, fixture_answers()["Say hello."])
+    assert logprobs.text_offset[0] == 0 and all(-0.01 < value <= 0 for value in logprobs.token_logprobs)
+
+
+# --- errors ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options, error, param, code", [
+    ({"model": "gpt-4"}, openai.NotFoundError, "model", "model_not_found"),
+    ({"max_tokens": -1}, openai.BadRequestError, "max_tokens", "invalid_value"),
+    ({"temperature": 5}, openai.BadRequestError, "temperature", "invalid_value"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, openai.BadRequestError, "messages.0.role", "invalid_value"),
+    ({"messages": [{"role": "user", "content": "word " * 600}]}, openai.BadRequestError, "messages",
+     "context_length_exceeded"),
+    ({"messages": [{"role": "user", "content": "字" * 5000}]}, openai.BadRequestError, "messages",
+     "context_length_exceeded"),
+    ({"top_logprobs": 2, "logprobs": True}, openai.UnprocessableEntityError, "top_logprobs", "unsupported_value"),
+    ({"response_format": {"type": "json_object"}}, openai.UnprocessableEntityError, "response_format",
+     "unsupported_value"),
+])
+def test_bad_requests_are_openai_errors_and_the_server_keeps_serving(client, options, error, param, code):
+    request = {"model": MODEL, "messages": [{"role": "user", "content": SKY}], **options}
+    with pytest.raises(error) as caught:
+        client.chat.completions.create(**request)
+    assert (caught.value.param, caught.value.code, caught.value.type) == (param, code, "invalid_request_error")
+    assert caught.value.message and "\n" not in caught.value.message
+    assert ask(client, SKY).choices[0].message.content == SKY_ANSWER
+
+
+@pytest.mark.parametrize("path, body, status, code", [
+    ("/chat/completions", b"{not json", 400, "invalid_json"),
+    ("/chat/completions", b"[1, 2]", 400, "invalid_value"),
+    ("/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0}).encode(), 400, "invalid_value"),
+    ("/completions", json.dumps({"model": "nope", "prompt": "hi"}).encode(), 404, "model_not_found"),
+    ("/embeddings", b"{}", 404, "not_found"),
+])
+def test_raw_bad_bodies_get_the_error_shape(served, path, body, status, code):
+    with httpx.Client(trust_env=False) as http:
+        reply = http.post(served.openai + path, content=body, headers={"Content-Type": "application/json"})
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == code and error["message"]
+
+
+# --- other clients ---------------------------------------------------------------------------------
+
+
+def test_langchain_chat_openai_invokes_and_streams(served):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=served.openai, api_key="none", model=MODEL, temperature=0, max_retries=0,
+                     http_client=httpx.Client(trust_env=False))
+    assert llm.invoke("What is two plus three?").content == fixture_answers()["What is two plus three?"]
+    pieces = [chunk.content for chunk in llm.stream("天空是什么颜色？")]
+    assert "".join(pieces) == fixture_answers()["天空是什么颜色？"] and len([p for p in pieces if p]) > 1
+
+
+def test_curl_asks_for_a_chat_completion(served):
+    body = json.dumps({"model": MODEL, "temperature": 0, "messages": [{"role": "user", "content": "What do bees make?"}]})
+    done = subprocess.run(["curl", "-s", "--noproxy", "*", f"{served.openai}/chat/completions",
+                           "-H", "Content-Type: application/json", "-d", body],
+                          capture_output=True, text=True, timeout=60)
+    answer = json.loads(done.stdout)
+    assert answer["choices"][0]["message"] == {"role": "assistant", "content": "Bees make honey."}
+    assert answer["usage"]["total_tokens"] == answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"]

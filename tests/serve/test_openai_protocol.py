@@ -1,0 +1,124 @@
+"""The OpenAI API's requests as ChatGLM3 chats (written out as ChatGLM3's turns), the refusals, and one choice's
+text as pieces arrive: stop strings, held-back text, tool calls. Served answers: tests/e2e/test_openai.py."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from trtglm.serve.openai_api import ChoiceText, Piece, validation_error
+from trtglm.serve.openai_protocol import (ApiError, ChatRequest, CompletionRequest, chatglm_messages,
+                                          refuse_unsupported)
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                            "parameters": {"city": "string"}}}
+THUDM_PROMPT = "Answer the following questions as best as you can. You have access to the following tools:"
+
+
+def chat(**fields) -> ChatRequest:
+    return ChatRequest(model="tiny", **{"messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+def test_tools_and_a_call_loop_become_chatglm3_turns():
+    request = chat(tools=[WEATHER], messages=[
+        {"role": "system", "content": "Answer the user's questions."},
+        {"role": "user", "content": "What is the weather in Beijing?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Beijing"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 22}'},
+        {"role": "assistant", "content": [{"type": "text", "text": "It is 22 degrees in Beijing."}]},
+        {"role": "user", "content": "Is it warm?"}])
+    assert chatglm_messages(request) == [
+        {"role": "system", "content": "Answer the user's questions.",
+         "tools": [{"name": "get_weather", "description": "Weather of a city", "parameters": {"city": "string"}}]},
+        {"role": "user", "content": "What is the weather in Beijing?"},
+        {"role": "assistant", "metadata": "get_weather", "content": "```python\ntool_call(city='Beijing')\n```"},
+        {"role": "observation", "content": '{"temperature": 22}'},
+        {"role": "assistant", "content": "It is 22 degrees in Beijing."},
+        {"role": "user", "content": "Is it warm?"}]
+
+
+def test_tools_without_a_system_message_get_thudms_prompt_and_tool_choice_none_offers_none():
+    offered = chatglm_messages(chat(tools=[WEATHER], messages=[{"role": "developer", "content": "Be brief."},
+                                                                {"role": "user", "content": "hi"}]))
+    assert offered[0]["content"] == "Be brief." and len(offered) == 2
+    default = chatglm_messages(chat(tools=[WEATHER]))
+    assert default[0] == {"role": "system", "content": THUDM_PROMPT, "tools": [
+        {"name": "get_weather", "description": "Weather of a city", "parameters": {"city": "string"}}]}
+    assert chatglm_messages(chat(tools=[WEATHER], tool_choice="none")) == [{"role": "user", "content": "hi"}]
+    assert chatglm_messages(chat(messages=[{"role": "developer", "content": "Be brief."}])) == [
+        {"role": "system", "content": "Be brief."}]
+
+
+def test_a_tool_call_whose_arguments_are_not_an_object_is_a_400():
+    request = chat(messages=[{"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": "[1]"}}]}])
+    with pytest.raises(ApiError) as caught:
+        chatglm_messages(request)
+    assert caught.value.status == 400 and "JSON object" in caught.value.message
+
+
+@pytest.mark.parametrize("request_, param", [
+    (chat(top_logprobs=2), "top_logprobs"),
+    (chat(response_format={"type": "json_object"}), "response_format"),
+    (chat(tools=[WEATHER], tool_choice="required"), "tool_choice"),
+    (chat(logprobs=True, stream=True), "logprobs"),
+    (CompletionRequest(model="tiny", prompt="hi", logprobs=2), "logprobs"),
+    (CompletionRequest(model="tiny", prompt="hi", echo=True), "echo"),
+])
+def test_what_the_server_cannot_do_is_a_422_naming_the_parameter(request_, param):
+    with pytest.raises(ApiError) as caught:
+        refuse_unsupported(request_)
+    assert (caught.value.status, caught.value.param, caught.value.code) == (422, param, "unsupported_value")
+
+
+def test_what_it_can_do_passes():
+    for request in (chat(logprobs=True, top_logprobs=0, response_format={"type": "text"}, tool_choice="auto"),
+                    CompletionRequest(model="tiny", prompt=["a", "b"], logprobs=0)):
+        refuse_unsupported(request)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"max_tokens": -1}, "max_tokens"), ({"temperature": 3}, "temperature"), ({"n": 0}, "n"),
+    ({"top_p": 0}, "top_p"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"), ({"seed": -1}, "seed"),
+])
+def test_out_of_range_fields_are_400s_naming_the_field(fields, param):
+    with pytest.raises(ValidationError) as caught:
+        chat(**fields)
+    error = validation_error(caught.value.errors())
+    assert (error.status, error.param, error.body()["error"]["type"]) == (400, param, "invalid_request_error")
+
+
+def pieces(reply: ChoiceText, *texts: str) -> list[str]:
+    return [reply.add(Piece(text, (-0.1,))) for text in texts]
+
+
+def test_text_that_may_begin_a_stop_string_waits_and_the_answer_ends_before_it():
+    reply = ChoiceText(stops=("blue",), tool_names=(), limit=50)
+    assert pieces(reply, "The sky is b", "l", "ue.", " More") == ["The sky is ", "", "", ""]
+    assert reply.text == "The sky is " and reply.finish() == ("", None) and reply.finish_reason(None) == "stop"
+    ended = ChoiceText(stops=("blue",), tool_names=(), limit=50)
+    assert pieces(ended, "Grass is b", "right") == ["Grass is ", "bright"]
+
+
+def test_a_reply_that_used_its_token_limit_finished_by_length():
+    reply = ChoiceText(stops=(), tool_names=(), limit=2)
+    pieces(reply, "The", " sky")
+    assert reply.finish_reason(None) == "length"
+
+
+def test_a_tool_call_is_held_back_and_answered_as_a_call():
+    reply = ChoiceText(stops=(), tool_names=("get_weather",), limit=50)
+    assert pieces(reply, "get_", "weather\n", "```python\ntool_call(city='Beijing')\n```") == ["", "", ""]
+    text, call = reply.finish()
+    assert (text, call) == ("", {"name": "get_weather", "parameters": {"city": "Beijing"}})
+    assert reply.finish_reason(call) == "tool_calls"
+
+
+def test_a_reply_that_only_starts_like_a_tool_name_is_sent_as_text():
+    reply = ChoiceText(stops=(), tool_names=("get_weather",), limit=50)
+    assert pieces(reply, "get", " it yourself") == ["", "get it yourself"]
+    unknown = ChoiceText(stops=(), tool_names=("get_weather",), limit=50)
+    pieces(unknown, "get_weather\n", "It is sunny.")
+    assert unknown.finish() == ("get_weather\nIt is sunny.", None)

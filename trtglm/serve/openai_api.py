@@ -1,0 +1,634 @@
+"""An OpenAI-compatible API in front of a launched Triton server: `python -m trtglm.serve.openai_api`.
+
+`trtglm launch` runs it beside the ranks once Triton is ready (supervise.py). It serves
+`GET /v1/models`, `POST /v1/chat/completions` and `POST /v1/completions` (streamed as server-sent
+events, `data: {json}` then `data: [DONE]`), with FastAPI under uvicorn.
+
+Every answer comes from Triton over gRPC streaming (tritonclient's asyncio client), from
+`tensorrt_llm_bls` when the repository has it, else from `ensemble`: the BLS model streams exact
+text whichever backend serves tensorrt_llm (with NVIDIA's, the ensemble's streamed pieces are not),
+and it refuses nothing the ensemble takes. The request's messages go as a JSON chat in
+`text_input` (openai_protocol.py builds it; the served preprocessing applies ChatGLM3's template
+with trtglm.chatglm.chat, which counts the prompt's tokens here too); a completion's prompt is one
+user turn. `n` choices are `n` requests (seed + i each when a seed is given). Every request asks
+for log probabilities: their count is `completion_tokens` (every generated token, the stop token
+that ended the reply included), and `finish_reason` is "length" when that count reached the
+token limit (max_tokens, or what the engine's max_seq_len leaves after the prompt). Stop strings
+go to the engine as stop words, and the answer is cut where the first one starts (streamed text
+that may begin one is held back until it is known). With tools offered, a reply whose first line
+is a tool's name is held back and, when its rest reads as the call's arguments, answered as
+`tool_calls` (finish_reason "tool_calls"). Log probabilities of answers that are not streamed
+pair each generated token's value with that token's text as ChatGLM3 would spell the reply
+(metadata line, content, stop token); the engine gives no alternatives, so top_logprobs > 0 is
+refused.
+
+Errors are OpenAI's `{"error": {"message", "type", "param", "code"}}`: 400 for a malformed or
+out-of-range request (bad JSON, wrong types, negative max_tokens, a prompt longer than the
+engine's max_input_len), 404 for an unknown model or path, 422 for what this server understands
+but cannot do, 500 when Triton fails, 503 when it is unreachable or busy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import secrets
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from trtglm.backend.contract import BLS, ENSEMBLE, MAX_INPUT_LEN, MAX_SEQ_LEN, PREPROCESSING, TOKENIZER_DIR
+from trtglm.chatglm.chat import chat_ids, may_call_tool, tool_call
+from trtglm.chatglm.tokenizer import ChatGLMTokenizer
+from trtglm.errors import UsageError
+from trtglm.engine.manifest import read_manifest
+from trtglm.serve.checks import MANIFEST, engine_dir, model_config
+from trtglm.serve.openai_protocol import (ApiError, ChatRequest, CompletionRequest, Sampling, chatglm_messages,
+                                          completion_messages, refuse_unsupported)
+
+log = logging.getLogger(__name__)
+
+GRACEFUL_S = 5  # how long a stopped server lets open answers finish (< the supervisor's grace)
+
+TRITON_STATUS = {"StatusCode.INVALID_ARGUMENT": 400, "StatusCode.UNAVAILABLE": 503,
+                 "StatusCode.RESOURCE_EXHAUSTED": 503}  # others: 500
+
+
+# --- what is served --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Served:
+    """The model behind the API: its id, the Triton model answering, the tokenizer and the engine's limits."""
+
+    model_id: str
+    triton_model: str
+    tokenizer_dir: str
+    max_input_len: int
+    max_seq_len: int
+
+
+def served_model(repo: Path) -> Served | None:
+    """What `repo` serves to the API; None when it has no client-facing model (no BLS, no ensemble)."""
+    triton_model = next((m for m in (BLS, ENSEMBLE) if (repo / m / "config.pbtxt").is_file()), None)
+    if triton_model is None or not (repo / PREPROCESSING / "config.pbtxt").is_file():
+        return None
+    params = {key: value.string_value
+              for key, value in model_config(repo / PREPROCESSING / "config.pbtxt").parameters.items()}
+    return Served(model_id=model_id(repo), triton_model=triton_model,
+                  tokenizer_dir=params[TOKENIZER_DIR], max_input_len=int(params[MAX_INPUT_LEN]),
+                  max_seq_len=int(params[MAX_SEQ_LEN]))
+
+
+def model_id(repo: Path) -> str:
+    """The engine's name (trtglm.json), else its folder's name, else the repository's."""
+    engine = engine_dir(repo)
+    if engine is None:
+        return repo.name
+    if (engine / MANIFEST).is_file():
+        return str(read_manifest(engine).get("name") or engine.name)
+    return engine.name
+
+
+# --- one generation through Triton ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One request to Triton: a ChatGLM3 chat and the sampling options."""
+
+    messages: list[dict]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    presence_penalty: float
+    frequency_penalty: float
+    stop: tuple[str, ...]
+    stream: bool
+
+
+@dataclass(frozen=True)
+class Piece:
+    text: str
+    log_probs: tuple[float, ...]
+
+
+def triton_inputs(ask: Ask) -> dict[str, np.ndarray]:
+    """The ensemble's / BLS model's inputs ([1, …] each)."""
+    arrays = {
+        "text_input": np.array([[json.dumps({"messages": ask.messages}, ensure_ascii=False).encode()]], dtype=object),
+        "max_tokens": np.array([[ask.max_tokens]], dtype=np.int32),
+        "temperature": np.array([[ask.temperature]], dtype=np.float32),
+        "top_p": np.array([[ask.top_p]], dtype=np.float32),
+        "presence_penalty": np.array([[ask.presence_penalty]], dtype=np.float32),
+        "frequency_penalty": np.array([[ask.frequency_penalty]], dtype=np.float32),
+        "return_log_probs": np.array([[True]]),
+        "stream": np.array([[ask.stream]]),
+    }
+    if ask.seed is not None:
+        arrays["random_seed"] = np.array([[ask.seed]], dtype=np.uint64)
+    if ask.stop:
+        arrays["stop_words"] = np.array([[word.encode() for word in ask.stop]], dtype=object)
+    return arrays
+
+
+class Triton:
+    """Answers over gRPC streaming from one Triton model."""
+
+    def __init__(self, url: str, model: str):
+        import tritonclient.grpc.aio as grpc
+
+        self.grpc, self.model, self.url = grpc, model, url
+        self._client = None
+
+    @property
+    def client(self):
+        """The gRPC client, made in the serving event loop (grpc.aio binds a client to the loop that made it)."""
+        if self._client is None:
+            self._client = self.grpc.InferenceServerClient(self.url)
+        return self._client
+
+    async def pieces(self, ask: Ask) -> AsyncIterator[Piece]:
+        """The reply's text pieces with their tokens' log probabilities (one piece when not streamed)."""
+        tensors = []
+        for name, array in triton_inputs(ask).items():
+            tensor = self.grpc.InferInput(name, list(array.shape), _triton_type(array))
+            tensor.set_data_from_numpy(array)
+            tensors.append(tensor)
+        request = {"model_name": self.model, "inputs": tensors, "enable_empty_final_response": True,
+                   "outputs": [self.grpc.InferRequestedOutput(name) for name in ("text_output", "output_log_probs")]}
+
+        async def one_request():
+            yield request
+
+        responses = self.client.stream_infer(one_request())
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    raise _triton_error(error)
+                piece = _piece(result)
+                if piece.text or piece.log_probs:
+                    yield piece
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    return
+        finally:
+            responses.cancel()
+
+
+def _triton_type(array: np.ndarray) -> str:
+    return {np.object_: "BYTES", np.int32: "INT32", np.bool_: "BOOL", np.float32: "FP32",
+            np.uint64: "UINT64"}[array.dtype.type]
+
+
+def _piece(result) -> Piece:
+    text = result.as_numpy("text_output")
+    log_probs = result.as_numpy("output_log_probs")
+    joined = b"".join(text.reshape(-1)).decode("utf-8") if text is not None else ""
+    return Piece(joined, tuple(float(v) for v in log_probs.reshape(-1)) if log_probs is not None else ())
+
+
+def _triton_error(error) -> ApiError:
+    status = TRITON_STATUS.get(str(error.status()), 500)
+    message = error.message() or str(error)
+    if status == 400:
+        code = "context_length_exceeded" if "max_input_len" in message else None
+        return ApiError(400, message, code=code)
+    return ApiError(status, f"the model server failed: {message}", kind="server_error")
+
+
+# --- one choice's text -----------------------------------------------------------------------------
+
+
+@dataclass
+class ChoiceText:
+    """One choice's reply as pieces arrive: stop strings cut it, text that may begin one (or, with tools,
+    a tool call) is held back; `finish` gives the rest and the tool call, if the reply is one."""
+
+    stops: tuple[str, ...]
+    tool_names: tuple[str, ...]
+    limit: int
+    text: str = ""
+    sent: int = 0
+    log_probs: list[float] = field(default_factory=list)
+    stopped: bool = False
+
+    def add(self, piece: Piece) -> str:
+        """Text that can be sent now."""
+        if self.stopped:
+            return ""
+        self.log_probs += piece.log_probs
+        self.text += piece.text
+        cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.stopped = self.text[:cut], True
+        if self.tool_names and may_call_tool(self.text, self.tool_names):
+            return ""
+        ready = len(self.text) if self.stopped else len(self.text) - _held_back(self.text, self.stops)
+        out, self.sent = self.text[self.sent:ready], max(self.sent, ready)
+        return out
+
+    def finish(self) -> tuple[str, dict | None]:
+        """(text not sent yet, the tool call {"name", "parameters"} or None)."""
+        call = tool_call(self.text) if self.tool_names and not self.stopped else None
+        if call is not None and call["name"] in self.tool_names:
+            return "", call
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out, None
+
+    def finish_reason(self, call: dict | None) -> str:
+        if call is not None:
+            return "tool_calls"
+        return "length" if not self.stopped and len(self.log_probs) >= self.limit else "stop"
+
+
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` may begin a stop string."""
+    return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+
+
+# --- the API ---------------------------------------------------------------------------------------
+
+
+class Api:
+    """The endpoints' work, apart from HTTP."""
+
+    def __init__(self, served: Served, triton: Triton, tokenizer: ChatGLMTokenizer):
+        self.served, self.triton, self.tokenizer = served, triton, tokenizer
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.served.model_id, "object": "model", "created": 0,
+                                            "owned_by": "trtglm"}]}
+
+    def check_model(self, request: Sampling) -> None:
+        if request.model != self.served.model_id:
+            raise ApiError(404, f"the model {request.model!r} does not exist; this server serves "
+                                f"{self.served.model_id!r}", "model", "model_not_found")
+
+    def prompt_length(self, messages: list[dict], param: str) -> int:
+        """The prompt's token count, as the served preprocessing will count it; 400 when it does not fit."""
+        size = len(json.dumps(messages, ensure_ascii=False).encode())
+        if size > 4 * self.served.max_input_len * self.tokenizer.longest_piece_bytes:
+            raise ApiError(400, f"the prompt ({size:,} bytes) is longer than the engine's max_input_len "
+                                f"({self.served.max_input_len} tokens) can hold", param, "context_length_exceeded")
+        try:
+            count = len(chat_ids(self.tokenizer, messages))
+        except UsageError as e:
+            raise ApiError(400, str(e), param) from None
+        if count > self.served.max_input_len:
+            raise ApiError(400, f"the prompt is {count} tokens, more than the engine's max_input_len "
+                                f"({self.served.max_input_len})", param, "context_length_exceeded")
+        return count
+
+    def token_limit(self, requested: int | None, prompt_tokens: int) -> int:
+        room = self.served.max_seq_len - prompt_tokens
+        if room < 1:
+            raise ApiError(400, f"the prompt ({prompt_tokens} tokens) leaves no room for an answer within the "
+                                f"engine's max_seq_len ({self.served.max_seq_len})", "messages",
+                           "context_length_exceeded")
+        return min(requested, room) if requested is not None else room
+
+    def asks(self, request: Sampling, messages: list[dict], limit: int) -> list[Ask]:
+        return [Ask(messages, limit, request.temperature, request.top_p,
+                    None if request.seed is None else (request.seed + i) % 2**63, request.presence_penalty,
+                    request.frequency_penalty, tuple(request.stop_words()), request.stream)
+                for i in range(request.n)]
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _tool_calls(call: dict, streamed: bool) -> list[dict]:
+    entry = {"id": f"call_{secrets.token_hex(12)}", "type": "function",
+             "function": {"name": call["name"], "arguments": json.dumps(call["parameters"], ensure_ascii=False)}}
+    return [{"index": 0, **entry} if streamed else entry]
+
+
+def token_log_probs(tokenizer: ChatGLMTokenizer, text: str, call: dict | None,
+                    values: list[float]) -> list[tuple[str, float]]:
+    """(token text, log prob) per generated token: the reply spelled as ChatGLM3 writes a turn (metadata line,
+    content, then the stop token), paired with the engine's values in order ("" past that spelling)."""
+    metadata, _, content = text.partition("\n") if call else ("", "", text)
+    ids = tokenizer.sp.encode(metadata + "\n") + tokenizer.sp.encode(content)
+    pieces = [tokenizer.decode(ids[:i + 1])[len(tokenizer.decode(ids[:i])):] for i in range(len(ids))]
+    pieces.append("<|observation|>" if call else "<|user|>")
+    return [(pieces[i] if i < len(pieces) else "", value) for i, value in enumerate(values)]
+
+
+# --- one request's answer --------------------------------------------------------------------------
+
+
+class Answering:
+    """What chat and completion requests share: the answer of every choice, whole or as chunks, with usage.
+    Subclasses check the request and make its asks (`prepare`), and answer or stream one choice."""
+
+    PREFIX, OBJECT, CHUNK_OBJECT = "", "", ""
+
+    def __init__(self, api: Api, request: ChatRequest | CompletionRequest):
+        self.api, self.request = api, request
+        self.id, self.created = f"{self.PREFIX}-{secrets.token_hex(12)}", int(time.time())
+        self.prompt_tokens = 0
+
+    def prepare(self) -> list[Ask]:
+        raise NotImplementedError
+
+    async def choice(self, index: int, ask: Ask) -> tuple[dict, int]:
+        """One choice and its completion tokens."""
+        raise NotImplementedError
+
+    def choice_chunks(self, index: int, ask: Ask, counts: list[int]) -> AsyncIterator[dict]:
+        """One choice's chunks, its completion tokens kept in counts[index]."""
+        raise NotImplementedError
+
+    async def answer(self, asks: list[Ask]) -> dict:
+        choices = await asyncio.gather(*(self.choice(i, ask) for i, ask in enumerate(asks)))
+        completion = sum(count for _, count in choices)
+        return {"id": self.id, "object": self.OBJECT, "created": self.created, "model": self.request.model,
+                "choices": [choice for choice, _ in choices], "usage": _usage(self.prompt_tokens, completion)}
+
+    async def chunks(self, asks: list[Ask]) -> AsyncIterator[dict]:
+        counts = [0] * len(asks)
+        async for chunk in _merged([self.choice_chunks(i, ask, counts) for i, ask in enumerate(asks)]):
+            yield chunk
+        if self.request.include_usage():
+            yield self.chunk([], usage=_usage(self.prompt_tokens, sum(counts)))
+
+    def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        chunk = {"id": self.id, "object": self.CHUNK_OBJECT, "created": self.created, "model": self.request.model,
+                 "choices": choices}
+        if self.request.include_usage():
+            chunk["usage"] = usage
+        return chunk
+
+    async def replies(self, reply: ChoiceText, ask: Ask, counts: list[int], index: int) -> AsyncIterator[str]:
+        """The text of one choice that can be sent, as pieces arrive."""
+        async for piece in self.api.triton.pieces(ask):
+            text = reply.add(piece)
+            counts[index] = len(reply.log_probs)
+            if text:
+                yield text
+
+
+class Chat(Answering):
+    """One chat completion request."""
+
+    PREFIX, OBJECT, CHUNK_OBJECT = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def prepare(self) -> list[Ask]:
+        refuse_unsupported(self.request)
+        self.api.check_model(self.request)
+        messages = chatglm_messages(self.request)
+        self.prompt_tokens = self.api.prompt_length(messages, "messages")
+        self.limit = self.api.token_limit(self.request.token_limit(), self.prompt_tokens)
+        return self.api.asks(self.request, messages, self.limit)
+
+    def choice_text(self) -> ChoiceText:
+        names = tuple(function.name for function in self.request.offered_tools())
+        return ChoiceText(tuple(self.request.stop_words()), names, self.limit)
+
+    async def choice(self, index: int, ask: Ask) -> tuple[dict, int]:
+        reply = self.choice_text()
+        async for _ in self.replies(reply, ask, [0], 0):
+            pass
+        _, call = reply.finish()
+        message = {"role": "assistant", "content": None if call else reply.text}
+        if call:
+            message["tool_calls"] = _tool_calls(call, streamed=False)
+        choice = {"index": index, "message": message, "logprobs": None, "finish_reason": reply.finish_reason(call)}
+        if self.request.logprobs:
+            pairs = token_log_probs(self.api.tokenizer, reply.text, call, reply.log_probs)
+            choice["logprobs"] = {"content": [{"token": token, "logprob": value, "bytes": list(token.encode()),
+                                               "top_logprobs": []} for token, value in pairs]}
+        return choice, len(reply.log_probs)
+
+    async def choice_chunks(self, index: int, ask: Ask, counts: list[int]) -> AsyncIterator[dict]:
+        yield self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        reply = self.choice_text()
+        async for text in self.replies(reply, ask, counts, index):
+            yield self.chunk([{"index": index, "delta": {"content": text}, "finish_reason": None}])
+        text, call = reply.finish()
+        if call:
+            yield self.chunk([{"index": index, "delta": {"tool_calls": _tool_calls(call, streamed=True)},
+                               "finish_reason": None}])
+        elif text:
+            yield self.chunk([{"index": index, "delta": {"content": text}, "finish_reason": None}])
+        yield self.chunk([{"index": index, "delta": {}, "finish_reason": reply.finish_reason(call)}])
+
+
+class Completion(Answering):
+    """One completion request: each prompt (one user turn) answered `n` times."""
+
+    PREFIX, OBJECT, CHUNK_OBJECT = "cmpl", "text_completion", "text_completion"
+
+    def prepare(self) -> list[Ask]:
+        refuse_unsupported(self.request)
+        self.api.check_model(self.request)
+        asks, self.limits = [], []
+        for prompt in self.request.prompts():
+            messages = completion_messages(prompt)
+            count = self.api.prompt_length(messages, "prompt")
+            limit = self.api.token_limit(self.request.max_tokens, count)
+            self.prompt_tokens += count
+            self.limits += [limit] * self.request.n
+            asks += self.api.asks(self.request, messages, limit)
+        return asks
+
+    def choice_text(self, index: int) -> ChoiceText:
+        return ChoiceText(tuple(self.request.stop_words()), (), self.limits[index])
+
+    async def choice(self, index: int, ask: Ask) -> tuple[dict, int]:
+        reply = self.choice_text(index)
+        async for _ in self.replies(reply, ask, [0], 0):
+            pass
+        reply.finish()
+        choice = {"index": index, "text": reply.text, "logprobs": None, "finish_reason": reply.finish_reason(None)}
+        if self.request.logprobs is not None:
+            pairs = token_log_probs(self.api.tokenizer, reply.text, None, reply.log_probs)
+            offsets = np.cumsum([0] + [len(token) for token, _ in pairs[:-1]]).tolist()
+            choice["logprobs"] = {"tokens": [t for t, _ in pairs], "token_logprobs": [v for _, v in pairs],
+                                  "top_logprobs": None, "text_offset": offsets}
+        return choice, len(reply.log_probs)
+
+    async def choice_chunks(self, index: int, ask: Ask, counts: list[int]) -> AsyncIterator[dict]:
+        reply = self.choice_text(index)
+        async for text in self.replies(reply, ask, counts, index):
+            yield self.chunk([{"index": index, "text": text, "logprobs": None, "finish_reason": None}])
+        text, _ = reply.finish()
+        yield self.chunk([{"index": index, "text": text, "logprobs": None,
+                           "finish_reason": reply.finish_reason(None)}])
+
+
+async def _merged(streams: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:
+    """The items of several async iterators as they come; the first error ends all of them."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream):
+        try:
+            async for item in stream:
+                await queue.put(item)
+            await queue.put(done)
+        except Exception as e:
+            await queue.put(e)
+
+    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
+    try:
+        finished = 0
+        while finished < len(tasks):
+            item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is done:
+                finished += 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+# --- HTTP ------------------------------------------------------------------------------------------
+
+
+def create_app(api: Api):
+    """The FastAPI application over `api`."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    app = FastAPI(title="trtglm OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def error_response(error: ApiError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, error: ApiError):
+        return error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, error: RequestValidationError):
+        return error_response(validation_error(error.errors()))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: Request, error: HTTPException):
+        code = "not_found" if error.status_code == 404 else None
+        return error_response(ApiError(error.status_code, str(error.detail), code=code))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request: Request, error: Exception):
+        log.error("unexpected error", exc_info=error)
+        return error_response(ApiError(500, f"internal error: {type(error).__name__}: {error}", kind="server_error"))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return api.models()
+
+    @app.get("/v1/models/{model_id}")
+    async def model(model_id: str):
+        card = next((card for card in api.models()["data"] if card["id"] == model_id), None)
+        if card is None:
+            raise ApiError(404, f"the model {model_id!r} does not exist", "model", "model_not_found")
+        return card
+
+    async def respond(work: Answering):
+        asks = await asyncio.to_thread(work.prepare)
+        if not work.request.stream:
+            return await work.answer(asks)
+        return StreamingResponse(sse(work.chunks(asks)), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: ChatRequest):
+        return await respond(Chat(api, request))
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest):
+        return await respond(Completion(api, request))
+
+    return app
+
+
+def validation_error(errors: list[dict]) -> ApiError:
+    """The first of pydantic's complaints as a 400 naming the field."""
+    first = errors[0] if errors else {}
+    location = [str(part) for part in first.get("loc", ()) if part != "body" and not _union_tag(part)]
+    if first.get("type") == "json_invalid":
+        return ApiError(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})",
+                        code="invalid_json")
+    param = ".".join(location) or None
+    message = first.get("msg", "invalid request")
+    return ApiError(400, f"{param}: {message}" if param else message, param, "invalid_value")
+
+
+def _union_tag(part) -> bool:
+    """Whether a part of pydantic's error location names a member of a union (`str`, `list[str]`, a model)."""
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool"} or part[:1].isupper())
+
+
+async def sse(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    """Server-sent events as the openai SDK reads them; an error after the first chunk is sent as an event."""
+    try:
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode()
+    except ApiError as e:
+        yield f"data: {json.dumps(e.body(), ensure_ascii=False)}\n\n".encode()
+    except Exception as e:  # the response has started: the client learns of it in the stream
+        log.error("unexpected error while streaming", exc_info=e)
+        body = ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error").body()
+        yield f"data: {json.dumps(body)}\n\n".encode()
+    yield b"data: [DONE]\n\n"
+
+
+# --- the process -----------------------------------------------------------------------------------
+
+
+def serve(repo: Path, grpc_url: str, host: str, port: int) -> None:
+    import uvicorn
+
+    served = served_model(repo)
+    if served is None:
+        raise UsageError(f"{repo}: no {BLS} or {ENSEMBLE} model with preprocessing to answer the OpenAI API")
+    tokenizer = ChatGLMTokenizer(served.tokenizer_dir)
+    api = Api(served, Triton(grpc_url, served.triton_model), tokenizer)
+    log.info("OpenAI API for %s (%s over %s) on %s:%d", served.model_id, served.triton_model, grpc_url, host, port)
+    uvicorn.run(create_app(api), host=host, port=port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=GRACEFUL_S)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m trtglm.serve.openai_api --repo REPO --grpc HOST:PORT --host H --port P [--launch SHM_BASE]`
+    (--launch only marks the process as the launch's, for the supervisor and stale-launch cleanup)."""
+    parser = argparse.ArgumentParser(prog="trtglm.serve.openai_api")
+    parser.add_argument("--repo", required=True)
+    parser.add_argument("--grpc", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8003)
+    parser.add_argument("--launch", default="")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        serve(Path(args.repo), args.grpc, args.host, args.port)
+    except UsageError as e:
+        print(f"trtglm: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""The OpenAI-compatible API's process in a launch (openai_api.py): started by the supervisor once Triton
+is ready, answering its /health before the launch reports ready, watched with the ranks (its death stops
+the launch) and stopped first. Its command line carries the launch's shm base, as every process of a
+launch does, so that the remains of a dead launch include it (state.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from trtglm.serve.command import Endpoints, client_host
+from trtglm.serve.rank_logs import ERROR_LINE, read_log
+
+LOG_NAME = "openai.log"
+START_TIMEOUT_S = 60.0
+
+
+def api_args(repo: str, endpoints: Endpoints, shm_base: str) -> list[str]:
+    """The API's command line (this Python)."""
+    return [sys.executable, "-m", "trtglm.serve.openai_api", "--repo", repo, "--grpc", endpoints.urls()["grpc"],
+            "--host", endpoints.host, "--port", str(endpoints.openai_port), "--launch", shm_base]
+
+
+class OpenAIProcess:
+    def __init__(self, repo: str, endpoints: Endpoints, shm_base: str, log_dir: Path):
+        self.argv = api_args(repo, endpoints, shm_base)
+        self.log_path = log_dir / LOG_NAME
+        self.health = f"http://{client_host(endpoints.host)}:{endpoints.openai_port}/health"
+        self.popen: subprocess.Popen | None = None
+
+    def start(self, env: dict[str, str]) -> None:
+        with open(self.log_path, "wb") as out:
+            self.popen = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                          stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, stopping: Callable[[], bool], answers: Callable[[str], bool],
+                   limit_s: float = START_TIMEOUT_S) -> str | None:
+        """None once `answers` its /health URL (or a stop was asked for); else why it did not start."""
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline and not stopping():
+            if self.popen.poll() is not None:
+                return f"the OpenAI API exited with status {self.popen.returncode}{self._cause()}"
+            if answers(self.health):
+                return None
+            time.sleep(0.2)
+        return None if stopping() else f"the OpenAI API did not answer within {limit_s:g} s{self._cause()}"
+
+    def died(self) -> bool:
+        return self.popen is not None and self.popen.poll() is not None
+
+    def stop(self, grace_s: float) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        self.popen.terminate()
+        try:
+            self.popen.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+
+    def _cause(self) -> str:
+        errors = [line.strip().removeprefix("trtglm: ") for line in read_log(self.log_path).splitlines()
+                  if ERROR_LINE.match(line.strip().removeprefix("trtglm: "))]
+        return f" ({errors[-1]})" if errors else ""
+

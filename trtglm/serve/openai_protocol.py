@@ -1,0 +1,212 @@
+"""The OpenAI API's requests as pydantic models, and what they become for ChatGLM3.
+
+Requests are read strictly (types, ranges) but fields this server does not know are ignored, as
+clients send many. `chatglm_messages` turns a chat request's messages into ChatGLM3's (chat.py's
+JSON chat, which the served preprocessing reads): `tools` become the system message that offers
+them (the request's first system message's text, or THUDM's sentence, then the functions as
+ChatGLM3 lists them: name, description, parameters), an assistant message's `tool_calls` become
+turns whose metadata is the tool's name and whose content is the call as ChatGLM3 writes it, and
+`tool` messages become `observation` turns. `developer` is a system message.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from trtglm.chatglm.chat import tool_call_content, tools_message
+
+MAX_STOP_WORDS = 4  # as OpenAI's API
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's `{"error": {...}}` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(Lenient):
+    name: str
+    arguments: str
+
+
+class ToolCall(Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class Function(Lenient):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z_][\w.\-]*$")]
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class Tool(Lenient):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedFunction(Lenient):
+    name: str
+
+
+class NamedToolChoice(Lenient):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(Lenient):
+    include_usage: bool = False
+
+
+class ResponseFormat(Lenient):
+    type: str
+
+
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+
+
+class Sampling(Lenient):
+    """What chat and completion requests share."""
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    n: Annotated[int, Field(ge=1, le=16)] = 1
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_WORDS)] | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def stop_words(self) -> list[str]:
+        words = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        return [word for word in words if word]
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatRequest(Sampling):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    response_format: ResponseFormat | None = None
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def offered_tools(self) -> list[Function]:
+        """The tools the model may call (none with tool_choice "none")."""
+        return [] if self.tool_choice == "none" else [tool.function for tool in self.tools or ()]
+
+
+class CompletionRequest(Sampling):
+    prompt: str | Annotated[list[str], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for completions
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+
+# --- what ChatGLM3 is asked -----------------------------------------------------------------------
+
+
+def refuse_unsupported(request: ChatRequest | CompletionRequest) -> None:
+    """Requests this server understands but cannot answer (422)."""
+    if isinstance(request, ChatRequest):
+        if request.top_logprobs:
+            raise ApiError(422, "top_logprobs > 0 is not supported: the served models give the chosen token's "
+                                "log probability only", "top_logprobs", "unsupported_value")
+        if request.response_format is not None and request.response_format.type != "text":
+            raise ApiError(422, f"response_format {request.response_format.type!r} is not supported; only 'text'",
+                           "response_format", "unsupported_value")
+        if request.tool_choice == "required" or isinstance(request.tool_choice, NamedToolChoice):
+            raise ApiError(422, "tool_choice can be 'auto' or 'none': ChatGLM3 decides itself whether to call a tool",
+                           "tool_choice", "unsupported_value")
+        wants_log_probs = request.logprobs
+    else:
+        if request.logprobs:
+            raise ApiError(422, "logprobs > 0 is not supported: the served models give the chosen token's log "
+                                "probability only (use logprobs: 0)", "logprobs", "unsupported_value")
+        if request.echo or request.suffix:
+            raise ApiError(422, "echo and suffix are not supported", "echo" if request.echo else "suffix",
+                           "unsupported_value")
+        wants_log_probs = request.logprobs is not None
+    if wants_log_probs and request.stream:
+        raise ApiError(422, "log probabilities are given for answers that are not streamed", "logprobs",
+                       "unsupported_value")
+
+
+def chatglm_messages(request: ChatRequest) -> list[dict]:
+    """The request's messages as ChatGLM3's chat (see the module docstring)."""
+    tools = [function.model_dump(exclude_none=True) for function in request.offered_tools()]
+    messages: list[dict] = []
+    system_pending = bool(tools)  # the first system message's text goes into the tool prompt
+    for position, message in enumerate(request.messages):
+        role = "system" if message.role == "developer" else message.role
+        if role == "system" and system_pending:
+            messages.insert(0, tools_message(tools, message.text()))
+            system_pending = False
+        elif role == "assistant" and message.tool_calls:
+            messages += [_tool_call_turn(call, position) for call in message.tool_calls]
+        else:
+            messages.append({"role": "observation" if role == "tool" else role, "content": message.text()})
+    if system_pending:
+        messages.insert(0, tools_message(tools))
+    return messages
+
+
+def _tool_call_turn(call: ToolCall, position: int) -> dict:
+    try:
+        arguments = json.loads(call.function.arguments or "{}")
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise ApiError(400, f"messages[{position}]: a tool call's arguments must be a JSON object",
+                       f"messages.[{position}].tool_calls")
+    return {"role": "assistant", "metadata": call.function.name, "content": tool_call_content(arguments)}
+
+
+def completion_messages(prompt: str) -> list[dict]:
+    """A completion's prompt as ChatGLM3's chat: one user turn (the served models answer chats)."""
+    return [{"role": "user", "content": prompt}]
