@@ -111,7 +111,7 @@ class ServedEngine:
                 model = LeaderSlotModel(model, StepChannel(self.distributed.control))
             self.model = model
             self.executor = Executor(model, max_queue or QUEUE_PER_SLOT * self.engine.max_batch_size,
-                                     max_prefill_tokens=self.engine.max_num_tokens, device=self.device,
+                                     max_num_tokens=self.engine.max_num_tokens, device=self.device,
                                      vocab_limit=self.engine.tokenizer_size)
             self.executor.start()
             if warm_up:

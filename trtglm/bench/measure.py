@@ -257,7 +257,7 @@ def inflight_run(model, requests: int, concurrency: int, generator: torch.Genera
     lengths, outputs = uniform(*prompt_range), uniform(*output_range)
     prompts = [torch.randint(0, model.vocab_size, (n,), generator=generator, device=generator.device).tolist()
                for n in lengths]
-    executor = Executor(model, max_queue=requests, max_prefill_tokens=prefill_tokens, device=model.device)
+    executor = Executor(model, max_queue=requests, max_num_tokens=prefill_tokens, device=model.device)
     submitted: dict[int, float] = {}
     token_times: dict[int, list[float]] = {i: [] for i in range(requests)}
     pending = iter(range(requests))

@@ -9,7 +9,9 @@ position of its next token; a released slot may take another sequence. Two cache
   a mask of the positions that hold real tokens. `ShardedModel.forward` writes through a
   `ForwardCache` view of it: `prefill_view` (one slot, from `start` on) or `decode_view`
   (several slots, one token each, each attending to its own positions only: the mask hides the
-  rest, where shorter sequences or a slot's previous occupant left stale entries).
+  rest, where shorter sequences or a slot's previous occupant left stale entries), or
+  `packed_view` (a mixed step: pieces of several slots, decode tokens and prompt chunks, packed
+  into one row, each attending to its own slot's positions up to its own).
 - `StaticCache`, the fast runtime's (fast/model.py): per layer `[max_batch + 1, kv_heads,
   max_seq_len, head]`, the extra slot scratch that padding rows write into, and each slot's
   length on the device too, where CUDA graphs read and advance it.
@@ -142,6 +144,20 @@ class ShardedCache:
     def decode_view(self, slots: Sequence[int]) -> "_Decode":
         return _Decode(self, slots)
 
+    def packed_view(self, slots: Sequence[int], starts: Sequence[int], lengths: Sequence[int]) -> "_Packed":
+        return _Packed(self, slots, starts, lengths)
+
+    def copy(self, slot: int, source: int, length: int) -> None:
+        """The slot holds the first `length` positions of `source`."""
+        if source != slot:
+            for blocks in (self.keys, self.values):
+                for layers in blocks.values():
+                    for t in layers:
+                        t[slot, :, :length] = t[source, :, :length]
+        self.reset(slot)
+        self.valid[slot, :length] = True
+        self.lengths[slot] = length
+
 
 class _Prefill:
     """One slot as `ShardedModel.forward` sees it while a prompt (or a chunk of one, after the `start`
@@ -198,6 +214,45 @@ class _Decode:
             self.cache.lengths[slot] += steps
 
 
+class _Packed:
+    """Pieces of several slots packed into one row for `ShardedModel.forward` (`forward(..., positions, mask,
+    rows)` with this view's `positions`, `mask` and `last`): piece i's tokens go at positions `starts[i]…` of
+    `slots[i]` and attend to that slot's positions up to their own, nothing else."""
+
+    def __init__(self, cache: ShardedCache, slots: Sequence[int], starts: Sequence[int], lengths: Sequence[int]):
+        device = cache.valid.device
+        self.cache, self.slots, self.starts = cache, list(slots), list(starts)
+        self.ends = [start + n for start, n in zip(starts, lengths)]
+        slot_ids = torch.tensor(self.slots, dtype=torch.long, device=device)
+        piece = torch.repeat_interleave(torch.arange(len(slots), device=device), torch.tensor(list(lengths),
+                                                                                              device=device))
+        key_piece = torch.repeat_interleave(torch.arange(len(slots), device=device), torch.tensor(self.ends,
+                                                                                                  device=device))
+        self.token_slots, self.key_slots = slot_ids[piece], slot_ids[key_piece]
+        self.positions = torch.cat([torch.arange(a, b, device=device) for a, b in zip(starts, self.ends)])
+        self.key_positions = torch.cat([torch.arange(end, device=device) for end in self.ends])
+        visible = (piece[:, None] == key_piece[None]) & (self.key_positions[None] <= self.positions[:, None])
+        self.mask = visible[None, None]  # [1, 1, tokens, keys]
+        self.last = torch.cumsum(torch.tensor(list(lengths), device=device), 0) - 1
+        self.length = 0  # forward's default positions and mask are not used: the view gives its own
+        self.valid = cache.valid[:1]
+
+    def mark_valid(self, steps: int) -> None:
+        for slot, start, end in zip(self.slots, self.starts, self.ends):
+            self.cache.valid[slot, start:end] = True
+
+    def append(self, rank: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.cache.keys[rank][layer], self.cache.values[rank][layer]
+        keys[self.token_slots, :, self.positions] = k[0].transpose(0, 1)
+        values[self.token_slots, :, self.positions] = v[0].transpose(0, 1)
+        return (keys[self.key_slots, :, self.key_positions].transpose(0, 1)[None],
+                values[self.key_slots, :, self.key_positions].transpose(0, 1)[None])
+
+    def advance(self, steps: int) -> None:
+        for slot, end in zip(self.slots, self.ends):
+            self.cache.lengths[slot] = end
+
+
 # --- the fast runtime's slots --------------------------------------------------------------------
 
 
@@ -224,6 +279,13 @@ class StaticCache:
         device = self.device_lengths.device
         self.device_lengths[torch.tensor(list(slots), device=device)] = torch.tensor(list(lengths), dtype=torch.int32,
                                                                                     device=device)
+
+    def copy(self, slot: int, source: int, length: int) -> None:
+        """The slot holds the first `length` positions of `source`."""
+        if source != slot:
+            for t in (*self.keys, *self.values):
+                t[slot, :, :length] = t[source, :, :length]
+        self.set_lengths([slot], [length])
 
     def advance(self, slots: Sequence[int]) -> None:
         """One more position in each of `slots` (on the host: the decode step advanced the device's)."""

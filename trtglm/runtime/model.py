@@ -164,12 +164,14 @@ class ShardedModel:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: ForwardCache, positions: torch.Tensor | None = None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, mask: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits `[B, T, vocab]` for `tokens` `[B, T]` appended after the cache's contents.
 
         `positions` `[B, T]` default to the cache slots. Cache slots not marked valid (left
-        padding) are not attended to. `last_only`: logits of the last position only
-        (`[B, 1, vocab]`), as generation needs.
+        padding) are not attended to; `mask` `[B, 1, T, keys]`, where given, replaces that rule
+        (a packed cache view gives its own). `last_only`: logits of the last position only
+        (`[B, 1, vocab]`), as generation needs; `rows`: of those positions only.
         """
         tokens = tokens.to(self.device)
         batch, length = tokens.shape
@@ -178,7 +180,8 @@ class ShardedModel:
         if positions is None:
             positions = slots.expand(batch, length)
         cache.mark_valid(length)
-        mask = self._mask(cache, slots)
+        if mask is None:
+            mask = self._mask(cache, slots)
         rope = rotary_tables(self.config, positions.to(self.device))
         xs = [rank.embed(tokens) for rank in self.ranks]
         for layer in range(self.config.num_layers):
@@ -189,6 +192,8 @@ class ShardedModel:
         cache.advance(length)
         if last_only:
             xs = [x[:, -1:] for x in xs]
+        elif rows is not None:
+            xs = [x[:, rows] for x in xs]
         return self.group.all_gather([r.logits(x) for r, x in zip(self.ranks, xs)]).float()
 
     @staticmethod
