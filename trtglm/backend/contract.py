@@ -23,6 +23,7 @@ PYTHON, TENSORRTLLM = "python", "tensorrtllm"  # tensorrt_llm's backends
 ENGINE_DIR = "gpt_model_path"  # tensorrt_llm's engine folder (NVIDIA's name, read by both backends)
 TOKENIZER_DIR, MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE = "tokenizer_dir", "max_input_len", "max_seq_len", "vocab_size"
 LLM_MODEL_NAME, ACCUMULATE_TOKENS = "tensorrt_llm_model_name", "accumulate_tokens"
+KV_CACHE_REUSE = "enable_kv_cache_reuse"  # tensorrt_llm: reuse the KV blocks of a shared prompt prefix (NVIDIA's name)
 # model -> parameters trtglm's python model reads (rendering fills each from the placeholder of that name)
 PYTHON_MODEL_PARAMETERS: dict[str, tuple[str, ...]] = {
     PREPROCESSING: (TOKENIZER_DIR, MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE),
