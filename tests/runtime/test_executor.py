@@ -341,8 +341,8 @@ def test_a_chunk_must_continue_where_its_slot_ends(model, prompts):
 
 
 class Recording:
-    """A SlotModel that records its calls: ("step", slots, starts, lengths), ("decode", slots), ("reuse", slot,
-    source, length), ("release", slot)."""
+    """A SlotModel that records its calls: ("prefill" or "step", slots, starts, lengths), ("decode", slots),
+    ("reuse", slot, source, length), ("release", slot)."""
 
     def __init__(self, inner):
         self.inner, self.calls = inner, []
@@ -385,7 +385,7 @@ def test_chunked_prefill_gives_every_conversation_its_unchunked_answer(model, to
 
     whole, chunked = executor(None), executor(5)
     assert answers(chunked, all_prompts, tok) == answers(whole, all_prompts, tok)
-    steps = [call for call in chunked.model.calls if call[0] == "step"]
+    steps = [call for call in chunked.model.calls if call[0] in ("prefill", "step")]
     assert all(sum(lengths) <= 5 for _, _, _, lengths in steps)  # decode and prompt tokens within the budget
     stats = chunked.stats()
     assert stats.prefill_tokens == sum(map(len, all_prompts)) and stats.reused_tokens == 0
@@ -431,7 +431,7 @@ def test_prompts_are_prefilled_oldest_first_within_the_budget(model, tok, all_pr
     while executor.has_work():
         seen = len(recording.calls)
         executor.step()
-        call = next((c for c in recording.calls[seen:] if c[0] == "step"), None)
+        call = next((c for c in recording.calls[seen:] if c[0] in ("prefill", "step")), None)
         if call is None:
             continue
         decoding = sum(1 for slot in call[1] if prefilled[slot] == len(prompts[slot]))
@@ -452,6 +452,9 @@ class Separate:
     def __init__(self, inner):
         self.inner, self.mixed = inner, 0
         self.vocab_size, self.max_batch, self.max_seq_len = inner.vocab_size, inner.max_batch, inner.max_seq_len
+
+    def prefill(self, slots, prompts, starts=None):
+        return self.inner.prefill(slots, prompts, starts)
 
     def step(self, slots, pieces, starts):
         self.mixed += any(len(p) == 1 and start for p, start in zip(pieces, starts)) and \
@@ -487,7 +490,7 @@ def test_a_full_kv_cache_keeps_requests_queued_until_a_finished_one_frees_it(mod
     assert executor.stats().active == 1 and executor.stats().queued == 1 and not second.outputs
     run(executor)
     assert first.tokens == alone(model, tok, prompts[1]) and second.tokens == alone(model, tok, prompts[2])
-    assert recording.calls.index(("release", 0)) < recording.calls.index(("step", [0], [0], [len(prompts[2])]))
+    assert recording.calls.index(("release", 0)) < recording.calls.index(("prefill", [0], [0], [len(prompts[2])]))
     with pytest.raises(UsageError, match=r"needs \d+ KV-cache positions .* the cache holds"):
         executor.submit(Request(prompts[0], MAX_SEQ), Collected())
 
@@ -504,7 +507,7 @@ def test_cancelling_a_request_mid_prefill_frees_its_slot(model, tok, prompts):
     handle.cancel()
     executor.step()
     assert long.outputs == [Output([], finished=True, reason="cancelled")]
-    assert recording.calls[2:4] == [("release", 0), ("step", [0], [0], [5])]  # the waiting one starts at once
+    assert recording.calls[2:4] == [("release", 0), ("prefill", [0], [0], [5])]  # the waiting one starts at once
     run(executor)
     assert waiting.tokens == alone(model, tok, prompts[1])
     assert executor.stats().cancelled == 1
@@ -574,6 +577,9 @@ class Failing:
     def __init__(self, inner):
         self.inner, self.failed = inner, False
         self.vocab_size, self.max_batch, self.max_seq_len = inner.vocab_size, inner.max_batch, inner.max_seq_len
+
+    def prefill(self, slots, prompts, starts=None):
+        return self.inner.prefill(slots, prompts, starts)
 
     def step(self, slots, pieces, starts):
         return self.inner.step(slots, pieces, starts)

@@ -611,7 +611,7 @@ def test_bench_runtime_needs_a_gpu(tmp_path):
 
 
 def test_inflight_run_serves_every_request_through_the_chunking_executor(model):
-    from trtglm.bench.measure import inflight_run
+    from trtglm.bench.inflight import inflight_run
 
     stats = inflight_run(model, requests=6, concurrency=3, generator=torch.Generator().manual_seed(0),
                          prefill_tokens=8, prompt_range=(3, 30), output_range=(2, 5))

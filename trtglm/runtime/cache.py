@@ -11,7 +11,7 @@ position of its next token; a released slot may take another sequence. Two cache
   (several slots, one token each, each attending to its own positions only: the mask hides the
   rest, where shorter sequences or a slot's previous occupant left stale entries), or
   `packed_view` (a mixed step: pieces of several slots, decode tokens and prompt chunks, packed
-  into one row, each attending to its own slot's positions up to its own).
+  into one row for the matmuls; it attends itself, each piece over its own slot's positions).
 - `StaticCache`, the fast runtime's (fast/model.py): per layer `[max_batch + 1, kv_heads,
   max_seq_len, head]`, the extra slot scratch that padding rows write into, and each slot's
   length on the device too, where CUDA graphs read and advance it.
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 
 from trtglm.errors import UsageError
 from trtglm.runtime.checkpoint import CheckpointConfig
@@ -215,27 +216,25 @@ class _Decode:
 
 
 class _Packed:
-    """Pieces of several slots packed into one row for `ShardedModel.forward` (`forward(..., positions, mask,
-    rows)` with this view's `positions`, `mask` and `last`): piece i's tokens go at positions `starts[i]…` of
-    `slots[i]` and attend to that slot's positions up to their own, nothing else."""
+    """Pieces of several slots packed into one row for `ShardedModel.forward` (`positions` `[1, tokens]`, logits of
+    the rows `last`): piece i's tokens go at positions `starts[i]…` of `slots[i]`. `attend` replaces attention over
+    the row: one-token pieces (decode tokens) attend together, each over its own slot's positions up to its own;
+    longer pieces (prompt chunks) each over their slot's, causally. No token sees another slot's positions."""
 
     def __init__(self, cache: ShardedCache, slots: Sequence[int], starts: Sequence[int], lengths: Sequence[int]):
         device = cache.valid.device
         self.cache, self.slots, self.starts = cache, list(slots), list(starts)
         self.ends = [start + n for start, n in zip(starts, lengths)]
-        slot_ids = torch.tensor(self.slots, dtype=torch.long, device=device)
-        piece = torch.repeat_interleave(torch.arange(len(slots), device=device), torch.tensor(list(lengths),
-                                                                                              device=device))
-        key_piece = torch.repeat_interleave(torch.arange(len(slots), device=device), torch.tensor(self.ends,
-                                                                                                  device=device))
-        self.token_slots, self.key_slots = slot_ids[piece], slot_ids[key_piece]
+        firsts = [sum(lengths[:i]) for i in range(len(lengths))]
+        self.token_slots = torch.tensor([s for s, n in zip(slots, lengths) for _ in range(n)], device=device)
         self.positions = torch.cat([torch.arange(a, b, device=device) for a, b in zip(starts, self.ends)])
-        self.key_positions = torch.cat([torch.arange(end, device=device) for end in self.ends])
-        visible = (piece[:, None] == key_piece[None]) & (self.key_positions[None] <= self.positions[:, None])
-        self.mask = visible[None, None]  # [1, 1, tokens, keys]
-        self.last = torch.cumsum(torch.tensor(list(lengths), device=device), 0) - 1
-        self.length = 0  # forward's default positions and mask are not used: the view gives its own
-        self.valid = cache.valid[:1]
+        self.last = torch.tensor([first + n - 1 for first, n in zip(firsts, lengths)], device=device)
+        singles = [i for i, n in enumerate(lengths) if n == 1]
+        self.single_rows = torch.tensor([firsts[i] for i in singles], dtype=torch.long, device=device)
+        self.single_span = max((self.ends[i] for i in singles), default=0)
+        self.chunks = [(slots[i], starts[i], firsts[i], n) for i, n in enumerate(lengths) if n > 1]
+        self.length = 0  # forward's own positions and mask are not used: the view attends itself
+        self.valid = cache.valid[:1, :0]
 
     def mark_valid(self, steps: int) -> None:
         for slot, start, end in zip(self.slots, self.starts, self.ends):
@@ -245,8 +244,27 @@ class _Packed:
         keys, values = self.cache.keys[rank][layer], self.cache.values[rank][layer]
         keys[self.token_slots, :, self.positions] = k[0].transpose(0, 1)
         values[self.token_slots, :, self.positions] = v[0].transpose(0, 1)
-        return (keys[self.key_slots, :, self.key_positions].transpose(0, 1)[None],
-                values[self.key_slots, :, self.key_positions].transpose(0, 1)[None])
+        return keys, values
+
+    def attend(self, rank: int, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of the row's queries `q` `[1, heads, tokens, head]` after storing its keys/values."""
+        keys, values = self.append(rank, layer, k, v)
+        out = torch.empty_like(q)
+        if len(self.single_rows):
+            rows, span = self.single_rows, self.single_span
+            slots, positions = self.token_slots[rows], self.positions[rows]
+            visible = torch.arange(span, device=q.device)[None] <= positions[:, None]
+            attended = F.scaled_dot_product_attention(q[0, :, rows].transpose(0, 1)[:, :, None],
+                                                      keys[slots, :, :span], values[slots, :, :span],
+                                                      attn_mask=visible[:, None, None], enable_gqa=True)
+            out[0, :, rows] = attended[:, :, 0].transpose(0, 1)
+        for slot, start, first, n in self.chunks:
+            causal = torch.arange(start + n, device=q.device)[None] <= \
+                torch.arange(start, start + n, device=q.device)[:, None]
+            out[:, :, first:first + n] = F.scaled_dot_product_attention(
+                q[:, :, first:first + n], keys[slot:slot + 1, :, :start + n], values[slot:slot + 1, :, :start + n],
+                attn_mask=causal, enable_gqa=True)
+        return out
 
     def advance(self, steps: int) -> None:
         for slot, end in zip(self.slots, self.ends):

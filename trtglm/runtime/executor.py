@@ -17,7 +17,8 @@ name: tokens of one engine step across the batch):
    prompt longer than what is left is prefilled in chunks over several steps, holding its slot
    meanwhile; the request gets its first token from its last chunk;
 4. runs it all as one forward pass (`SlotModel.step`); a step of decode tokens only is a
-   `decode` (which the fast runtime replays as a CUDA graph).
+   `decode`, and one of prompt tokens only a `prefill` (which the fast runtime replays as CUDA
+   graphs, for a decode batch and for a lone prompt).
 
 Chunks give the tokens one prefill gives (each chunk continues its slot's cache), and a mixed
 pass the tokens separate passes give.
@@ -318,7 +319,8 @@ class Executor:
         slots = [s.slot for s in decoding] + [s.slot for s, _ in chunks]
         pieces = [[s.history[-1]] for s in decoding] + [s.next_chunk(length) for s, length in chunks]
         starts = [len(s.history) - 1 for s in decoding] + [s.prefilled for s, _ in chunks]
-        logits = self.model.step(slots, pieces, starts)
+        # Prompts alone go through prefill, which the fast runtime replays as a CUDA graph for a lone prompt.
+        logits = (self.model.step if decoding else self.model.prefill)(slots, pieces, starts)
         self._stats.prefill_calls += 1
         self._stats.decode_calls += bool(decoding)
         self._stats.prefill_chunks += len(chunks)

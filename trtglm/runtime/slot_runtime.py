@@ -7,8 +7,9 @@ A prefill runs each prompt on its own, straight into its slot (no padding comput
 that continues a slot appends after its cached positions and attends to them. A decode
 step runs the given slots together: each writes its new key/value at its own length, and
 attends to its own first `length + 1` positions only. A mixed step (`step`) packs decode tokens
-and prompt chunks of several slots into one row of one forward pass, each token attending to
-its own slot's positions up to its own.
+and prompt chunks of several slots into one row of one forward pass: the matmuls take every
+token at once; the decode tokens attend together and each chunk on its own, each over its own
+slot's positions.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class ShardedSlotModel:
                 self.cache.reset(slot)
         view = self.cache.packed_view(slots, starts, [len(p) for p in pieces])
         ids = torch.tensor([[t for piece in pieces for t in piece]], dtype=torch.long, device=self.model.device)
-        return self.model.forward(ids, view, view.positions[None], mask=view.mask, rows=view.last)[0]
+        return self.model.forward(ids, view, view.positions[None], rows=view.last)[0]
 
     def reuse(self, slot: int, source: int, length: int) -> None:
         self._check_slot(slot)
