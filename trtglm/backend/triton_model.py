@@ -34,7 +34,8 @@ into the next response; a request whose send has waited outbox.SEND_TIMEOUT_S is
 
 Custom metrics on rank 0: `trtglm_active_sequences`, `trtglm_queued_requests`,
 `trtglm_max_decode_batch`, `trtglm_decode_steps_total`, `trtglm_generated_tokens_total`,
-`trtglm_step_microseconds_total` (Triton's /metrics).
+`trtglm_prompt_tokens_total`, `trtglm_reused_prompt_tokens_total`, `trtglm_step_microseconds_total`
+(Triton's /metrics).
 """
 
 from __future__ import annotations
@@ -220,6 +221,8 @@ class Metrics:
               "trtglm_max_decode_batch": ("max_decode_batch", "the most requests decoded together in one step")}
     COUNTERS = {"trtglm_decode_steps_total": ("decode_calls", "decode steps run"),
                 "trtglm_generated_tokens_total": ("generated_tokens", "tokens generated"),
+                "trtglm_prompt_tokens_total": ("prefill_tokens", "prompt tokens computed"),
+                "trtglm_reused_prompt_tokens_total": ("reused_tokens", "prompt tokens taken from the prefix cache"),
                 "trtglm_step_microseconds_total": ("step_us", "time the engine spent in steps")}
     PERIOD_S = 0.5
 
