@@ -6,10 +6,13 @@
 # (docs/benchmarks.md, "Runtime on GPU", records its results); and the served benchmark.
 #
 #   [PARTS="runtime kernels"] scripts/bench_gpu.sh [DEST] [extra `bench runtime` flags]
+#   PARTS=inflight scripts/bench_gpu.sh [DEST]
 #   PARTS=serving scripts/bench_gpu.sh [DEST]
 #
 # PARTS picks the parts (each takes five to seven minutes on an H200): `runtime` (bench runtime),
-# `kernels` (bench matmul, pdl, prefill, step-parts, Nsight Compute) and `serving`
+# `kernels` (bench matmul, pdl, prefill, step-parts, Nsight Compute), `inflight` (bench inflight: the
+# executor's mixed workload against the ideal of its parts, and a shared 1,000-token prefix with KV-cache
+# reuse off and on; results DEST/inflight/inflight.json and DEST/inflight.txt) and `serving`
 # (not in the default set; trtglm.bench.pipeline in one call: synth-model 6b → build-engine
 # chatglm3-6b-bf16-tp1 with the torch engine → patch-repo → launch --detach, timed cold → `bench served`:
 # Triton's overhead at 128 new tokens, 256 streamed requests at concurrency 64 through ensemble and
@@ -84,6 +87,11 @@ if [[ " $PARTS " == *" runtime "* ]]; then
         --batch 1,8,32,64 --prompt-len 128 --new-tokens 128 --baseline hf --long-prompt 512 \
         --requests 256 --concurrency 64 --prefill-chunk 1024 --fixture tests/fixtures/tiny-chatglm3 \
         --out "$DEST" "$@" 2>&1 | tee "$DEST/log.txt"
+fi
+if [[ " $PARTS " == *" inflight "* ]]; then
+    python3 -m trtglm bench inflight --preset 6b --weight-only none --requests 256 --concurrency 64 \
+        --prompts 32,1024 --outputs 16,256 --prefix 1000 --max-num-tokens 8192 --tokens-per-block 64 \
+        --out "$DEST/inflight" 2>&1 | tee "$DEST/inflight.txt"
 fi
 if [[ " $PARTS " == *" kernels "* ]]; then
     # The decode matmuls on their own (1 and 8 rows): every block shape; int8/int4 in Gluon against plain Triton.

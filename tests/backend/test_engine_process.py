@@ -67,6 +67,36 @@ def test_answers_are_those_of_generate_on_the_same_checkpoint(engine, prompts, e
     assert stats.finished >= len(prompts) and stats.generated_tokens >= sum(map(len, expected))
 
 
+def test_with_kv_cache_reuse_a_shared_prefix_is_computed_once_and_answers_stay_those_of_generate(engine_dir,
+                                                                                                  prompts):
+    """enable_kv_cache_reuse as the stub passes it: prompts after a common 130-token prefix, one after another;
+    blocks of tokens_per_block 64 (configs/tiny.yaml): each later prompt reuses two."""
+    prefix = (prompts[0] * 10)[:130]
+    shared = [prefix + p for p in prompts[1:4]]
+    expected = unsplit_answers(engine_dir / "checkpoint", shared)
+    process = EngineProcess.start(str(engine_dir), kv_cache_reuse=True)
+    try:
+        for prompt, answer in zip(shared, expected):
+            outputs, handle = collect(process, Request(prompt, MAX_NEW, end_id=2, stop_words=STOPS))
+            assert handle.done.wait(60)
+            assert [t for o in outputs for t in o.tokens] == answer
+        time.sleep(0.3)  # the counters come with the outputs
+        assert process.stats().reused_tokens == 128 * (len(shared) - 1)
+    finally:
+        process.stop()
+
+
+def test_enable_kv_cache_reuse_is_off_unless_set_true():
+    from trtglm.backend.triton_model import kv_cache_reuse
+
+    values = {"true": True, "1": True, "false": False}
+    for text, expected in values.items():
+        assert kv_cache_reuse({"enable_kv_cache_reuse": text}, "llm") is expected
+    assert kv_cache_reuse({}, "llm") is False
+    with pytest.raises(UsageError, match="llm: parameter enable_kv_cache_reuse must be true or false, not 'yes'"):
+        kv_cache_reuse({"enable_kv_cache_reuse": "yes"}, "llm")
+
+
 def test_bad_requests_and_a_full_queue_are_refused_at_once(engine, prompts):
     with pytest.raises(UsageError, match="leaves no room for a token"):
         engine.submit(Request(list(range(1, engine.limits.max_seq_len + 1)), 4), lambda output: None)

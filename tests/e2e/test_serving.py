@@ -367,6 +367,30 @@ def test_unloading_and_loading_tensorrt_llm_again(server, conversations):
     assert status == 200 and body["text_output"] == conversations[0]["answer"]
 
 @pytest.mark.slow
+def test_enable_kv_cache_reuse_serves_a_shared_system_prompt_once_with_the_same_answers(server, conversations,
+                                                                                      tmp_path):
+    """A repository rendered with --set enable_kv_cache_reuse=true: requests behind one long system prompt get the
+    answers the server without reuse gives, and the engine counts the prompt tokens it took from its cache."""
+    if server.world != 1:
+        pytest.skip("one world size shows the parameter's path")
+    system = {"role": "system", "content": " ".join(c["answer"] for c in conversations[:8])}
+    requests = [{"messages": [system, *c["messages"]]} for c in conversations[:4]]
+    bodies = [{"text_input": json.dumps(r, ensure_ascii=False), "max_tokens": 24} for r in requests]
+    expected = [server.generate("ensemble", body) for body in bodies]
+    repo = patch_repo(build_tiny_engine(tmp_path / "engine"), None, tmp_path / "repo",
+                      sets={"enable_kv_cache_reuse": True})
+    reusing = Server(repo, 1, tmp_path / "state")
+    try:
+        assert [reusing.generate("ensemble", body) for body in bodies] == expected
+        assert all(status == 200 for status, _ in expected)
+        metrics = settled_metrics(reusing)
+        assert metrics["trtglm_reused_prompt_tokens_total"] >= 64 * (len(bodies) - 1)  # a block at least each
+        assert settled_metrics(server)["trtglm_reused_prompt_tokens_total"] == 0  # off unless set
+    finally:
+        reusing.stop()
+
+
+@pytest.mark.slow
 def test_a_full_queue_answers_busy_at_once_and_serving_goes_on(tmp_path, conversations):
     """tensorrt_llm's max_queue_size bounds the requests waiting (Triton's scheduler queue and the executor's
     queue for a slot): a burst beyond it is refused at once with a message, and serving goes on."""

@@ -18,7 +18,8 @@ from conftest import REPO
 from support.engines import MAX_NEW, build_tiny_engine, chat_prompts, unsplit_answers
 from trtglm.backend.engine import ServedEngine
 from trtglm.errors import UsageError
-from trtglm.runtime.distributed import DECODE, PREFILL, RELEASE, STOP, RankInfo, Step, follow, rank_info, rendezvous
+from trtglm.runtime.distributed import (DECODE, MIXED, PREFILL, RELEASE, REUSE, STOP, RankInfo, Step, follow, rank_info,
+                                        rendezvous)
 from trtglm.runtime.model import load_model
 
 # One rank's program: a ServedEngine from the OMPI environment; rank 0 answers the prompts (all submitted
@@ -115,7 +116,7 @@ def test_ranks_in_processes_prefill_prompts_in_chunks(tmp_path, prompts, expecte
     assert reports[-1]["returncode"] == 0, reports[-1]["stderr"]
     assert reports[0]["tokens"] == expected
     assert max(map(len, prompts)) > 16 and reports[0]["prefill_chunks"] > len(prompts)
-    assert reports[0]["max_decode_batch"] == 8
+    assert reports[0]["max_decode_batch"] > 1  # decode tokens and prompt chunks share each step's 16 tokens
 
 
 @pytest.mark.slow
@@ -178,6 +179,12 @@ class Script:
             raise UsageError("token id 99 is outside the vocabulary")  # as rank 0's shard refused it too
         self.calls.append(("decode", list(slots), list(tokens)))
 
+    def step(self, slots, pieces, starts):
+        self.calls.append(("step", list(slots), [list(p) for p in pieces], list(starts)))
+
+    def reuse(self, slot, source, length):
+        self.calls.append(("reuse", slot, source, length))
+
     def release(self, slot):
         self.calls.append(("release", slot))
 
@@ -188,6 +195,12 @@ def test_a_follower_makes_rank_0s_calls_and_goes_on_after_one_that_fails():
     script.steps.insert(4, Step(STOP, [], []))  # rank 0 stops: what follows is never made
     follow(script, script)
     assert script.calls == [("prefill", [1], [[4, 5]], [0]), ("decode", [1], [6]), ("release", 1)]
+
+
+def test_a_follower_makes_rank_0s_mixed_steps_and_prefix_copies():
+    script = Script([Step(REUSE, [1], [0, 4]), Step.prefill([0, 1], [[7], [4, 5]], [6, 4], op=MIXED)])
+    follow(script, script)
+    assert script.calls == [("reuse", 1, 0, 4), ("step", [0, 1], [[7], [4, 5]], [6, 4])]
 
 
 def test_a_rank_process_holds_only_its_own_shard(engines):

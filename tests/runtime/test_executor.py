@@ -341,7 +341,8 @@ def test_a_chunk_must_continue_where_its_slot_ends(model, prompts):
 
 
 class Recording:
-    """A SlotModel that records its calls: ("prefill", slots, starts, lengths), ("decode", slots), ("release", slot)."""
+    """A SlotModel that records its calls: ("prefill" or "step", slots, starts, lengths), ("decode", slots),
+    ("reuse", slot, source, length), ("release", slot)."""
 
     def __init__(self, inner):
         self.inner, self.calls = inner, []
@@ -351,9 +352,17 @@ class Recording:
         self.calls.append(("prefill", list(slots), list(starts), [len(p) for p in prompts]))
         return self.inner.prefill(slots, prompts, starts)
 
+    def step(self, slots, pieces, starts):
+        self.calls.append(("step", list(slots), list(starts), [len(p) for p in pieces]))
+        return self.inner.step(slots, pieces, starts)
+
     def decode(self, slots, tokens):
         self.calls.append(("decode", list(slots)))
         return self.inner.decode(slots, tokens)
+
+    def reuse(self, slot, source, length):
+        self.calls.append(("reuse", slot, source, length))
+        self.inner.reuse(slot, source, length)
 
     def release(self, slot):
         self.calls.append(("release", slot))
@@ -370,25 +379,23 @@ def answers(executor: Executor, prompts: list[list[int]], tok) -> list[list[int]
 
 
 def test_chunked_prefill_gives_every_conversation_its_unchunked_answer(model, tok, all_prompts):
-    def executor(max_prefill_tokens: int | None) -> Executor:
+    def executor(max_num_tokens: int | None) -> Executor:
         return Executor(Recording(ShardedSlotModel(model, max_batch=4, max_seq_len=320)), max_queue=len(all_prompts),
-                        max_prefill_tokens=max_prefill_tokens)
+                        max_num_tokens=max_num_tokens)
 
     whole, chunked = executor(None), executor(5)
     assert answers(chunked, all_prompts, tok) == answers(whole, all_prompts, tok)
-    prefills = [call for call in chunked.model.calls if call[0] == "prefill"]
-    assert all(sum(lengths) <= 5 for _, _, _, lengths in prefills)
-    assert sum(sum(lengths) for _, _, _, lengths in prefills) == sum(map(len, all_prompts))
-    assert any(len(slots) > 1 for _, slots, _, _ in prefills)  # a prompt's last chunk and the next one's first
+    steps = [call for call in chunked.model.calls if call[0] in ("prefill", "step")]
+    assert all(sum(lengths) <= 5 for _, _, _, lengths in steps)  # decode and prompt tokens within the budget
     stats = chunked.stats()
-    assert stats.prefill_chunks == sum(len(slots) for _, slots, _, _ in prefills) > len(all_prompts)
-    assert stats.max_decode_batch == 4
+    assert stats.prefill_tokens == sum(map(len, all_prompts)) and stats.reused_tokens == 0
+    assert stats.prefill_chunks > len(all_prompts) and stats.max_decode_batch == 4
     assert whole.stats().prefill_chunks == len(all_prompts)
 
 
-def test_a_long_prompt_is_prefilled_between_decode_steps_of_the_running_requests(model, tok, all_prompts):
+def test_each_step_is_one_pass_of_the_decode_tokens_and_what_is_left_of_the_budget(model, tok, all_prompts, reference):
     recording = Recording(ShardedSlotModel(model, max_batch=2, max_seq_len=320))
-    executor = Executor(recording, max_prefill_tokens=16)
+    executor = Executor(recording, max_num_tokens=16)
     short, long = Collected(), Collected()
     long_prompt = max(all_prompts, key=len)
     executor.submit(Request(all_prompts[0], 60), short)
@@ -399,20 +406,98 @@ def test_a_long_prompt_is_prefilled_between_decode_steps_of_the_running_requests
     while not long.tokens:
         executor.step()
         steps += 1
-    chunks = -(-len(long_prompt) // 16)
+    chunks = -(-len(long_prompt) // 15)  # one of the 16 tokens of each step is the running request's
     assert steps == chunks and len(short.tokens) == 1 + chunks  # the running request got a token every step
-    long_slot = 1
-    trace = [(call[0], call[1]) for call in recording.calls]
-    assert trace == [("prefill", [long_slot]), ("decode", [0])] * chunks
-    starts = [call[2][0] for call in recording.calls if call[0] == "prefill"]
-    assert starts == list(range(0, len(long_prompt), 16))
+    short_starts = range(len(all_prompts[0]), len(all_prompts[0]) + chunks)
+    long_starts = range(0, len(long_prompt), 15)
+    lengths = [min(15, len(long_prompt) - start) for start in long_starts]
+    assert recording.calls == [("step", [0, 1], [a, b], [1, n]) for a, b, n in zip(short_starts, long_starts, lengths)]
     run(executor)
     assert long.tokens == alone(model, tok, long_prompt, 5)
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([long_prompt]), max_new_tokens=5, min_new_tokens=5,
+                                      do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert long.tokens == expected[0, len(long_prompt):].tolist()
+
+
+def test_prompts_are_prefilled_oldest_first_within_the_budget(model, tok, all_prompts):
+    recording = Recording(ShardedSlotModel(model, max_batch=3, max_seq_len=320))
+    executor = Executor(recording, max_num_tokens=24)
+    prompts = sorted(all_prompts, key=len)[-3:]  # three long ones: each takes several steps
+    results = [Collected() for _ in prompts]
+    for prompt, result in zip(prompts, results):
+        executor.submit(Request(prompt, 8), result)
+    prefilled, firsts = [0, 0, 0], []
+    while executor.has_work():
+        seen = len(recording.calls)
+        executor.step()
+        call = next((c for c in recording.calls[seen:] if c[0] in ("prefill", "step")), None)
+        if call is None:
+            continue
+        decoding = sum(1 for slot in call[1] if prefilled[slot] == len(prompts[slot]))
+        assert sum(call[3]) <= max(24, decoding + 1)
+        for slot, length in zip(call[1], call[3]):
+            if prefilled[slot] < len(prompts[slot]):
+                prefilled[slot] += length
+                firsts += [slot] if prefilled[slot] == len(prompts[slot]) else []
+        assert all(prefilled[i] == len(prompts[i]) for i in range(3) for j in range(i + 1, 3) if prefilled[j])
+    assert firsts == [0, 1, 2]
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == alone(model, tok, prompt, 8)[:8]
+
+
+class Separate:
+    """A SlotModel whose steps run each piece as a pass of its own (prefill of a chunk, or of one decode token)."""
+
+    def __init__(self, inner):
+        self.inner, self.mixed = inner, 0
+        self.vocab_size, self.max_batch, self.max_seq_len = inner.vocab_size, inner.max_batch, inner.max_seq_len
+
+    def prefill(self, slots, prompts, starts=None):
+        return self.inner.prefill(slots, prompts, starts)
+
+    def step(self, slots, pieces, starts):
+        self.mixed += any(len(p) == 1 and start for p, start in zip(pieces, starts)) and \
+            any(len(p) > 1 for p in pieces)
+        return torch.cat([self.inner.prefill([slot], [piece], [start])
+                          for slot, piece, start in zip(slots, pieces, starts)])
+
+    def decode(self, slots, tokens):
+        return self.inner.decode(slots, tokens)
+
+    def release(self, slot):
+        self.inner.release(slot)
+
+
+def test_a_mixed_pass_gives_the_tokens_of_separate_passes(model, tok, all_prompts):
+    def executor(slots) -> Executor:
+        return Executor(slots, max_queue=len(all_prompts), max_num_tokens=40)
+
+    separate = Separate(ShardedSlotModel(model, max_batch=4, max_seq_len=320))
+    assert answers(executor(ShardedSlotModel(model, max_batch=4, max_seq_len=320)), all_prompts, tok) == \
+        answers(executor(separate), all_prompts, tok)
+    assert separate.mixed > 10  # steps that carried decode tokens and prompt chunks together
+
+
+def test_a_full_kv_cache_keeps_requests_queued_until_a_finished_one_frees_it(model, tok, prompts):
+    recording = Recording(ShardedSlotModel(model, max_batch=3, max_seq_len=MAX_SEQ))
+    first, second = Collected(), Collected()
+    need = [-(-(len(prompts[i]) + 40) // 16) for i in (1, 2)]
+    executor = Executor(recording, max_kv_tokens=16 * max(need), tokens_per_block=16)  # one request at a time
+    executor.submit(Request(prompts[1], 40, end_id=tok.eos_id, stop_words=stops(tok)), first)
+    executor.submit(Request(prompts[2], 40, end_id=tok.eos_id, stop_words=stops(tok)), second)
+    executor.step()
+    assert executor.stats().active == 1 and executor.stats().queued == 1 and not second.outputs
+    run(executor)
+    assert first.tokens == alone(model, tok, prompts[1]) and second.tokens == alone(model, tok, prompts[2])
+    assert recording.calls.index(("release", 0)) < recording.calls.index(("prefill", [0], [0], [len(prompts[2])]))
+    with pytest.raises(UsageError, match=r"needs \d+ KV-cache positions .* the cache holds"):
+        executor.submit(Request(prompts[0], MAX_SEQ), Collected())
 
 
 def test_cancelling_a_request_mid_prefill_frees_its_slot(model, tok, prompts):
     recording = Recording(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ))
-    executor = Executor(recording, max_prefill_tokens=5)
+    executor = Executor(recording, max_num_tokens=5)
     long, waiting = Collected(), Collected()
     handle = executor.submit(Request(prompts[2], 10), long)
     executor.submit(Request(prompts[1], 40, end_id=tok.eos_id, stop_words=stops(tok)), waiting)
@@ -428,9 +513,62 @@ def test_cancelling_a_request_mid_prefill_frees_its_slot(model, tok, prompts):
     assert executor.stats().cancelled == 1
 
 
-def test_the_prefill_budget_must_be_positive(model):
-    with pytest.raises(UsageError, match="max_prefill_tokens must be >= 1, not 0"):
-        Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ), max_prefill_tokens=0)
+def test_the_step_budget_and_the_kv_cache_must_be_positive(model):
+    for name in ("max_num_tokens", "max_kv_tokens", "tokens_per_block"):
+        with pytest.raises(UsageError, match=f"{name} must be >= 1, not 0"):
+            Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ), **{name: 0})
+
+
+# --- prefix caching ----------------------------------------------------------------------------------------------
+
+
+def shared_prefix_prompts(all_prompts, prefix_len: int = 100) -> list[list[int]]:
+    """The first `prefix_len` tokens of the longest conversation, then each of six others."""
+    prefix = max(all_prompts, key=len)[:prefix_len]
+    return [prefix + p for p in all_prompts[1:31:5]]
+
+
+def served_one_at_a_time(executor: Executor, prompts, tok) -> list[list[int]]:
+    return [answers(executor, [prompt], tok)[0] for prompt in prompts]
+
+
+def test_a_shared_prefix_is_reused_with_the_tokens_it_gives_computed(model, tok, all_prompts):
+    prompts = shared_prefix_prompts(all_prompts)
+
+    def executor(reuse: bool) -> Executor:
+        return Executor(Recording(ShardedSlotModel(model, max_batch=2, max_seq_len=320)), max_queue=8,
+                        tokens_per_block=16, kv_cache_reuse=reuse)
+
+    off, on = executor(False), executor(True)
+    expected = served_one_at_a_time(off, prompts, tok)
+    assert served_one_at_a_time(on, prompts, tok) == expected
+    reused = 96 * (len(prompts) - 1)  # the prefix's 6 whole blocks of 16, for every request after the first
+    assert on.stats().reused_tokens == reused and off.stats().reused_tokens == 0
+    assert on.stats().prefill_tokens == off.stats().prefill_tokens - reused == sum(map(len, prompts)) - reused
+    assert all(call[1] == call[2] for call in on.model.calls if call[0] == "reuse")  # kept in place: no copy
+    beside = executor(True)  # the second arrives while the first runs: the first's blocks are copied
+    first, second = Collected(), Collected()
+    beside.submit(Request(prompts[0], 40, end_id=tok.eos_id, stop_words=stops(tok)), first)
+    beside.step()
+    beside.submit(Request(prompts[1], 40, end_id=tok.eos_id, stop_words=stops(tok)), second)
+    run(beside)
+    assert [first.tokens, second.tokens] == expected[:2]
+    assert [call for call in beside.model.calls if call[0] == "reuse"] == [("reuse", 1, 0, 96)]
+
+
+def test_evicted_prefixes_are_computed_again_and_give_the_same_tokens(model, tok, all_prompts):
+    """Two slots, three prefixes: the least recently used slot's blocks go first."""
+    longest = max(all_prompts, key=len)
+    a, b, c = (longest[i * 64:(i + 1) * 64] + all_prompts[5] for i in range(3))
+    order = [a, b, a, c, b, a]
+
+    def executor(reuse: bool) -> Executor:
+        return Executor(ShardedSlotModel(model, max_batch=2, max_seq_len=320), tokens_per_block=16,
+                        kv_cache_reuse=reuse)
+
+    on = executor(True)
+    assert served_one_at_a_time(on, order, tok) == served_one_at_a_time(executor(False), order, tok)
+    assert on.stats().reused_tokens == 64  # the second a only: c evicts b, b evicts a, a evicts c
 
 
 class Failing:
@@ -442,6 +580,9 @@ class Failing:
 
     def prefill(self, slots, prompts, starts=None):
         return self.inner.prefill(slots, prompts, starts)
+
+    def step(self, slots, pieces, starts):
+        return self.inner.step(slots, pieces, starts)
 
     def decode(self, slots, tokens):
         if not self.failed:

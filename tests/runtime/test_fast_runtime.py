@@ -286,6 +286,41 @@ def test_chunks_and_fresh_prompts_share_a_prefill_call(model, reference, hf_cfg)
         model.release(slot)
 
 
+def test_a_mixed_step_gives_the_logits_of_decode_and_prefill(model, reference, hf_cfg):
+    """Decode tokens of two slots, a chunk continuing a third, a fresh prompt and a one-token prompt in one
+    eager pass: each row is its sequence's logits; the slots then decode on (the graph path's lengths)."""
+    seqs = sequences(hf_cfg.vocab_size, [30, 30, 40, 24, 30], seed=29)
+    refs = [ref_logits(reference(None), seq) for seq in seqs]
+    model.prefill([0, 1, 2], [seqs[0][:9], seqs[1][:17], seqs[2][:5]])
+    slots, starts, ends = [0, 1, 2, 3, 4], [9, 17, 5, 0, 0], [10, 18, 33, 20, 1]
+    logits = model.step(slots, [seqs[i][start:end] for i, start, end in zip(slots, starts, ends)], starts)
+    for row, ref, end in zip(logits, refs, ends):
+        assert max_diff(row, ref[end - 1]) <= FP32_TOL
+    assert model.cache.lengths[:5] == ends and model.cache.device_lengths[:5].tolist() == ends
+    decoded = model.decode(slots, [seq[end] for seq, end in zip(seqs, ends)])
+    for row, ref, end in zip(decoded, refs, ends):
+        assert max_diff(row, ref[end]) <= FP32_TOL
+    for slot in range(5):
+        model.release(slot)
+
+
+def test_a_reused_prefix_continues_like_the_prefill_that_wrote_it(model, reference, hf_cfg):
+    shared, tail = sequences(hf_cfg.vocab_size, [32, 10], seed=31)
+    expected = ref_logits(reference(None), shared + tail)
+    model.prefill([0], [shared])
+    model.release(0)  # a released slot keeps its positions until it is prefilled again
+    model.reuse(1, 0, 32)
+    model.reuse(0, 0, 16)
+    assert model.cache.lengths[:2] == [16, 32]
+    for row in model.step([1, 0], [tail, shared[16:] + tail], [32, 16]):
+        assert max_diff(row, expected[-1]) <= FP32_TOL
+    assert model.cache.lengths[:2] == [42, 42]
+    for slot in (0, 1):
+        model.release(slot)
+    with pytest.raises(UsageError, match="cannot reuse 64 positions"):
+        model.reuse(0, 1, 64)
+
+
 def test_a_chunk_must_continue_where_its_slot_ends(model):
     model.prefill([0], [[1] * 5])
     cases = [(lambda: model.prefill([0], [[2]], starts=[4]), "slot 0 holds 5 positions: .* starts at 5, not 4"),
@@ -315,11 +350,13 @@ def test_weight_only_matches_quantized_reference(checkpoint, reference, hf_cfg, 
     assert max_diff(quantized.score(tokens), unquantized) > 100 * FP32_TOL  # the quantization is really applied
 
 
-@pytest.mark.parametrize("max_prefill_tokens", [None, 4], ids=["whole", "chunked"])
-def test_executor_over_fast_model_decodes_greedily_like_the_reference(model, reference, hf_cfg, max_prefill_tokens):
-    prompts = sequences(hf_cfg.vocab_size, [7, 15, 3], seed=13)
+@pytest.mark.parametrize("max_num_tokens,reuse", [(None, False), (4, False), (6, True)],
+                         ids=["whole", "chunked", "reused prefix"])
+def test_executor_over_fast_model_decodes_greedily_like_the_reference(model, reference, hf_cfg, max_num_tokens, reuse):
+    prefix, *tails = sequences(hf_cfg.vocab_size, [16, 7, 15, 3], seed=13)
+    prompts = [prefix + tail for tail in tails] if reuse else tails
     got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    executor = Executor(model, max_queue=8, max_prefill_tokens=max_prefill_tokens)
+    executor = Executor(model, max_queue=8, max_num_tokens=max_num_tokens, tokens_per_block=8, kv_cache_reuse=reuse)
     for i, prompt in enumerate(prompts):
         executor.submit(Request(prompt, max_new_tokens=6), lambda out, i=i: got[i].extend(out.tokens))
     while executor.has_work():
@@ -329,6 +366,7 @@ def test_executor_over_fast_model_decodes_greedily_like_the_reference(model, ref
         for _ in range(6):
             ids.append(int(ref_logits(reference(None), ids)[-1].argmax()))
         assert got[i] == ids[len(prompt):]
+    assert executor.stats().reused_tokens == (16 * (len(prompts) - 1) if reuse else 0)
 
 
 def test_usage_errors(model, checkpoint, hf_cfg):
@@ -573,7 +611,7 @@ def test_bench_runtime_needs_a_gpu(tmp_path):
 
 
 def test_inflight_run_serves_every_request_through_the_chunking_executor(model):
-    from trtglm.bench.measure import inflight_run
+    from trtglm.bench.inflight import inflight_run
 
     stats = inflight_run(model, requests=6, concurrency=3, generator=torch.Generator().manual_seed(0),
                          prefill_tokens=8, prompt_range=(3, 30), output_range=(2, 5))

@@ -29,6 +29,7 @@ TOKENIZER_DIR, MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE = "tokenizer_dir", "max_in
 LLM_MODEL_NAME, ACCUMULATE_TOKENS = "tensorrt_llm_model_name", "accumulate_tokens"
 LLM_DECOUPLED = "decoupled_mode"  # whether tensorrt_llm answers decoupled (the history model is not itself)
 CHATGLM_VERSION = "chatglm_version"  # the prompt format: chatglm3, or chatglm2 for a ChatGLM2 engine
+KV_CACHE_REUSE = "enable_kv_cache_reuse"  # tensorrt_llm: reuse the KV blocks of a shared prompt prefix (NVIDIA's name)
 # model -> parameters trtglm's python model reads (rendering fills each from the placeholder of that name)
 PYTHON_MODEL_PARAMETERS: dict[str, tuple[str, ...]] = {
     PREPROCESSING: (TOKENIZER_DIR, MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE, CHATGLM_VERSION),

@@ -27,6 +27,7 @@ from trtglm.runtime.slots import SlotModel
 log = logging.getLogger(__name__)
 
 QUEUE_PER_SLOT = 8  # waiting requests per slot when the config sets no max_queue_size
+DEFAULT_TOKENS_PER_BLOCK = 64  # trtllm-build's and trtglm profiles' default
 WARM_UP_PROMPT = (1, 2, 3, 4)
 
 
@@ -38,6 +39,7 @@ class EngineInfo:
     max_seq_len: int
     max_num_tokens: int
     tokenizer_size: int  # ids the tokenizer can decode; the engine's vocabulary may be padded past them
+    tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK  # KV-cache block: the unit of admission and prefix reuse
 
 
 def engine_info(engine_dir: str | Path) -> EngineInfo:
@@ -46,9 +48,12 @@ def engine_info(engine_dir: str | Path) -> EngineInfo:
         raise UsageError(f"{engine_dir} holds a {manifest['engine']} engine; the python backend serves torch engines "
                          "(NVIDIA's tensorrtllm backend serves TensorRT ones)")
     limits, mapping = manifest["limits"], manifest["mapping"]
+    build = manifest["profile"].get("build")
+    block = build.get("tokens_per_block", DEFAULT_TOKENS_PER_BLOCK) if isinstance(build, dict) else \
+        DEFAULT_TOKENS_PER_BLOCK
     return EngineInfo(Path(manifest["checkpoint_dir"]), int(mapping["tp_size"]) * int(mapping["pp_size"]),
                       int(limits["max_batch_size"]), int(limits["max_seq_len"]), int(limits["max_num_tokens"]),
-                      int(manifest["tokenizer"]["vocab_size"]))
+                      int(manifest["tokenizer"]["vocab_size"]), int(block))
 
 
 def pick_device(info: RankInfo, requested: str | None = None) -> torch.device:
@@ -83,7 +88,7 @@ class ServedEngine:
     """The engine as one rank of a server runs it: rank 0 an executor, the others a follower thread."""
 
     def __init__(self, engine_dir: str | Path, max_queue: int | None = None, info: RankInfo | None = None,
-                 device: str | None = None, warm_up: bool = True):
+                 device: str | None = None, warm_up: bool = True, kv_cache_reuse: bool = False):
         started = time.monotonic()
         self.engine = engine_info(engine_dir)
         self.info = info or rank_info()
@@ -111,8 +116,11 @@ class ServedEngine:
                 model = LeaderSlotModel(model, StepChannel(self.distributed.control))
             self.model = model
             self.executor = Executor(model, max_queue or QUEUE_PER_SLOT * self.engine.max_batch_size,
-                                     max_prefill_tokens=self.engine.max_num_tokens, device=self.device,
-                                     vocab_limit=self.engine.tokenizer_size)
+                                     max_num_tokens=self.engine.max_num_tokens, device=self.device,
+                                     vocab_limit=self.engine.tokenizer_size,
+                                     tokens_per_block=self.engine.tokens_per_block, kv_cache_reuse=kv_cache_reuse)
+            log.info("rank 0: up to %d tokens a step; KV-cache reuse %s (blocks of %d tokens)",
+                     self.engine.max_num_tokens, "on" if kv_cache_reuse else "off", self.engine.tokens_per_block)
             self.executor.start()
             if warm_up:
                 warming = time.monotonic()

@@ -145,13 +145,15 @@ class EngineProcess:
         self._watcher.start()
 
     @classmethod
-    def start(cls, engine_dir: str, max_queue: int | None = None,
+    def start(cls, engine_dir: str, max_queue: int | None = None, kv_cache_reuse: bool = False,
               on_death: Callable[[str], None] | None = None) -> EngineProcess:
         """Start the engine's process and wait until it is ready (its load error raised here, as one line)."""
         ours, theirs = socket.socketpair()
         argv = [engine_python(), "-m", __name__, "--fd", str(theirs.fileno()), "--engine-dir", str(engine_dir)]
         if max_queue:
             argv += ["--max-queue", str(max_queue)]
+        if kv_cache_reuse:
+            argv.append("--kv-cache-reuse")
         log.info("starting the engine's process: %s", " ".join(argv))
         with theirs:
             process = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
@@ -380,11 +382,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--engine-dir", required=True)
     parser.add_argument("--max-queue", type=int, default=None)
+    parser.add_argument("--kv-cache-reuse", action="store_true")
     args = parser.parse_args(argv)
     log_to_stderr()
     wire = Wire(Connection(args.fd))
     try:
-        engine = ServedEngine(args.engine_dir, max_queue=args.max_queue)
+        engine = ServedEngine(args.engine_dir, max_queue=args.max_queue, kv_cache_reuse=args.kv_cache_reuse)
     except Exception as e:
         log.exception("the engine failed to load")
         name = type(e).__name__ if type(e).__name__ in ERRORS else "TrtglmError"

@@ -1,7 +1,8 @@
 """trtglm's PyTorch runtime as Triton's `tensorrt_llm` model (python backend, NVIDIA's tensor contract).
 
 The engine folder is the `gpt_model_path` parameter (`trtglm build-engine` output with engine
-`torch`). The engine runs in a process of its own (backend/engine_process.py: `ServedEngine` of
+`torch`); `enable_kv_cache_reuse` true turns on prefix caching (runtime/prefix.py; off by default,
+as in TensorRT-LLM). The engine runs in a process of its own (backend/engine_process.py: `ServedEngine` of
 backend/engine.py, under its own GIL); this stub parses requests and sends responses. Every rank
 loads only its own `rank{r}.safetensors`; rank 0 takes the requests and runs the in-flight
 batching executor, the other ranks follow its steps.
@@ -33,7 +34,8 @@ into the next response; a request whose send has waited outbox.SEND_TIMEOUT_S is
 
 Custom metrics on rank 0: `trtglm_active_sequences`, `trtglm_queued_requests`,
 `trtglm_max_decode_batch`, `trtglm_decode_steps_total`, `trtglm_generated_tokens_total`,
-`trtglm_step_microseconds_total` (Triton's /metrics).
+`trtglm_prompt_tokens_total`, `trtglm_reused_prompt_tokens_total`, `trtglm_step_microseconds_total`
+(Triton's /metrics).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from trtglm.backend.contract import ENGINE_DIR, TENSORRT_LLM
+from trtglm.backend.contract import ENGINE_DIR, KV_CACHE_REUSE, TENSORRT_LLM
 from trtglm.backend.engine import log_to_stderr
 from trtglm.backend.engine_process import EngineProcess
 from trtglm.backend.llm_requests import INPUTS, engine_requests
@@ -57,6 +59,13 @@ from trtglm.runtime.executor import Output, QueueFullError, Request
 log = logging.getLogger(__name__)
 
 DRAIN_S = 2.0  # at unload, how long the last responses (shutdown errors) may take to go out
+
+
+def kv_cache_reuse(params: dict[str, str], model: str) -> bool:
+    """`enable_kv_cache_reuse`: false where a repository leaves it out (TensorRT-LLM's default)."""
+    from trtglm.backend import triton_io
+
+    return KV_CACHE_REUSE in params and triton_io.bool_parameter(params, KV_CACHE_REUSE, model)
 
 
 class TritonPythonModel:
@@ -76,7 +85,9 @@ class TritonPythonModel:
         queue = int((config.get("dynamic_batching") or {}).get("default_queue_policy", {}).get("max_queue_size", 0))
         started = time.monotonic()
         log.info("%s: initializing (engine %s)", name, engine_dir)
-        self.engine = EngineProcess.start(engine_dir, max_queue=queue or None, on_death=self._engine_died)
+        reuse = kv_cache_reuse(setup.params, name)
+        self.engine = EngineProcess.start(engine_dir, max_queue=queue or None, kv_cache_reuse=reuse,
+                                          on_death=self._engine_died)
         self.executor = self.engine if self.engine.limits.takes_requests else None
         self.metrics = Metrics(self.executor, pb_utils) if self.executor is not None else None
         log.info("%s: initialized in %.2f s", name, time.monotonic() - started)
@@ -210,6 +221,8 @@ class Metrics:
               "trtglm_max_decode_batch": ("max_decode_batch", "the most requests decoded together in one step")}
     COUNTERS = {"trtglm_decode_steps_total": ("decode_calls", "decode steps run"),
                 "trtglm_generated_tokens_total": ("generated_tokens", "tokens generated"),
+                "trtglm_prompt_tokens_total": ("prefill_tokens", "prompt tokens computed"),
+                "trtglm_reused_prompt_tokens_total": ("reused_tokens", "prompt tokens taken from the prefix cache"),
                 "trtglm_step_microseconds_total": ("step_us", "time the engine spent in steps")}
     PERIOD_S = 0.5
 

@@ -1,6 +1,6 @@
 """Statistics of a streamed load run (stream_load.py) and the server's own counters.
 
-The statistics are those of `inflight_run` (measure.py's `inflight_stats`: TTFT from the send
+The statistics are those of `inflight_run` (inflight.py; measure.py's `inflight_stats`: TTFT from the send
 to the first token, inter-token gaps within a request, p50/p99), so served and in-process
 numbers mean the same. The server's own count (`trtglm_generated_tokens_total` on the metrics
 endpoint, read before and after a run once it settled) is exact for every model, and is the one

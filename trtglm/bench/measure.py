@@ -240,54 +240,6 @@ def _device_us(event) -> float:
     return float(getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0) or 0)
 
 
-def inflight_run(model, requests: int, concurrency: int, generator: torch.Generator, prefill_tokens: int = 512,
-                 prompt_range: tuple[int, int] = INFLIGHT_PROMPTS, output_range: tuple[int, int] = INFLIGHT_OUTPUTS
-                 ) -> dict:
-    """Closed loop through the executor: `concurrency` requests in flight, a new one as each finishes.
-
-    Prompt and output lengths are uniform over the given inclusive ranges; EOS is never set. The executor
-    prefills at most `prefill_tokens` prompt tokens per step (longer prompts in chunks between decode steps).
-    """
-    from trtglm.runtime.executor import Executor
-    from trtglm.runtime.request import Request
-
-    def uniform(low: int, high: int) -> list[int]:
-        return torch.randint(low, high + 1, (requests,), generator=generator, device=generator.device).tolist()
-
-    lengths, outputs = uniform(*prompt_range), uniform(*output_range)
-    prompts = [torch.randint(0, model.vocab_size, (n,), generator=generator, device=generator.device).tolist()
-               for n in lengths]
-    executor = Executor(model, max_queue=requests, max_prefill_tokens=prefill_tokens, device=model.device)
-    submitted: dict[int, float] = {}
-    token_times: dict[int, list[float]] = {i: [] for i in range(requests)}
-    pending = iter(range(requests))
-
-    def submit_next() -> None:
-        i = next(pending, None)
-        if i is None:
-            return
-
-        def on_output(output, i=i) -> None:
-            now = time.perf_counter()
-            token_times[i].extend([now] * len(output.tokens))
-            if output.finished:
-                submit_next()
-
-        submitted[i] = time.perf_counter()
-        executor.submit(Request(prompts[i], outputs[i]), on_output)
-
-    start = time.perf_counter()
-    for _ in range(min(concurrency, requests)):
-        submit_next()
-    while executor.has_work():
-        executor.step()
-    elapsed = time.perf_counter() - start
-    stats = inflight_stats(requests, concurrency, lengths, outputs, submitted, token_times, elapsed)
-    done = executor.stats()
-    return {**stats, "prefill_tokens_per_step": prefill_tokens, "prefill_chunks": done.prefill_chunks,
-            "decode_steps": done.decode_calls}
-
-
 def inflight_stats(requests: int, concurrency: int, lengths: list[int], outputs: list[int],
                     submitted: dict[int, float], token_times: dict[int, list[float]], elapsed: float) -> dict:
     ttft = [(times[0] - submitted[i]) * 1e3 for i, times in token_times.items() if times]

@@ -97,6 +97,9 @@ def summary(results: dict) -> str:
                          f"{f['requests_per_s']:.2f} req/s, {f['tokens_per_s']:.0f} tokens/s, TTFT p50/p99 "
                          f"{f['ttft_ms']['p50']:.0f}/{f['ttft_ms']['p99']:.0f} ms, ITL p50/p99 "
                          f"{f['itl_ms']['p50']:.1f}/{f['itl_ms']['p99']:.1f} ms")
+            if "ideal" in f:
+                lines.append(f"    ideal from its parts {f['ideal']['tokens_per_s']:.0f} tokens/s: "
+                             f"{f['pct_of_ideal']:.0f}% of it")
     if results.get("targets"):
         lines += ["", "| target | limit | this run | |", "|---|---|---|---|"]
         lines.extend(_target_line(t) for t in results["targets"])

@@ -18,7 +18,8 @@ One process, one GPU, one set of random weights (a `synth` preset, generated on 
    measured here (bytes read + written, as a copy of the weight bytes would move them).
 4. Time to first token for one long prompt; a torch.profiler table of one eager decode
    step (the kernels a graph replays); an in-flight batching run through the executor
-   (trtglm.runtime.executor) with mixed prompt and output lengths at a fixed concurrency.
+   (trtglm.runtime.executor) with mixed prompt and output lengths at a fixed concurrency, against the
+   ideal of its parts (bench/inflight.py).
 
 Results: `runtime.json` and `runtime.png` (generated tokens/s against batch size, both
 systems, and the floor) in the output folder, and a table on stdout.
@@ -42,8 +43,8 @@ from trtglm.bench.checks import (CHECK_SEQUENCES, reference_logits, check_model,
                                  float32_reference_logits, hf_reference, kernel_checks, quantized_reference_logits)
 from trtglm.bench.measure import (DTYPES, INFLIGHT_OUTPUTS, INFLIGHT_PROMPTS, KIND_OF_MODE, MODES, WEIGHT_ONLY,
                                   checkpoint_tensors, copy_bandwidth, cuda_device, decode_floor_ms,
-                                  fast_timing, hf_timings, inflight_run, long_ttft_ms, profile_decode_step,
-                                  synth_tensors)
+                                  fast_timing, hf_timings, long_ttft_ms, profile_decode_step, synth_tensors)
+from trtglm.bench.inflight import mixed_workload
 from trtglm.bench.report import fill_ratios, plot, summary, targets
 from trtglm.errors import ModelFileError, TrtglmError, UsageError
 
@@ -184,8 +185,8 @@ def _bench_mode(mode: str, weights: Weights, opts: dict, max_seq_len: int, check
     if profile:
         entry["profile"] = {str(b): profile_decode_step(model, b) for b in sorted({1, max(batches)})}
     if inflight:
-        entry["inflight"] = inflight_run(model, opts["requests"], opts["concurrency"], generator,
-                                         prefill_tokens=opts["prefill_chunk"])
+        entry["inflight"] = mixed_workload(model, opts["requests"], opts["concurrency"], generator,
+                                           max_num_tokens=opts["prefill_chunk"])
     if model.tuned:
         from trtglm.runtime.fast.kernels import CHOSEN
 

@@ -2,7 +2,7 @@
 
 A workload (workload.py) is a list of requests (a prompt text and a max_tokens each) run as a
 closed loop: `concurrency` requests in flight, the next one sent as one finishes (as
-`inflight_run` in runtime.py drives the executor). Three ways to run it, one function each:
+`inflight_run` in inflight.py drives the executor). Three ways to run it, one function each:
 
 - `run_http`: `POST /v2/models/MODEL/generate_stream` with `"stream": true`, server-sent events
   read as they arrive (trtglm.client.http's connection and event parser), one thread per

@@ -75,8 +75,8 @@ def runtime(preset: Literal["tiny", "6b", "6b-32k"] = "6b", dtype: Literal["bflo
     --weight-only none|int8|int4 (comma-separated for several), --batch 1,8,32,64: decode batch
     sizes, --prompt-len/--new-tokens: forced lengths (EOS ignored), --baseline hf|none,
     --long-prompt N: TTFT of one N-token prompt, --requests/--concurrency: the in-flight run
-    (0 requests skips it), --prefill-chunk N: prompt tokens its executor prefills per step (longer
-    prompts go in chunks, between decode steps), --layers N: fewer layers, --no-check / --no-profile
+    (0 requests skips it, bench inflight runs it alone), --prefill-chunk N: tokens a step of its executor
+    carries (decode tokens and prompt chunks; longer prompts go in chunks beside the decoding requests), --layers N: fewer layers, --no-check / --no-profile
     skip those parts, --no-tune skips timing the matmul kernels' block shapes at start-up (and
     cuBLAS against the one-row kernel for float weights), --fixture DIR: a trained small ChatGLM3
     (e.g. tests/fixtures/tiny-chatglm3) whose logits are checked too. Writes OUT/runtime.json and
@@ -86,6 +86,25 @@ def runtime(preset: Literal["tiny", "6b", "6b-32k"] = "6b", dtype: Literal["bflo
     from trtglm.bench.runtime import bench_runtime
 
     bench_runtime(**flags)
+
+
+def inflight(fixture: Path | None = None, preset: Literal["tiny", "6b", "6b-32k"] = "6b",
+             weight_only: Literal["none", "int8", "int4"] = "none", requests: PosInt = 256, concurrency: PosInt = 64,
+             prompts: str = "32,1024", outputs: str = "16,256", prefix: CountInt = 1000,
+             max_num_tokens: PosInt = 8192, tokens_per_block: PosInt = 64, seed: CountInt = 0,
+             out: str = "out/bench-inflight"):
+    """The in-flight batching executor against the ideal of its parts, and a shared prefix with reuse off and on.
+
+    --prompts/--outputs LOW,HIGH: uniform lengths; --prefix N: the shared system prompt's tokens;
+    --max-num-tokens: tokens a step carries (decode tokens and prompt chunks); --fixture DIR: a small HF
+    ChatGLM3 (e.g. tests/fixtures/tiny-chatglm3; the portable runtime on the CPU), else random --preset
+    weights on the GPU. Prints generated tokens/s against the ideal, TTFT and inter-token p50/p99, and
+    TTFT p50 with prefix reuse off and on; writes OUT/inflight.json.
+    """
+    flags = dict(locals())
+    from trtglm.bench.inflight import bench_inflight
+
+    bench_inflight(**flags)
 
 
 def matmul(portable: bool = False, kinds: str = "bf16,int8,int4", rows: str = "1", out: str | None = None):
@@ -123,5 +142,5 @@ def convert(work_dir: str = "/tmp/trtglm-bench", json: str | None = None, repeat
     run(work_dir, json, repeats, clean)
 
 
-KINDS = {"serving": serving, "serving-local": serving_local, "served": served, "runtime": runtime,
+KINDS = {"serving": serving, "serving-local": serving_local, "served": served, "runtime": runtime, "inflight": inflight,
          "matmul": matmul, "pdl": pdl, "prefill": prefill, "step-parts": step_parts, "convert": convert}

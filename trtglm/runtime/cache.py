@@ -9,7 +9,9 @@ position of its next token; a released slot may take another sequence. Two cache
   a mask of the positions that hold real tokens. `ShardedModel.forward` writes through a
   `ForwardCache` view of it: `prefill_view` (one slot, from `start` on) or `decode_view`
   (several slots, one token each, each attending to its own positions only: the mask hides the
-  rest, where shorter sequences or a slot's previous occupant left stale entries).
+  rest, where shorter sequences or a slot's previous occupant left stale entries), or
+  `packed_view` (a mixed step: pieces of several slots, decode tokens and prompt chunks, packed
+  into one row for the matmuls; it attends itself, each piece over its own slot's positions).
 - `StaticCache`, the fast runtime's (fast/model.py): per layer `[max_batch + 1, kv_heads,
   max_seq_len, head]`, the extra slot scratch that padding rows write into, and each slot's
   length on the device too, where CUDA graphs read and advance it.
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 
 from trtglm.errors import UsageError
 from trtglm.runtime.checkpoint import CheckpointConfig
@@ -142,6 +145,20 @@ class ShardedCache:
     def decode_view(self, slots: Sequence[int]) -> "_Decode":
         return _Decode(self, slots)
 
+    def packed_view(self, slots: Sequence[int], starts: Sequence[int], lengths: Sequence[int]) -> "_Packed":
+        return _Packed(self, slots, starts, lengths)
+
+    def copy(self, slot: int, source: int, length: int) -> None:
+        """The slot holds the first `length` positions of `source`."""
+        if source != slot:
+            for blocks in (self.keys, self.values):
+                for layers in blocks.values():
+                    for t in layers:
+                        t[slot, :, :length] = t[source, :, :length]
+        self.reset(slot)
+        self.valid[slot, :length] = True
+        self.lengths[slot] = length
+
 
 class _Prefill:
     """One slot as `ShardedModel.forward` sees it while a prompt (or a chunk of one, after the `start`
@@ -198,6 +215,62 @@ class _Decode:
             self.cache.lengths[slot] += steps
 
 
+class _Packed:
+    """Pieces of several slots packed into one row for `ShardedModel.forward` (`positions` `[1, tokens]`, logits of
+    the rows `last`): piece i's tokens go at positions `starts[i]…` of `slots[i]`. `attend` replaces attention over
+    the row: one-token pieces (decode tokens) attend together, each over its own slot's positions up to its own;
+    longer pieces (prompt chunks) each over their slot's, causally. No token sees another slot's positions."""
+
+    def __init__(self, cache: ShardedCache, slots: Sequence[int], starts: Sequence[int], lengths: Sequence[int]):
+        device = cache.valid.device
+        self.cache, self.slots, self.starts = cache, list(slots), list(starts)
+        self.ends = [start + n for start, n in zip(starts, lengths)]
+        firsts = [sum(lengths[:i]) for i in range(len(lengths))]
+        self.token_slots = torch.tensor([s for s, n in zip(slots, lengths) for _ in range(n)], device=device)
+        self.positions = torch.cat([torch.arange(a, b, device=device) for a, b in zip(starts, self.ends)])
+        self.last = torch.tensor([first + n - 1 for first, n in zip(firsts, lengths)], device=device)
+        singles = [i for i, n in enumerate(lengths) if n == 1]
+        self.single_rows = torch.tensor([firsts[i] for i in singles], dtype=torch.long, device=device)
+        self.single_span = max((self.ends[i] for i in singles), default=0)
+        self.chunks = [(slots[i], starts[i], firsts[i], n) for i, n in enumerate(lengths) if n > 1]
+        self.length = 0  # forward's own positions and mask are not used: the view attends itself
+        self.valid = cache.valid[:1, :0]
+
+    def mark_valid(self, steps: int) -> None:
+        for slot, start, end in zip(self.slots, self.starts, self.ends):
+            self.cache.valid[slot, start:end] = True
+
+    def append(self, rank: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.cache.keys[rank][layer], self.cache.values[rank][layer]
+        keys[self.token_slots, :, self.positions] = k[0].transpose(0, 1)
+        values[self.token_slots, :, self.positions] = v[0].transpose(0, 1)
+        return keys, values
+
+    def attend(self, rank: int, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of the row's queries `q` `[1, heads, tokens, head]` after storing its keys/values."""
+        keys, values = self.append(rank, layer, k, v)
+        out = torch.empty_like(q)
+        if len(self.single_rows):
+            rows, span = self.single_rows, self.single_span
+            slots, positions = self.token_slots[rows], self.positions[rows]
+            visible = torch.arange(span, device=q.device)[None] <= positions[:, None]
+            attended = F.scaled_dot_product_attention(q[0, :, rows].transpose(0, 1)[:, :, None],
+                                                      keys[slots, :, :span], values[slots, :, :span],
+                                                      attn_mask=visible[:, None, None], enable_gqa=True)
+            out[0, :, rows] = attended[:, :, 0].transpose(0, 1)
+        for slot, start, first, n in self.chunks:
+            causal = torch.arange(start + n, device=q.device)[None] <= \
+                torch.arange(start, start + n, device=q.device)[:, None]
+            out[:, :, first:first + n] = F.scaled_dot_product_attention(
+                q[:, :, first:first + n], keys[slot:slot + 1, :, :start + n], values[slot:slot + 1, :, :start + n],
+                attn_mask=causal, enable_gqa=True)
+        return out
+
+    def advance(self, steps: int) -> None:
+        for slot, end in zip(self.slots, self.ends):
+            self.cache.lengths[slot] = end
+
+
 # --- the fast runtime's slots --------------------------------------------------------------------
 
 
@@ -224,6 +297,13 @@ class StaticCache:
         device = self.device_lengths.device
         self.device_lengths[torch.tensor(list(slots), device=device)] = torch.tensor(list(lengths), dtype=torch.int32,
                                                                                     device=device)
+
+    def copy(self, slot: int, source: int, length: int) -> None:
+        """The slot holds the first `length` positions of `source`."""
+        if source != slot:
+            for t in (*self.keys, *self.values):
+                t[slot, :, :length] = t[source, :, :length]
+        self.set_lengths([slot], [length])
 
     def advance(self, slots: Sequence[int]) -> None:
         """One more position in each of `slots` (on the host: the decode step advanced the device's)."""

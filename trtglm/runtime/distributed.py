@@ -9,8 +9,8 @@ process groups:
   all-gather of the lm_head chunks in every forward (`Collectives`, the `Group` that
   `ShardedModel` combines its partial results with);
 - control (gloo, CPU tensors): rank 0, which takes the requests, broadcasts each call it makes
-  on its `SlotModel` (prefill: slots, starts and prompts; decode: slots and tokens; release: a
-  slot; stop) before making it (`LeaderSlotModel`); the other ranks make the same calls
+  on its `SlotModel` (prefill and mixed step: slots, starts and pieces; decode: slots and
+  tokens; reuse: slot, source and length; release: a slot; stop) before making it (`LeaderSlotModel`); the other ranks make the same calls
   (`follow`), so every collective meets its partners. Followers wait for the next message
   without a deadline (an idle server is fine) and stop when rank 0 says so or goes away
   (gloo reports the closed connection at once).
@@ -148,12 +148,13 @@ def join(info: RankInfo, device: torch.device, init_method: str | None = None,
 
 # --- rank 0's steps, told to the followers -------------------------------------------------------------
 
-PREFILL, DECODE, RELEASE, STOP = 1, 2, 3, 4
+PREFILL, DECODE, RELEASE, STOP, MIXED, REUSE = 1, 2, 3, 4, 5, 6
 
 
 @dataclass(frozen=True)
 class Step:
-    """One SlotModel call: `op`, its slots, and `data` (decode: tokens; prefill: starts, lengths, then all ids)."""
+    """One SlotModel call: `op`, its slots, and `data` (decode: tokens; prefill and mixed step: starts, lengths,
+    then all ids; reuse: the slot, then [source, length])."""
 
     op: int
     slots: list[int]
@@ -161,9 +162,9 @@ class Step:
 
     @classmethod
     def prefill(cls, slots: Sequence[int], prompts: Sequence[Sequence[int]],
-                starts: Sequence[int] | None = None) -> Step:
+                starts: Sequence[int] | None = None, op: int = PREFILL) -> Step:
         starts = prefill_starts(starts, len(prompts))
-        return cls(PREFILL, list(slots), starts + [len(p) for p in prompts] + [int(t) for p in prompts for t in p])
+        return cls(op, list(slots), starts + [len(p) for p in prompts] + [int(t) for p in prompts for t in p])
 
     def starts(self) -> list[int]:
         return self.data[:len(self.slots)]
@@ -217,6 +218,15 @@ class LeaderSlotModel:
         self.channel.send(Step(DECODE, list(slots), [int(t) for t in tokens]))
         return self.inner.decode(slots, tokens)
 
+    def step(self, slots: Sequence[int], pieces: Sequence[Sequence[int]], starts: Sequence[int]) -> torch.Tensor:
+        step = Step.prefill(slots, pieces, starts, op=MIXED)
+        self.channel.send(step)
+        return self.inner.step(slots, pieces, step.starts())
+
+    def reuse(self, slot: int, source: int, length: int) -> None:
+        self.channel.send(Step(REUSE, [slot], [source, length]))
+        self.inner.reuse(slot, source, length)
+
     def release(self, slot: int) -> None:
         self.channel.send(Step(RELEASE, [slot], []))
         self.inner.release(slot)
@@ -248,14 +258,18 @@ def follow(model: SlotModel, channel: StepChannel) -> None:
         steps += 1
 
 
-STEP_NAMES = {PREFILL: "prefill", DECODE: "decode", RELEASE: "release", STOP: "stop"}
+STEP_NAMES = {PREFILL: "prefill", DECODE: "decode", RELEASE: "release", STOP: "stop", MIXED: "step", REUSE: "reuse"}
 
 
 def _make(model: SlotModel, step: Step) -> None:
     if step.op == PREFILL:
         model.prefill(step.slots, step.prompts(), step.starts())
+    elif step.op == MIXED:
+        model.step(step.slots, step.prompts(), step.starts())
     elif step.op == DECODE:
         model.decode(step.slots, step.data)
+    elif step.op == REUSE:
+        model.reuse(step.slots[0], *step.data)
     elif step.op == RELEASE:
         model.release(step.slots[0])
     else:

@@ -2,20 +2,31 @@
 batch at every step.
 
 Requests wait in a bounded queue (a full queue refuses new ones with `QueueFullError`). Each
-step of the executor:
+step of the executor is one forward pass under a token budget, `max_num_tokens` (TensorRT-LLM's
+name: tokens of one engine step across the batch):
 
 1. drops cancelled requests, queued, prefilling or running (their slots are released at once);
-2. prefills, in one call, at most `max_prefill_tokens` prompt tokens: first the next chunks of
-   the prompts already being prefilled (oldest request first), then the prompts of queued
-   requests admitted into free slots while the budget lasts. A prompt longer than what is left
-   of the budget is prefilled in chunks over several steps, holding its slot meanwhile; the
-   request gets its first token from its last chunk;
-3. decodes every request whose prompt was complete before this step, one token each, in one
-   batch.
+2. takes one decode token of every running request (a request whose prompt is complete): they
+   always go, so prompts never stall decoding;
+3. fills what is left of the budget (at least one token, so decoding never starves prompts)
+   with prompt tokens, oldest request first: the next chunks of the prompts already under
+   way, then the prompts of queued requests, admitted in arrival order while a slot is free,
+   the KV cache has room for the request's whole length (prompt + output, reserved at
+   admission as TensorRT-LLM's `guaranteed_no_evict` policy does) and budget is left. A request
+   that does not fit waits in the queue (it is not refused) until a finished one frees room. A
+   prompt longer than what is left is prefilled in chunks over several steps, holding its slot
+   meanwhile; the request gets its first token from its last chunk;
+4. runs it all as one forward pass (`SlotModel.step`); a step of decode tokens only is a
+   `decode`, and one of prompt tokens only a `prefill` (which the fast runtime replays as CUDA
+   graphs, for a decode batch and for a lone prompt).
 
-So a long prompt never stalls the running requests for more than one budget's worth of
-prefill per step, and chunked prefill gives the tokens an unchunked one gives (each chunk
-continues its slot's cache).
+Chunks give the tokens one prefill gives (each chunk continues its slot's cache), and a mixed
+pass the tokens separate passes give.
+
+With `kv_cache_reuse` (TensorRT-LLM's `enable_kv_cache_reuse`), a new request's prompt is looked
+up block by block (`tokens_per_block`) in the prefix index (prefix.py): the longest prefix of
+whole blocks that some slot's cache holds is copied into its slot (or kept, when its slot is the
+one that holds it) instead of computed, and prefilling starts after it.
 
 Each new token goes to its request's callback as an `Output` (the new tokens, their log
 probabilities, whether it is finished and why). A request finishes at `end_id` (which is not
@@ -42,6 +53,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from trtglm.errors import UsageError
+from trtglm.runtime.prefix import PrefixIndex
 from trtglm.runtime.request import (ExecutorStats, ExecutorStopped, Handle, Output, OutputCallback, QueueFullError,
                                     Request, check_request, fitted)
 from trtglm.runtime.sampling import BadWords, Penalties, Sampler, processed
@@ -67,10 +79,14 @@ class _Sequence:
                                    request.temperature)
         self.stops_by_last = _by_last_token(request.stop_words)
         self.bad_words = BadWords(request.bad_words)
+        self.kv_blocks = 0  # KV-cache blocks reserved for it while it holds a slot
 
     @property
     def unprefilled(self) -> int:
         return len(self.request.prompt) - self.prefilled
+
+    def next_chunk(self, length: int) -> list[int]:
+        return self.history[self.prefilled:self.prefilled + length]  # history: the prompt, while prefilling
 
     def wants_cancel(self, ask: bool) -> bool:
         if self.handle.cancelled:
@@ -109,20 +125,28 @@ def _by_last_token(words: Sequence[Sequence[int]]) -> dict[int, list[list[int]]]
 class Executor:
     """In-flight batching of `Request`s over `model` (see the module docstring)."""
 
-    def __init__(self, model: SlotModel, max_queue: int = 64, max_prefill_tokens: int | None = None,
+    def __init__(self, model: SlotModel, max_queue: int = 64, max_num_tokens: int | None = None,
                  device: torch.device | str = "cpu", vocab_limit: int | None = None,
-                 on_step_end: Callable[[], None] | None = None):
-        """`vocab_limit`: ids at or above it (the padding of an engine's vocabulary past its tokenizer's) are
-        never chosen. `on_step_end` is called after every step, on the step's thread (to send a step's outputs
-        together)."""
+                 on_step_end: Callable[[], None] | None = None, max_kv_tokens: int | None = None,
+                 tokens_per_block: int = 64, kv_cache_reuse: bool = False):
+        """`max_num_tokens`: tokens of one step (None: max_seq_len). `max_kv_tokens`: what the KV cache holds,
+        in blocks of `tokens_per_block` (None: every slot's whole length). `vocab_limit`: ids at or above it (the
+        padding of an engine's vocabulary past its tokenizer's) are never chosen. `on_step_end` is called after
+        every step, on the step's thread (to send a step's outputs together)."""
         if max_queue < 0:
             raise UsageError(f"max_queue must be >= 0, not {max_queue}")
-        if max_prefill_tokens is not None and max_prefill_tokens < 1:
-            raise UsageError(f"max_prefill_tokens must be >= 1, not {max_prefill_tokens}")
+        for name, value in (("max_num_tokens", max_num_tokens), ("max_kv_tokens", max_kv_tokens),
+                            ("tokens_per_block", tokens_per_block)):
+            if value is not None and value < 1:
+                raise UsageError(f"{name} must be >= 1, not {value}")
         self.model = model
         self.on_step_end = on_step_end
         self.max_queue = max_queue
-        self.max_prefill_tokens = max_prefill_tokens or model.max_seq_len  # whole prompts: no chunks
+        self.max_num_tokens = max_num_tokens or model.max_seq_len
+        self.tokens_per_block = tokens_per_block
+        self.kv_blocks = -(-(max_kv_tokens or model.max_batch * model.max_seq_len) // tokens_per_block)
+        self._free_kv_blocks = self.kv_blocks
+        self.prefixes = PrefixIndex(tokens_per_block, model.max_batch) if kv_cache_reuse else None
         self.vocab_limit = min(vocab_limit or model.vocab_size, model.vocab_size)
         self.device = torch.device(device)
         self._lock = threading.Condition()
@@ -160,8 +184,15 @@ class Executor:
         return handle
 
     def check(self, request: Request) -> None:
-        """UsageError when `request` cannot be served by this model."""
+        """UsageError when `request` cannot be served by this model, or would never fit its KV cache."""
         check_request(request, self.model.vocab_size, self.model.max_seq_len)
+        blocks = self._blocks_for(fitted(request, self.model.max_seq_len))
+        if blocks > self.kv_blocks:
+            raise UsageError(f"the request needs {blocks * self.tokens_per_block} KV-cache positions (prompt and "
+                             f"output); the cache holds {self.kv_blocks * self.tokens_per_block}")
+
+    def _blocks_for(self, request: Request) -> int:
+        return -(-(len(request.prompt) + request.max_new_tokens) // self.tokens_per_block)
 
     def stats(self) -> ExecutorStats:
         with self._lock:
@@ -199,16 +230,16 @@ class Executor:
         self._abort("the server is shutting down")
 
     def step(self) -> None:
-        """One step: drop cancelled requests, prefill the next prompt chunks, decode the running requests."""
+        """One step: drop cancelled requests, then one forward pass of the running requests' decode tokens and
+        as many prompt tokens as the budget leaves."""
         started = time.perf_counter()
         try:
             self._drop_cancelled()
-            running = [s for s in self._active.values() if not s.unprefilled]
-            chunks = self._plan_prefill()
+            decoding = sorted((s for s in self._active.values() if not s.unprefilled), key=lambda s: s.handle.id)
+            chunks = self._plan_prefill(max(1, self.max_num_tokens - len(decoding)))
             if chunks:
-                self._prefill(chunks)
-            decoding = [s for s in running if self._active.get(s.slot) is s]
-            if decoding:
+                self._mixed(decoding, chunks)
+            elif decoding:
                 self._decode(decoding)
             self._stats.steps += 1
         except Exception as e:
@@ -232,10 +263,9 @@ class Executor:
         for sequence in cancelled:
             self._finish(sequence, Output([], finished=True, reason="cancelled"))
 
-    def _plan_prefill(self) -> list[tuple[_Sequence, int]]:
-        """(sequence, chunk length) to prefill this step, within the budget: prompts under way first
-        (oldest first), then new requests admitted while budget is left."""
-        budget = self.max_prefill_tokens
+    def _plan_prefill(self, budget: int) -> list[tuple[_Sequence, int]]:
+        """(sequence, chunk length) to prefill this step, within `budget` prompt tokens: prompts under way
+        first (oldest first), then new requests admitted while budget is left."""
         under_way = sorted((s for s in self._active.values() if s.unprefilled), key=lambda s: s.handle.id)
         chunks = []
         for sequence in under_way + self._admit(budget - sum(s.unprefilled for s in under_way)):
@@ -247,34 +277,65 @@ class Executor:
         return chunks
 
     def _admit(self, budget: int) -> list[_Sequence]:
-        """Queued requests into free slots while `budget` prompt tokens are left (the last admitted may start
-        with a chunk of its prompt)."""
-        free = [slot for slot in range(self.model.max_batch) if slot not in self._active]
+        """Queued requests, in arrival order, into free slots while the KV cache has room for them and `budget`
+        prompt tokens are left (the last admitted may start with a chunk of its prompt)."""
         admitted = []
         with self._lock:
-            while self._queue and free and budget > 0:
-                sequence = self._queue.popleft()
-                sequence.slot = free.pop(0)
-                self._active[sequence.slot] = sequence
+            while self._queue and budget > 0 and len(self._active) < self.model.max_batch:
+                sequence = self._queue[0]
+                blocks = self._blocks_for(sequence.request)
+                if blocks > self._free_kv_blocks:
+                    break  # it waits (as everyone after it does) until finished requests free the cache
+                self._queue.popleft()
+                self._free_kv_blocks -= blocks
+                sequence.kv_blocks = blocks
+                self._place(sequence)
                 admitted.append(sequence)
-                budget -= len(sequence.request.prompt)
+                budget -= sequence.unprefilled
         return admitted
 
-    def _prefill(self, chunks: list[tuple[_Sequence, int]]) -> None:
-        sequences = [s for s, _ in chunks]
-        starts = [s.prefilled for s in sequences]
-        pieces = [s.history[start:start + length] for (s, length), start in zip(chunks, starts)]  # history: the prompt
-        logits = self.model.prefill([s.slot for s in sequences], pieces, starts)
+    def _place(self, sequence: _Sequence) -> None:
+        """Give `sequence` a free slot; with prefix caching, the one that holds the longest prefix of its prompt
+        (or the least recently used, into which that prefix is copied from the slot that holds it)."""
+        free = [slot for slot in range(self.model.max_batch) if slot not in self._active]
+        if self.prefixes is None:
+            sequence.slot = free[0]
+        else:
+            prompt = sequence.request.prompt
+            match = self.prefixes.longest(prompt)
+            sequence.slot = self.prefixes.choose_slot(free, match)
+            kept = match.length if match is not None and sequence.slot in match.sources else 0
+            self.prefixes.take(sequence.slot, kept)
+            if match is not None:
+                self.model.reuse(sequence.slot, sequence.slot if kept else min(match.sources), match.length)
+                self.prefixes.holds(sequence.slot, prompt, match.length)
+                sequence.prefilled = match.length
+                self._stats.reused_tokens += match.length
+        self._active[sequence.slot] = sequence
+
+    def _mixed(self, decoding: list[_Sequence], chunks: list[tuple[_Sequence, int]]) -> None:
+        """One pass of the decode tokens and the prompt chunks; the requests whose prompt it completes get
+        their first token."""
+        slots = [s.slot for s in decoding] + [s.slot for s, _ in chunks]
+        pieces = [[s.history[-1]] for s in decoding] + [s.next_chunk(length) for s, length in chunks]
+        starts = [len(s.history) - 1 for s in decoding] + [s.prefilled for s, _ in chunks]
+        # Prompts alone go through prefill, which the fast runtime replays as a CUDA graph for a lone prompt.
+        logits = (self.model.step if decoding else self.model.prefill)(slots, pieces, starts)
         self._stats.prefill_calls += 1
+        self._stats.decode_calls += bool(decoding)
         self._stats.prefill_chunks += len(chunks)
+        self._stats.max_decode_batch = max(self._stats.max_decode_batch, len(decoding))
         for sequence, length in chunks:
             sequence.prefilled += length
-        complete = [i for i, s in enumerate(sequences) if not s.unprefilled]
-        if complete:
-            ready = [sequences[i] for i in complete]
-            rows = logits if len(ready) == len(sequences) else \
-                logits.index_select(0, torch.tensor(complete, device=logits.device))
-            for sequence, choice in zip(ready, self._choose_all(ready, rows), strict=True):
+            self._stats.prefill_tokens += length
+            if self.prefixes is not None:
+                self.prefixes.holds(sequence.slot, sequence.request.prompt, sequence.prefilled)
+        rows = list(range(len(decoding))) + [len(decoding) + i for i, (s, _) in enumerate(chunks) if not s.unprefilled]
+        ready = decoding + [s for s, _ in chunks if not s.unprefilled]
+        if ready:
+            if len(rows) < len(slots):
+                logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            for sequence, choice in zip(ready, self._choose_all(ready, logits), strict=True):
                 self._take(sequence, choice)
 
     def _decode(self, sequences: list[_Sequence]) -> None:
@@ -339,6 +400,7 @@ class Executor:
     def _finish(self, sequence: _Sequence, output: Output) -> None:
         if sequence.slot is not None and self._active.get(sequence.slot) is sequence:
             del self._active[sequence.slot]
+            self._free_kv_blocks += sequence.kv_blocks
             self.model.release(sequence.slot)
         self._stats.finished += 1
         self._stats.cancelled += output.reason == "cancelled"
@@ -363,6 +425,9 @@ class Executor:
         message = f"the model failed: {type(error).__name__}: {error}"
         running = list(self._active.values())
         self._active.clear()
+        self._free_kv_blocks = self.kv_blocks
+        if self.prefixes is not None:
+            self.prefixes.clear()  # a failed pass may have left any slot's positions half written
         for sequence in running:
             self._deliver(sequence, Output([], finished=True, reason="error", error=message))
             sequence.handle.done.set()
@@ -380,6 +445,7 @@ class Executor:
             sequences = list(self._queue) + list(self._active.values())
             self._queue.clear()
             self._active.clear()
+            self._free_kv_blocks = self.kv_blocks
         for sequence in sequences:
             self._deliver(sequence, Output([], finished=True, reason="error", error=message))
             sequence.handle.done.set()

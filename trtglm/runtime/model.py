@@ -130,7 +130,7 @@ class RankModel:
         return F.embedding(tokens, self.embedding)
 
     def attention(self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                  cache: ForwardCache, mask: torch.Tensor) -> torch.Tensor:
+                  cache: ForwardCache, mask: torch.Tensor | None) -> torch.Tensor:
         """This rank's share of attention(RMSNorm(x)) · denseᵀ; it also fills the KV cache."""
         cfg, w = self.cfg, self.layers[layer]
         batch, length, _ = x.shape
@@ -139,8 +139,12 @@ class RankModel:
         q, k, v = (t.unflatten(-1, (-1, cfg.head_size)).transpose(1, 2)
                    for t in qkv.split((q_size, kv_size, kv_size), dim=-1))
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        keys, values = cache.append(self.rank, layer, k, v)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        attend = getattr(cache, "attend", None)  # a packed view of several slots attends piece by piece
+        if attend is not None:
+            out = attend(self.rank, layer, q, k, v)
+        else:
+            keys, values = cache.append(self.rank, layer, k, v)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return linear(out.transpose(1, 2).reshape(batch, length, q_size), w.dense)
 
     def mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
@@ -164,12 +168,13 @@ class ShardedModel:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: ForwardCache, positions: torch.Tensor | None = None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits `[B, T, vocab]` for `tokens` `[B, T]` appended after the cache's contents.
 
         `positions` `[B, T]` default to the cache slots. Cache slots not marked valid (left
-        padding) are not attended to. `last_only`: logits of the last position only
-        (`[B, 1, vocab]`), as generation needs.
+        padding) are not attended to; a cache view with an `attend` method attends itself (the
+        packed pieces of a mixed step). `last_only`: logits of the last position only
+        (`[B, 1, vocab]`), as generation needs; `rows`: of those positions only.
         """
         tokens = tokens.to(self.device)
         batch, length = tokens.shape
@@ -178,7 +183,7 @@ class ShardedModel:
         if positions is None:
             positions = slots.expand(batch, length)
         cache.mark_valid(length)
-        mask = self._mask(cache, slots)
+        mask = None if hasattr(cache, "attend") else self._mask(cache, slots)
         rope = rotary_tables(self.config, positions.to(self.device))
         xs = [rank.embed(tokens) for rank in self.ranks]
         for layer in range(self.config.num_layers):
@@ -189,6 +194,8 @@ class ShardedModel:
         cache.advance(length)
         if last_only:
             xs = [x[:, -1:] for x in xs]
+        elif rows is not None:
+            xs = [x[:, rows] for x in xs]
         return self.group.all_gather([r.logits(x) for r, x in zip(self.ranks, xs)]).float()
 
     @staticmethod

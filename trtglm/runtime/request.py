@@ -66,9 +66,11 @@ class ExecutorStats:
     queued: int = 0
     active: int = 0
     steps: int = 0
-    prefill_calls: int = 0
+    prefill_calls: int = 0  # forward passes that carried prompt tokens (with the running requests' decode tokens)
     prefill_chunks: int = 0  # prompt pieces prefilled (a prompt prefilled in one step counts one)
-    decode_calls: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed
+    reused_tokens: int = 0  # prompt tokens whose keys/values came from the prefix cache instead
+    decode_calls: int = 0  # forward passes that carried decode tokens (with prompt tokens or without)
     generated_tokens: int = 0
     max_decode_batch: int = 0  # the largest number of requests decoded together
     step_us: int = 0  # time spent in steps (the rest of the time the executor waited for work)

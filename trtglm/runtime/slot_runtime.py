@@ -6,7 +6,10 @@ rank per process (a torch.distributed group), on CPU or GPU.
 A prefill runs each prompt on its own, straight into its slot (no padding computed); a chunk
 that continues a slot appends after its cached positions and attends to them. A decode
 step runs the given slots together: each writes its new key/value at its own length, and
-attends to its own first `length + 1` positions only.
+attends to its own first `length + 1` positions only. A mixed step (`step`) packs decode tokens
+and prompt chunks of several slots into one row of one forward pass: the matmuls take every
+token at once; the decode tokens attend together and each chunk on its own, each over its own
+slot's positions.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 from trtglm.errors import UsageError
 from trtglm.runtime.cache import ShardedCache
 from trtglm.runtime.model import ShardedModel
-from trtglm.runtime.slots import check_start, prefill_starts
+from trtglm.runtime.slots import check_reuse, check_start, prefill_starts
 
 
 class ShardedSlotModel:
@@ -61,6 +64,25 @@ class ShardedSlotModel:
         view = self.cache.decode_view(slots)
         ids = torch.tensor(list(tokens), dtype=torch.long, device=self.model.device)[:, None]
         return self.model.forward(ids, view, view.positions[:, None])[:, -1]
+
+    def step(self, slots: Sequence[int], pieces: Sequence[Sequence[int]], starts: Sequence[int]) -> torch.Tensor:
+        starts = prefill_starts(starts, len(pieces))
+        if len(slots) != len(pieces) or not slots or len(set(slots)) != len(slots):
+            raise UsageError("a step needs one piece for each of at least one slot, each slot once")
+        for slot, piece, start in zip(slots, pieces, starts):
+            self._check_prefill(slot, len(piece), start)
+        for slot, start in zip(slots, starts):
+            if start == 0:
+                self.cache.reset(slot)
+        view = self.cache.packed_view(slots, starts, [len(p) for p in pieces])
+        ids = torch.tensor([[t for piece in pieces for t in piece]], dtype=torch.long, device=self.model.device)
+        return self.model.forward(ids, view, view.positions[None], rows=view.last)[0]
+
+    def reuse(self, slot: int, source: int, length: int) -> None:
+        self._check_slot(slot)
+        self._check_slot(source)
+        check_reuse(slot, source, length, self.max_seq_len)
+        self.cache.copy(slot, source, length)
 
     def release(self, slot: int) -> None:
         self._check_slot(slot)

@@ -9,6 +9,11 @@ A prompt may be prefilled in chunks over several calls: a chunk that starts at p
 `start > 0` continues its slot, attending to the `start` positions already cached, so the
 slot ends up as one prefill of the whole prompt would leave it, with the same logits.
 
+`step` is the in-flight batching executor's mixed pass: the next token of every decoding slot
+and the prompt chunks of others go through one forward pass together (a decode is a chunk of
+one token after the slot's cached positions). `reuse` starts a slot with the first positions
+of another slot's cache (prefix caching: a shared prompt prefix is copied, not computed again).
+
 Two implementations serve this interface: the portable one over `ShardedModel` (CPU or
 GPU, any tensor-parallel size, one process per rank when served) and the fast single-GPU
 one (static cache, CUDA graphs). The executor knows nothing else about the model.
@@ -41,6 +46,14 @@ class SlotModel(Protocol):
     def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         """Append one token to each slot at its next position; float32 logits, [len(slots), vocab]."""
 
+    def step(self, slots: Sequence[int], pieces: Sequence[Sequence[int]], starts: Sequence[int]) -> torch.Tensor:
+        """One forward pass of every piece into its slot, as `prefill(slots, pieces, starts)` leaves the cache, with
+        its logits: float32, each piece's last position, [len(slots), vocab]."""
+
+    def reuse(self, slot: int, source: int, length: int) -> None:
+        """The slot holds the first `length` positions of `source`'s cache (copied unless `source` is `slot`); a
+        released source keeps what it held until it is prefilled again."""
+
     def release(self, slot: int) -> None:
         """Forget the slot's sequence; the slot may be prefilled again."""
 
@@ -62,3 +75,10 @@ def check_start(slot: int, start: int, cached: int) -> None:
     if start and start != cached:
         raise UsageError(f"slot {slot} holds {cached} positions: a prefill continuing it starts at {cached}, "
                          f"not {start}")
+
+
+def check_reuse(slot: int, source: int, length: int, max_seq_len: int) -> None:
+    """UsageError unless `slot` may start with `length` positions of `source`. A released slot's positions stay
+    as they were until it is prefilled again: the caller knows what they hold."""
+    if not 0 < length < max_seq_len:
+        raise UsageError(f"slot {slot} cannot reuse {length} positions of slot {source} (1 to {max_seq_len - 1})")

@@ -21,6 +21,10 @@
   prefilled on its own from position 0 (the time to first token of a lone request) is
   padded to the next of shapes.PREFILL_GRAPH_WIDTHS and replays that width's CUDA graph; batches
   and chunks are launched eagerly.
+- Mixed steps (`step`: the decode tokens of running slots and prompt chunks of others, as the
+  in-flight executor schedules them) run eagerly as one forward pass: the matmuls take every
+  token at once; attention is the decode kernel for one-token pieces and SDPA for each chunk
+  (attending to its slot's cached positions). Steps of decode tokens only replay the graphs.
 - Weight-only int8 / int4 (linear.py) for the qkv, dense, fc and proj weights; Triton and Gluon
   matmuls (kernels.py, gluon_gemv.py).
 
@@ -51,7 +55,7 @@ from trtglm.runtime.fast.ops import TritonOps, select_ops
 from trtglm.runtime.fast.shapes import (batch_buckets, check_shape_options, prefill_groups, prefill_widths, resolve_dtype,
                                         resolve_weight_only)
 from trtglm.runtime.model import rotary_tables
-from trtglm.runtime.slots import check_start, prefill_starts
+from trtglm.runtime.slots import check_reuse, check_start, prefill_starts
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +230,41 @@ class FastModel:
             x, delta = x[last], delta[last]
         return self._logits(x, delta)
 
+    def _packed_rows(self, pieces: list[list[int]], slots: list[int], starts: list[int]) -> torch.Tensor:
+        """One forward pass of every piece at positions starts[i]… of slots[i]; logits of each last position.
+        One-token pieces attend through the decode kernel, together; longer ones each through SDPA."""
+        dev, lengths = self.device, [len(p) for p in pieces]
+        tokens = torch.tensor([t for p in pieces for t in p], dtype=torch.long, device=dev)
+        token_slots = torch.tensor([s for s, n in zip(slots, lengths) for _ in range(n)], device=dev)
+        token_positions = torch.tensor([start + i for start, n in zip(starts, lengths) for i in range(n)],
+                                       dtype=torch.int32, device=dev)
+        ends = torch.tensor(lengths).cumsum(0)
+        single = [i for i, n in enumerate(lengths) if n == 1]
+        single_rows = ends[single].to(dev) - 1
+        chunks = [(slots[i], starts[i], int(ends[i]) - lengths[i], lengths[i]) for i, n in enumerate(lengths) if n > 1]
+
+        def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
+            keys, values = self.cache.keys[i], self.cache.values[i]
+            q = self.ops.rope_cache(qkv, token_slots, token_positions, self.cos, self.sin, keys, values,
+                                    self.config.num_heads)
+            out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=dev)
+            if single:
+                out[single_rows] = self.ops.decode_attention(q[single_rows], keys, values, token_slots[single_rows],
+                                                             token_positions[single_rows])
+            for slot, start, row, n in chunks:
+                causal = {"is_causal": True} if start == 0 else {"attn_mask": causal_lower_right(n, start + n)}
+                with sdpa_kernel(PREFILL_ATTENTION):
+                    attended = F.scaled_dot_product_attention(q[row:row + n].transpose(0, 1)[None],
+                                                              keys[slot:slot + 1, :, :start + n],
+                                                              values[slot:slot + 1, :, :start + n],
+                                                              enable_gqa=True, **causal)
+                out[row:row + n] = attended[0].transpose(0, 1).reshape(n, -1)
+            return out
+
+        x, delta = self._run_layers(F.embedding(tokens, self.embedding), attend)
+        last = (ends - 1).to(dev)
+        return self._logits(x[last], delta[last])
+
     def _prefill_padded(self, width: int) -> torch.Tensor:
         """The prompt of the prefill input buffer (slot, last position, then its tokens) right-padded to `width`:
         logits of its last position `[1, vocab]` (static shapes: what a prefill graph replays). The padding's cache
@@ -300,6 +339,24 @@ class FastModel:
             logits = self._decode_step(bucket)[:n]
         self.cache.advance(slots)
         return logits
+
+    @torch.no_grad()
+    def step(self, slots: Sequence[int], pieces: Sequence[Sequence[int]], starts: Sequence[int]) -> torch.Tensor:
+        """One eager forward pass of every piece into its slot (see SlotModel.step): decode tokens (one-token
+        pieces after the cached positions) and prompt chunks together; float32 logits of each last position."""
+        slots, pieces = list(slots), [list(p) for p in pieces]
+        starts = prefill_starts(starts, len(pieces))
+        self._check_prefill(slots, pieces, starts)
+        logits = self._packed_rows(pieces, slots, starts)
+        self.cache.set_lengths(slots, [start + len(piece) for start, piece in zip(starts, pieces)])
+        return logits
+
+    def reuse(self, slot: int, source: int, length: int) -> None:
+        """The slot holds the first `length` positions of `source`'s cache (see SlotModel.reuse)."""
+        self._check_slot(slot)
+        self._check_slot(source)
+        check_reuse(slot, source, length, self.max_seq_len)
+        self.cache.copy(slot, source, length)
 
     def release(self, slot: int) -> None:
         """Forget the slot's sequence; the slot may be prefilled again."""
