@@ -7,6 +7,7 @@ and whether another python model of the same server still runs (`ModelProcesses`
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -52,6 +53,9 @@ class Setup:
 
 
 def setup(args: Mapping, default_name: str) -> Setup:
+    # A stub that dies of a signal otherwise leaves nothing in the rank's log: this writes every thread's
+    # Python stack there first.
+    faulthandler.enable(all_threads=True)
     config = model_config(args)
     return Setup(config, parameters(config), config.get("name", default_name))
 
