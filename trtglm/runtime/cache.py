@@ -115,6 +115,14 @@ class KVCache:
     def advance(self, steps: int) -> None:
         self.length += steps
 
+    def reorder(self, rows: Sequence[int]) -> None:
+        """Row i takes what row `rows[i]` holds (beam search: each beam continues the one it came from)."""
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.valid.device)
+        for block in (*self.keys, *self.values):
+            for t in block:
+                t.copy_(t[index])
+        self.valid.copy_(self.valid[index])
+
 
 # --- the portable runtime's slots ----------------------------------------------------------------
 
@@ -135,6 +143,18 @@ class ShardedCache:
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
         self.valid[slot] = False
+
+    def copy(self, sources: Sequence[int], targets: Sequence[int]) -> None:
+        """Each target slot takes a copy of its source slot's sequence."""
+        device = self.valid.device
+        src, dst = (torch.tensor(list(s), dtype=torch.long, device=device) for s in (sources, targets))
+        for blocks in (self.keys, self.values):
+            for layers in blocks.values():
+                for t in layers:
+                    t[dst] = t[src]
+        self.valid[dst] = self.valid[src]
+        for source, target in zip(sources, targets, strict=True):
+            self.lengths[target] = self.lengths[source]
 
     def prefill_view(self, slot: int, start: int = 0) -> "_Prefill":
         return _Prefill(self, slot, start)
@@ -216,6 +236,16 @@ class StaticCache:
 
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
+
+    def copy(self, sources: Sequence[int], targets: Sequence[int]) -> None:
+        """Each target slot takes a copy of its source slot's sequence (on the host and on the device)."""
+        device = self.device_lengths.device
+        src, dst = (torch.tensor(list(s), dtype=torch.long, device=device) for s in (sources, targets))
+        for t in (*self.keys, *self.values):
+            t[dst] = t[src]
+        self.device_lengths[dst] = self.device_lengths[src]
+        for source, target in zip(sources, targets, strict=True):
+            self.lengths[target] = self.lengths[source]
 
     def set_lengths(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
         """Slots just prefilled hold `lengths` positions (on the host and on the device)."""

@@ -10,8 +10,8 @@ process groups:
   `ShardedModel` combines its partial results with);
 - control (gloo, CPU tensors): rank 0, which takes the requests, broadcasts each call it makes
   on its `SlotModel` (prefill: slots, starts and prompts; decode: slots and tokens; release: a
-  slot; stop) before making it (`LeaderSlotModel`); the other ranks make the same calls
-  (`follow`), so every collective meets its partners. Followers wait for the next message
+  slot; copy: source and target slots; stop) before making it (`LeaderSlotModel`); the other
+  ranks make the same calls (`follow`), so every collective meets its partners. Followers wait for the next message
   without a deadline (an idle server is fine) and stop when rank 0 says so or goes away
   (gloo reports the closed connection at once).
 
@@ -148,7 +148,7 @@ def join(info: RankInfo, device: torch.device, init_method: str | None = None,
 
 # --- rank 0's steps, told to the followers -------------------------------------------------------------
 
-PREFILL, DECODE, RELEASE, STOP = 1, 2, 3, 4
+PREFILL, DECODE, RELEASE, STOP, COPY = 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True)
@@ -221,6 +221,10 @@ class LeaderSlotModel:
         self.channel.send(Step(RELEASE, [slot], []))
         self.inner.release(slot)
 
+    def copy(self, sources: Sequence[int], targets: Sequence[int]) -> None:
+        self.channel.send(Step(COPY, list(targets), [int(s) for s in sources]))
+        self.inner.copy(sources, targets)
+
     def stop_followers(self) -> None:
         self.channel.send(Step(STOP, [], []))
 
@@ -248,7 +252,7 @@ def follow(model: SlotModel, channel: StepChannel) -> None:
         steps += 1
 
 
-STEP_NAMES = {PREFILL: "prefill", DECODE: "decode", RELEASE: "release", STOP: "stop"}
+STEP_NAMES = {PREFILL: "prefill", DECODE: "decode", RELEASE: "release", STOP: "stop", COPY: "copy"}
 
 
 def _make(model: SlotModel, step: Step) -> None:
@@ -258,5 +262,7 @@ def _make(model: SlotModel, step: Step) -> None:
         model.decode(step.slots, step.data)
     elif step.op == RELEASE:
         model.release(step.slots[0])
+    elif step.op == COPY:
+        model.copy(step.data, step.slots)
     else:
         raise UsageError(f"unknown step {step.op} from rank 0")

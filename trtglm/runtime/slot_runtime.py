@@ -18,7 +18,7 @@ import torch
 from trtglm.errors import UsageError
 from trtglm.runtime.cache import ShardedCache
 from trtglm.runtime.model import ShardedModel
-from trtglm.runtime.slots import check_start, prefill_starts
+from trtglm.runtime.slots import check_copy, check_start, prefill_starts
 
 
 class ShardedSlotModel:
@@ -65,6 +65,10 @@ class ShardedSlotModel:
     def release(self, slot: int) -> None:
         self._check_slot(slot)
         self.cache.reset(slot)
+
+    def copy(self, sources: Sequence[int], targets: Sequence[int]) -> None:
+        check_copy(sources, targets, self.max_batch)
+        self.cache.copy(sources, targets)
 
     def _check_prefill(self, slot: int, length: int, start: int) -> None:
         self._check_slot(slot)

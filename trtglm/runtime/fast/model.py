@@ -51,7 +51,7 @@ from trtglm.runtime.fast.ops import TritonOps, select_ops
 from trtglm.runtime.fast.shapes import (batch_buckets, check_shape_options, prefill_groups, prefill_widths, resolve_dtype,
                                         resolve_weight_only)
 from trtglm.runtime.model import rotary_tables
-from trtglm.runtime.slots import check_start, prefill_starts
+from trtglm.runtime.slots import check_copy, check_start, prefill_starts
 
 log = logging.getLogger(__name__)
 
@@ -305,6 +305,12 @@ class FastModel:
         """Forget the slot's sequence; the slot may be prefilled again."""
         self._check_slot(slot)
         self.cache.reset(slot)
+
+    @torch.no_grad()
+    def copy(self, sources: Sequence[int], targets: Sequence[int]) -> None:
+        """Each target slot takes a copy of its source slot's sequence."""
+        check_copy(sources, targets, self.max_batch)
+        self.cache.copy(sources, targets)
 
     @torch.no_grad()
     def score(self, tokens: Sequence[int]) -> torch.Tensor:

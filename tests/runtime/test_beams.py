@@ -1,0 +1,130 @@
+"""Beam search (trtglm.runtime.beams) in-process and through the executor, against transformers' `generate()`
+with `num_beams`, `do_sample=False`, the same `length_penalty` and `early_stopping`: the same ids for every
+returned beam, in the same order, with the same scores."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from trtglm.chatglm.chat import chat_ids
+from trtglm.chatglm.tokenizer import ChatGLMTokenizer
+from trtglm.convert.writer import convert_checkpoint
+from trtglm.errors import UsageError
+from trtglm.runtime.beams import early_stopping_mode
+from trtglm.runtime.generate import beam_search
+from trtglm.runtime.model import load_model
+
+NEW = 20
+SEARCHES = [(1.0, True), (0.0, False), (2.0, "never"), (-1.0, False)]  # (length_penalty, early_stopping)
+
+
+@pytest.fixture(scope="module")
+def tok(fixture_dir) -> ChatGLMTokenizer:
+    return ChatGLMTokenizer(fixture_dir)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, fixture_dir):
+    return load_model(convert_checkpoint(fixture_dir, tmp_path_factory.mktemp("ckpt") / "tp1", dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def reference(fixture_dir):
+    from trtglm.chatglm.config import ChatGLMConfig
+    from trtglm.chatglm.reference import load_reference
+    from trtglm.chatglm.weights import HFWeights
+
+    return load_reference(ChatGLMConfig.from_model_dir(fixture_dir), HFWeights(fixture_dir).get, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def prompts(fixture_dir, tok) -> list[list[int]]:
+    """Four of the fixture's chat prompts: the model's replies end with <|user|> in some beams, not in others."""
+    lines = (fixture_dir / "conversations.jsonl").read_text().splitlines()
+    return [chat_ids(tok, json.loads(line)["messages"]) for line in lines][::7][:4]
+
+
+@pytest.fixture(scope="module")
+def end_id(tok) -> int:
+    return tok.special_ids["<|user|>"]
+
+
+class BanBeforeSoftmax:
+    """TensorRT-LLM's min_length rule as a transformers logits processor: the end id is banned from the logits
+    before the beam's log-softmax (transformers' own min_new_tokens bans it after, without renormalizing)."""
+
+    def __init__(self, end_id: int, prompt_length: int, min_new: int):
+        self.end_id, self.prompt_length, self.min_new = end_id, prompt_length, min_new
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[1] - self.prompt_length >= self.min_new:
+            return scores
+        scores = scores.clone()
+        scores[:, self.end_id] = float("-inf")
+        return torch.log_softmax(scores, dim=-1)
+
+
+def transformers_beams(reference, prompt, width, end_id, length_penalty, early_stopping, new=NEW, min_new=0):
+    """transformers' `width` beams: (generated ids, end id included, and score) best first."""
+    from transformers import LogitsProcessorList
+
+    processors = LogitsProcessorList([BanBeforeSoftmax(end_id, len(prompt), min_new)] if min_new else [])
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 max_new_tokens=new, logits_processor=processors, num_beams=width,
+                                 num_return_sequences=width, do_sample=False, length_penalty=length_penalty,
+                                 early_stopping=early_stopping, eos_token_id=[end_id], pad_token_id=0,
+                                 return_dict_in_generate=True, output_scores=True)
+    lengths = (out.beam_indices >= 0).sum(dim=1).tolist()
+    ids = [out.sequences[i, len(prompt):len(prompt) + n].tolist() for i, n in enumerate(lengths)]
+    return ids, out.sequences_scores.tolist()
+
+
+@pytest.mark.parametrize("width", [2, 4])
+@pytest.mark.parametrize("length_penalty, early_stopping", SEARCHES)
+def test_beam_search_gives_transformers_beams(model, reference, prompts, end_id, width, length_penalty,
+                                              early_stopping):
+    ended = 0
+    for prompt in prompts:
+        beams = beam_search(model, prompt, width, NEW, end_id=end_id, length_penalty=length_penalty,
+                            early_stopping=early_stopping)
+        ids, scores = transformers_beams(reference, prompt, width, end_id, length_penalty, early_stopping)
+        assert [b.tokens for b in beams] == ids
+        assert [b.score for b in beams] == pytest.approx(scores, abs=1e-3)
+        ended += sum(b.tokens[-1] == end_id for b in beams)
+    assert ended  # some beams finished at the end id, others ran to the length limit
+
+
+def test_min_length_keeps_the_end_id_away(model, reference, prompts, end_id):
+    """As TensorRT-LLM: the end id is banned before the log-softmax, so the other tokens' log probs renormalize."""
+    prompt = prompts[0]
+    free = beam_search(model, prompt, 2, NEW, end_id=end_id)
+    assert len(free[0].tokens) < 15 and free[0].tokens[-1] == end_id
+    held = beam_search(model, prompt, 2, NEW, end_id=end_id, min_length=15)
+    ids, _ = transformers_beams(reference, prompt, 2, end_id, 1.0, True, min_new=15)
+    assert [b.tokens for b in held] == ids and all(len(b.tokens) >= 16 or b.tokens[-1] != end_id for b in held)
+
+
+def test_width_one_is_greedy(model, prompts, end_id):
+    from trtglm.runtime.generate import generate
+
+    for prompt in prompts:
+        beam, = beam_search(model, prompt, 1, NEW, end_id=end_id)
+        greedy = generate(model, prompt, NEW, end_id=end_id)
+        assert beam.tokens == greedy + [end_id] if len(greedy) < NEW else beam.tokens == greedy
+
+
+@pytest.mark.parametrize("value, mode", [(True, True), (False, False), (1, True), (0, False), (2, "never"),
+                                         ("never", "never")])
+def test_early_stopping_takes_tensorrt_llms_integers(value, mode):
+    assert early_stopping_mode(value) is mode if isinstance(mode, bool) else early_stopping_mode(value) == mode
+
+
+def test_bad_beam_requests_are_refused(model, prompts):
+    with pytest.raises(UsageError, match="beam_width >= 1"):
+        beam_search(model, prompts[0], 0, NEW)
+    with pytest.raises(UsageError, match="early_stopping must be"):
+        early_stopping_mode("sometimes")
