@@ -128,3 +128,83 @@ def test_bad_beam_requests_are_refused(model, prompts):
         beam_search(model, prompts[0], 0, NEW)
     with pytest.raises(UsageError, match="early_stopping must be"):
         early_stopping_mode("sometimes")
+
+
+# --- through the executor ------------------------------------------------------------------------------------
+
+
+def run_all(executor, limit: int = 500) -> None:
+    for _ in range(limit):
+        if not executor.has_work():
+            return
+        executor.step()
+    raise AssertionError("the executor did not finish")
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_the_executor_answers_every_beam_with_other_requests_running(model, reference, prompts, end_id, width):
+    """Beam searches share the steps with greedy requests (their slots decoded together, beams copied between
+    slots as they move on) and still give transformers' beams; the greedy requests give generate()'s tokens."""
+    from trtglm.runtime.executor import Executor, Request
+    from trtglm.runtime.generate import generate
+    from trtglm.runtime.slot_runtime import ShardedSlotModel
+
+    executor = Executor(ShardedSlotModel(model, max_batch=2 * width + 2, max_seq_len=256), max_beam_width=width)
+    outputs = {}
+    for i, prompt in enumerate(prompts):
+        executor.submit(Request(prompt, NEW, end_id=end_id, beam_width=width, length_penalty=0.5, early_stopping=0,
+                                log_probs=True), outputs.setdefault(("beams", i), []).append)
+        executor.submit(Request(prompt, NEW, end_id=end_id), outputs.setdefault(("greedy", i), []).append)
+    run_all(executor)
+    for i, prompt in enumerate(prompts):
+        answer, = outputs[("beams", i)]
+        ids, scores = transformers_beams(reference, prompt, width, end_id, 0.5, False)
+        assert [b.tokens for b in answer.beams] == [t[:-1] if t[-1] == end_id else t for t in ids]
+        assert [b.score for b in answer.beams] == pytest.approx(scores, abs=1e-3)
+        best = answer.beams[0]
+        assert answer.finished and answer.tokens == best.tokens and answer.log_probs == best.log_probs
+        assert answer.reason == ("end_id" if ids[0][-1] == end_id else "length")
+        assert sum(best.log_probs) <= best.cum_log_prob + 1e-4  # the end id's log prob counts in cum_log_prob
+        assert [t for o in outputs[("greedy", i)] for t in o.tokens] == generate(model, prompt, NEW, end_id=end_id)
+    assert executor.stats().active == 0 and not executor._held
+
+
+def test_a_beam_search_waits_for_enough_free_slots_and_frees_them(model, prompts, end_id):
+    from trtglm.runtime.executor import Executor, Request
+    from trtglm.runtime.slot_runtime import ShardedSlotModel
+
+    executor = Executor(ShardedSlotModel(model, max_batch=4, max_seq_len=256), max_beam_width=4)
+    first, second, third = [], [], []
+    executor.submit(Request(prompts[0], NEW, end_id=end_id), first.append)
+    executor.submit(Request(prompts[1], NEW, end_id=end_id, beam_width=4), second.append)
+    executor.submit(Request(prompts[2], NEW, end_id=end_id, beam_width=2), third.append)
+    executor.step()
+    assert executor.stats().active == 1 and executor.stats().queued == 2  # 3 slots free: not enough for 4 beams
+    run_all(executor)
+    assert len(second[-1].beams) == 4 and len(third[-1].beams) == 2
+    assert [b.tokens for b in third[-1].beams] == [b.tokens[:-1] if b.tokens[-1] == end_id else b.tokens
+                                                   for b in beam_search(model, prompts[2], 2, NEW, end_id=end_id)]
+
+
+def test_beam_widths_past_the_limit_are_refused(model, prompts):
+    from trtglm.runtime.executor import Executor, Request
+    from trtglm.runtime.slot_runtime import ShardedSlotModel
+
+    executor = Executor(ShardedSlotModel(model, max_batch=4, max_seq_len=256), max_beam_width=2)
+    with pytest.raises(UsageError, match=r"beam_width 3 is outside 1..2 \(the engine's max_beam_width\)"):
+        executor.submit(Request(prompts[0], NEW, beam_width=3), lambda output: None)
+    with pytest.raises(UsageError, match="max_beam_width must be 1 to the 4 slots"):
+        Executor(ShardedSlotModel(model, max_batch=4, max_seq_len=256), max_beam_width=5)
+
+
+def test_a_slot_copy_continues_like_the_original(model, prompts):
+    from trtglm.runtime.slot_runtime import ShardedSlotModel
+
+    slots = ShardedSlotModel(model, max_batch=3, max_seq_len=256)
+    slots.prefill([0, 2], [prompts[0], prompts[1]])
+    slots.copy([0], [1])
+    logits = slots.decode([0, 1, 2], [5, 5, 5])
+    torch.testing.assert_close(logits[0], logits[1])
+    assert not torch.equal(logits[0], logits[2])
+    with pytest.raises(UsageError, match="one distinct target slot"):
+        slots.copy([0, 1], [1, 2])

@@ -18,7 +18,8 @@ from conftest import REPO
 from support.engines import MAX_NEW, build_tiny_engine, chat_prompts, unsplit_answers
 from trtglm.backend.engine import ServedEngine
 from trtglm.errors import UsageError
-from trtglm.runtime.distributed import DECODE, PREFILL, RELEASE, STOP, RankInfo, Step, follow, rank_info, rendezvous
+from trtglm.runtime.distributed import (COPY, DECODE, PREFILL, RELEASE, STOP, LeaderSlotModel, RankInfo, Step, follow,
+                                        rank_info, rendezvous)
 from trtglm.runtime.model import load_model
 
 # One rank's program: a ServedEngine from the OMPI environment; rank 0 answers the prompts (all submitted
@@ -181,13 +182,25 @@ class Script:
     def release(self, slot):
         self.calls.append(("release", slot))
 
+    def copy(self, sources, targets):
+        self.calls.append(("copy", list(sources), list(targets)))
+
 
 def test_a_follower_makes_rank_0s_calls_and_goes_on_after_one_that_fails():
     script = Script([Step.prefill([1], [[4, 5]]), Step(DECODE, [1], [99]), Step(DECODE, [1], [6]),
-                     Step(RELEASE, [1], []), Step(DECODE, [0], [3])])
-    script.steps.insert(4, Step(STOP, [], []))  # rank 0 stops: what follows is never made
+                     Step(COPY, [0], [1]), Step(RELEASE, [1], []), Step(DECODE, [0], [3])])
+    script.steps.insert(5, Step(STOP, [], []))  # rank 0 stops: what follows is never made
     follow(script, script)
-    assert script.calls == [("prefill", [1], [[4, 5]], [0]), ("decode", [1], [6]), ("release", 1)]
+    assert script.calls == [("prefill", [1], [[4, 5]], [0]), ("decode", [1], [6]), ("copy", [1], [0]),
+                            ("release", 1)]
+
+
+def test_the_leader_sends_a_copy_before_making_it():
+    script = Script([])
+    sent = []
+    leader = LeaderSlotModel(script, type("Channel", (), {"send": lambda self, step: sent.append(step)})())
+    leader.copy([2, 2], [0, 1])
+    assert sent == [Step(COPY, [0, 1], [2, 2])] and script.calls == [("copy", [2, 2], [0, 1])]
 
 
 def test_a_rank_process_holds_only_its_own_shard(engines):

@@ -131,3 +131,23 @@ def ends_with_any(end_id: int | None, stop_words: Sequence[Sequence[int]]) -> Ca
         return (end_id is not None and tokens[-1] == end_id) or any(tokens[-len(w):] == w for w in words)
 
     return ends
+
+
+def continued_slots(slots: Sequence[int], parents: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+    """Where each new beam's cache lives, when beam i moves on from beam `parents[i]` (`slots`: each old beam's
+    slot): the first beam to continue a parent keeps its slot; the others take the slots of beams that nobody
+    continues, which get a copy of their parent's. Returns (new slots, copy sources, copy targets)."""
+    new: list[int | None] = [None] * len(parents)
+    kept: set[int] = set()
+    for i, parent in enumerate(parents):
+        if parent not in kept:
+            kept.add(parent)
+            new[i] = slots[parent]
+    spare = [slot for j, slot in enumerate(slots) if j not in kept]
+    sources, targets = [], []
+    for i, parent in enumerate(parents):
+        if new[i] is None:
+            new[i] = spare.pop(0)
+            sources.append(slots[parent])
+            targets.append(new[i])
+    return new, sources, targets

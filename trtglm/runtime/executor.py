@@ -25,6 +25,11 @@ embedding bias, bad words, `end_id` banned before `min_length`, then greedy or t
 own seeded temperature / top-k / top-p sampling, and log probabilities of the distribution
 the token was chosen from).
 
+A beam search (`beam_width` > 1, beams.py) holds one slot per beam from its admission on: its
+prompt is prefilled into one of them, then every step decodes all its beams with the other
+requests; a beam that continues another takes a copy of that one's slot (`SlotModel.copy`).
+It answers once, when the search ends, with every beam (`Output.beams`, best first).
+
 `step()` runs one step on the calling thread (tests drive it so); `start()` runs steps on a
 background thread whenever there is work. The types a caller hands in and gets back (`Request`,
 `Output`, `Handle`, the errors, `ExecutorStats`) and the request checks are in request.py.
@@ -44,6 +49,7 @@ import torch
 from trtglm.errors import UsageError
 from trtglm.runtime.request import (ExecutorStats, ExecutorStopped, Handle, Output, OutputCallback, QueueFullError,
                                     Request, check_request, fitted)
+from trtglm.runtime.beams import Beam, BeamSearch, continued_slots, ends_with_any
 from trtglm.runtime.sampling import BadWords, Penalties, Sampler, processed
 from trtglm.runtime.slots import SlotModel
 
@@ -67,6 +73,11 @@ class _Sequence:
                                    request.temperature)
         self.stops_by_last = _by_last_token(request.stop_words)
         self.bad_words = BadWords(request.bad_words)
+        self.held: list[int] = []  # a beam search's slots besides `slot`
+        self.beams = BeamSearch(request.beam_width, request.max_new_tokens, request.length_penalty,
+                                request.early_stopping, ends_with_any(request.end_id, request.stop_words)) \
+            if request.beam_width > 1 else None
+        self.beam_slots: list[int] = []  # the slot of each running beam
 
     @property
     def unprefilled(self) -> int:
@@ -82,11 +93,42 @@ class _Sequence:
                 return True
         return False
 
-    def banned(self) -> list[int]:
-        banned = self.bad_words.banned(self.history)
-        if self.request.end_id is not None and self.generated < self.request.min_length:
+    def banned(self, history: list[int] | None = None) -> list[int]:
+        """The ids banned after `history` (default: this sequence's)."""
+        history = self.history if history is None else history
+        banned = self.bad_words.banned(history)
+        if self.request.end_id is not None and len(history) - len(self.request.prompt) < self.request.min_length:
             banned.append(self.request.end_id)
         return banned
+
+    def decode_rows(self) -> tuple[list[int], list[int]]:
+        """The slots this sequence decodes in a step and the token each takes."""
+        if self.beams is None:
+            return [self.slot], [self.history[-1]]
+        return self.beam_slots, [tokens[-1] for tokens in self.beams.running]
+
+    def beam_step(self, logits: torch.Tensor) -> list[int]:
+        """Advance the beam search by the processed logits of its beams (`[beams, vocab]`); each new beam's
+        parent. Penalties count each beam's own history."""
+        request, rows = self.request, []
+        for row, tokens in zip(logits, self.beams.running):
+            history = self.history + tokens
+            penalties = Penalties(request.repetition_penalty, request.presence_penalty, request.frequency_penalty)
+            if penalties.active:
+                penalties.start(history, row.numel(), row.device)
+            rows.append(processed(row, request.embedding_bias, self.banned(history), penalties))
+        return self.beams.step(torch.log_softmax(torch.stack(rows), dim=-1))
+
+    def beam_output(self) -> Output:
+        """The finished search's answer: every beam, best first, without its end id (as a single sequence's)."""
+        end_id, found, beams = self.request.end_id, self.beams.result(), []
+        for beam in found:
+            cut = len(beam.tokens) - (end_id is not None and beam.tokens[-1] == end_id)
+            beams.append(Beam(beam.tokens[:cut], beam.cum_log_prob, beam.score, beam.log_probs[:cut]))
+        best, ended = beams[0], found[0].tokens
+        reason = "end_id" if len(ended) > len(best.tokens) else "stop_word" if self.beams.ends(ended) else "length"
+        return Output(best.tokens, best.log_probs if self.request.log_probs else [], finished=True, reason=reason,
+                      beams=beams)
 
     def plain_greedy(self) -> bool:
         """Greedy with nothing to adjust: the next token is the row's argmax."""
@@ -111,16 +153,19 @@ class Executor:
 
     def __init__(self, model: SlotModel, max_queue: int = 64, max_prefill_tokens: int | None = None,
                  device: torch.device | str = "cpu", vocab_limit: int | None = None,
-                 on_step_end: Callable[[], None] | None = None):
+                 on_step_end: Callable[[], None] | None = None, max_beam_width: int = 1):
         """`vocab_limit`: ids at or above it (the padding of an engine's vocabulary past its tokenizer's) are
         never chosen. `on_step_end` is called after every step, on the step's thread (to send a step's outputs
-        together)."""
+        together). `max_beam_width`: the widest beam search taken (each beam takes a slot)."""
         if max_queue < 0:
             raise UsageError(f"max_queue must be >= 0, not {max_queue}")
         if max_prefill_tokens is not None and max_prefill_tokens < 1:
             raise UsageError(f"max_prefill_tokens must be >= 1, not {max_prefill_tokens}")
+        if not 1 <= max_beam_width <= model.max_batch:
+            raise UsageError(f"max_beam_width must be 1 to the {model.max_batch} slots, not {max_beam_width}")
         self.model = model
         self.on_step_end = on_step_end
+        self.max_beam_width = max_beam_width
         self.max_queue = max_queue
         self.max_prefill_tokens = max_prefill_tokens or model.max_seq_len  # whole prompts: no chunks
         self.vocab_limit = min(vocab_limit or model.vocab_size, model.vocab_size)
@@ -128,6 +173,7 @@ class Executor:
         self._lock = threading.Condition()
         self._queue: deque[_Sequence] = deque()
         self._active: dict[int, _Sequence] = {}  # slot -> sequence
+        self._held: dict[int, _Sequence] = {}  # a beam search's other slots -> its sequence
         self._numbers = itertools.count()
         self._stats = ExecutorStats()
         self._stopping = False
@@ -161,7 +207,7 @@ class Executor:
 
     def check(self, request: Request) -> None:
         """UsageError when `request` cannot be served by this model."""
-        check_request(request, self.model.vocab_size, self.model.max_seq_len)
+        check_request(request, self.model.vocab_size, self.model.max_seq_len, self.max_beam_width)
 
     def stats(self) -> ExecutorStats:
         with self._lock:
@@ -249,13 +295,16 @@ class Executor:
     def _admit(self, budget: int) -> list[_Sequence]:
         """Queued requests into free slots while `budget` prompt tokens are left (the last admitted may start
         with a chunk of its prompt)."""
-        free = [slot for slot in range(self.model.max_batch) if slot not in self._active]
+        free = [slot for slot in range(self.model.max_batch) if slot not in self._active and slot not in self._held]
         admitted = []
         with self._lock:
-            while self._queue and free and budget > 0:
+            while self._queue and len(free) >= self._queue[0].request.beam_width and budget > 0:
                 sequence = self._queue.popleft()
                 sequence.slot = free.pop(0)
                 self._active[sequence.slot] = sequence
+                sequence.held = [free.pop(0) for _ in range(sequence.request.beam_width - 1)]
+                self._held.update(dict.fromkeys(sequence.held, sequence))
+                sequence.beam_slots = [sequence.slot, *sequence.held]
                 admitted.append(sequence)
                 budget -= len(sequence.request.prompt)
         return admitted
@@ -274,15 +323,46 @@ class Executor:
             ready = [sequences[i] for i in complete]
             rows = logits if len(ready) == len(sequences) else \
                 logits.index_select(0, torch.tensor(complete, device=logits.device))
-            for sequence, choice in zip(ready, self._choose_all(ready, rows), strict=True):
-                self._take(sequence, choice)
+            self._take_rows(ready, rows, [1] * len(ready))
 
     def _decode(self, sequences: list[_Sequence]) -> None:
-        logits = self.model.decode([s.slot for s in sequences], [s.history[-1] for s in sequences])
+        rows = [s.decode_rows() for s in sequences]
+        logits = self.model.decode([slot for slots, _ in rows for slot in slots],
+                                   [token for _, tokens in rows for token in tokens])
         self._stats.decode_calls += 1
         self._stats.max_decode_batch = max(self._stats.max_decode_batch, len(sequences))
-        for sequence, choice in zip(sequences, self._choose_all(sequences, logits), strict=True):
-            self._take(sequence, choice)
+        self._take_rows(sequences, logits, [len(slots) for slots, _ in rows])
+
+    def _take_rows(self, sequences: list[_Sequence], logits: torch.Tensor, widths: list[int]) -> None:
+        """Each sequence's next token from its `widths[i]` rows of `logits` (a beam search's: one per beam)."""
+        if all(s.beams is None for s in sequences):
+            for sequence, choice in zip(sequences, self._choose_all(sequences, logits), strict=True):
+                self._take(sequence, choice)
+            return
+        starts = list(itertools.accumulate(widths, initial=0))
+        single = [i for i, s in enumerate(sequences) if s.beams is None]
+        if single:
+            rows = logits.index_select(0, torch.tensor([starts[i] for i in single], device=logits.device))
+            for i, choice in zip(single, self._choose_all([sequences[i] for i in single], rows), strict=True):
+                self._take(sequences[i], choice)
+        for i, sequence in enumerate(sequences):
+            if sequence.beams is not None:
+                self._beam_step(sequence, logits[starts[i]:starts[i + 1], :self.vocab_limit])
+
+    def _beam_step(self, sequence: _Sequence, logits: torch.Tensor) -> None:
+        try:
+            parents = sequence.beam_step(logits)
+        except Exception as e:
+            log.warning("request %d: %s", sequence.handle.id, e)
+            self._finish(sequence, Output([], finished=True, reason="error", error=f"no next beam could be chosen: {e}"))
+            return
+        self._stats.generated_tokens += 1
+        if sequence.beams.done:
+            self._finish(sequence, sequence.beam_output())
+            return
+        sequence.beam_slots, sources, targets = continued_slots(sequence.beam_slots, parents)
+        if sources:
+            self.model.copy(sources, targets)
 
     def _choose_all(self, sequences: list[_Sequence], logits: torch.Tensor) -> list[tuple[int, float] | str]:
         """(token, log-prob) per row, or the error that ended that row's request alone. Plain greedy rows
@@ -340,6 +420,9 @@ class Executor:
         if sequence.slot is not None and self._active.get(sequence.slot) is sequence:
             del self._active[sequence.slot]
             self.model.release(sequence.slot)
+            for slot in sequence.held:
+                del self._held[slot]
+                self.model.release(slot)
         self._stats.finished += 1
         self._stats.cancelled += output.reason == "cancelled"
         self._deliver(sequence, output)
@@ -363,6 +446,7 @@ class Executor:
         message = f"the model failed: {type(error).__name__}: {error}"
         running = list(self._active.values())
         self._active.clear()
+        self._held.clear()
         for sequence in running:
             self._deliver(sequence, Output([], finished=True, reason="error", error=message))
             sequence.handle.done.set()
@@ -380,6 +464,7 @@ class Executor:
             sequences = list(self._queue) + list(self._active.values())
             self._queue.clear()
             self._active.clear()
+            self._held.clear()
         for sequence in sequences:
             self._deliver(sequence, Output([], finished=True, reason="error", error=message))
             sequence.handle.done.set()
