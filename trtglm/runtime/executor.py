@@ -120,15 +120,16 @@ class _Sequence:
         return self.beams.step(torch.log_softmax(torch.stack(rows), dim=-1))
 
     def beam_output(self) -> Output:
-        """The finished search's answer: every beam, best first, without its end id (as a single sequence's)."""
-        end_id, found, beams = self.request.end_id, self.beams.result(), []
+        """The finished search's answer: every beam, best first, without its end id (as a single sequence's);
+        log probabilities (each token's, and the sum with the end id's) only when asked for."""
+        end_id, asked, found, beams = self.request.end_id, self.request.log_probs, self.beams.result(), []
         for beam in found:
             cut = len(beam.tokens) - (end_id is not None and beam.tokens[-1] == end_id)
-            beams.append(Beam(beam.tokens[:cut], beam.cum_log_prob, beam.score, beam.log_probs[:cut]))
+            beams.append(Beam(beam.tokens[:cut], beam.cum_log_prob if asked else 0.0, beam.score,
+                              beam.log_probs[:cut] if asked else []))
         best, ended = beams[0], found[0].tokens
         reason = "end_id" if len(ended) > len(best.tokens) else "stop_word" if self.beams.ends(ended) else "length"
-        return Output(best.tokens, best.log_probs if self.request.log_probs else [], finished=True, reason=reason,
-                      beams=beams)
+        return Output(best.tokens, best.log_probs, finished=True, reason=reason, beams=beams)
 
     def plain_greedy(self) -> bool:
         """Greedy with nothing to adjust: the next token is the row's argmax."""
