@@ -15,7 +15,8 @@ from trtglm.runtime.executor import Output
 
 def arrays(batch: int = 1, **scalars) -> dict[str, np.ndarray]:
     dtypes = {"beam_width": np.int32, "len_penalty": np.float32, "streaming": np.bool_, "early_stopping": np.bool_}
-    out = {"input_ids": np.array([[5, 6, 7]] * batch, np.int32), "request_output_len": np.array([[8]] * batch, np.int32)}
+    out = {"input_ids": np.array([[5, 6, 7]] * batch, np.int32),
+           "request_output_len": np.array([[8]] * batch, np.int32)}
     for name, values in scalars.items():
         out[name] = np.array(values if isinstance(values, list) else [values] * batch, dtypes[name]).reshape(batch, 1)
     return out

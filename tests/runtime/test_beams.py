@@ -27,27 +27,6 @@ def tok(fixture_dir) -> ChatGLMTokenizer:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory, fixture_dir):
-    return load_model(convert_checkpoint(fixture_dir, tmp_path_factory.mktemp("ckpt") / "tp1", dtype="float32"))
-
-
-@pytest.fixture(scope="module")
-def reference(fixture_dir):
-    from trtglm.chatglm.config import ChatGLMConfig
-    from trtglm.chatglm.reference import load_reference
-    from trtglm.chatglm.weights import HFWeights
-
-    return load_reference(ChatGLMConfig.from_model_dir(fixture_dir), HFWeights(fixture_dir).get, torch.float32)
-
-
-@pytest.fixture(scope="module")
-def prompts(fixture_dir, tok) -> list[list[int]]:
-    """Four of the fixture's chat prompts: the model's replies end with <|user|> in some beams, not in others."""
-    lines = (fixture_dir / "conversations.jsonl").read_text().splitlines()
-    return [chat_ids(tok, json.loads(line)["messages"]) for line in lines][::7][:4]
-
-
-@pytest.fixture(scope="module")
 def end_id(tok) -> int:
     return tok.special_ids["<|user|>"]
 
@@ -85,35 +64,35 @@ def transformers_beams(reference, prompt, width, end_id, length_penalty, early_s
 
 @pytest.mark.parametrize("width", [2, 4])
 @pytest.mark.parametrize("length_penalty, early_stopping", SEARCHES)
-def test_beam_search_gives_transformers_beams(model, reference, prompts, end_id, width, length_penalty,
+def test_beam_search_gives_transformers_beams(tp1_model, glm_reference, four_prompts, end_id, width, length_penalty,
                                               early_stopping):
     ended = 0
-    for prompt in prompts:
-        beams = beam_search(model, prompt, width, NEW, end_id=end_id, length_penalty=length_penalty,
+    for prompt in four_prompts:
+        beams = beam_search(tp1_model, prompt, width, NEW, end_id=end_id, length_penalty=length_penalty,
                             early_stopping=early_stopping)
-        ids, scores = transformers_beams(reference, prompt, width, end_id, length_penalty, early_stopping)
+        ids, scores = transformers_beams(glm_reference, prompt, width, end_id, length_penalty, early_stopping)
         assert [b.tokens for b in beams] == ids
         assert [b.score for b in beams] == pytest.approx(scores, abs=1e-3)
         ended += sum(b.tokens[-1] == end_id for b in beams)
     assert ended  # some beams finished at the end id, others ran to the length limit
 
 
-def test_min_length_keeps_the_end_id_away(model, reference, prompts, end_id):
+def test_min_length_keeps_the_end_id_away(tp1_model, glm_reference, four_prompts, end_id):
     """As TensorRT-LLM: the end id is banned before the log-softmax, so the other tokens' log probs renormalize."""
-    prompt = prompts[0]
-    free = beam_search(model, prompt, 2, NEW, end_id=end_id)
+    prompt = four_prompts[0]
+    free = beam_search(tp1_model, prompt, 2, NEW, end_id=end_id)
     assert len(free[0].tokens) < 15 and free[0].tokens[-1] == end_id
-    held = beam_search(model, prompt, 2, NEW, end_id=end_id, min_length=15)
-    ids, _ = transformers_beams(reference, prompt, 2, end_id, 1.0, True, min_new=15)
+    held = beam_search(tp1_model, prompt, 2, NEW, end_id=end_id, min_length=15)
+    ids, _ = transformers_beams(glm_reference, prompt, 2, end_id, 1.0, True, min_new=15)
     assert [b.tokens for b in held] == ids and all(len(b.tokens) >= 16 or b.tokens[-1] != end_id for b in held)
 
 
-def test_width_one_is_greedy(model, prompts, end_id):
+def test_width_one_is_greedy(tp1_model, four_prompts, end_id):
     from trtglm.runtime.generate import generate
 
-    for prompt in prompts:
-        beam, = beam_search(model, prompt, 1, NEW, end_id=end_id)
-        greedy = generate(model, prompt, NEW, end_id=end_id)
+    for prompt in four_prompts:
+        beam, = beam_search(tp1_model, prompt, 1, NEW, end_id=end_id)
+        greedy = generate(tp1_model, prompt, NEW, end_id=end_id)
         assert beam.tokens == greedy + [end_id] if len(greedy) < NEW else beam.tokens == greedy
 
 
@@ -123,9 +102,9 @@ def test_early_stopping_takes_tensorrt_llms_integers(value, mode):
     assert early_stopping_mode(value) is mode if isinstance(mode, bool) else early_stopping_mode(value) == mode
 
 
-def test_bad_beam_requests_are_refused(model, prompts):
+def test_bad_beam_requests_are_refused(tp1_model, four_prompts):
     with pytest.raises(UsageError, match="beam_width >= 1"):
-        beam_search(model, prompts[0], 0, NEW)
+        beam_search(tp1_model, four_prompts[0], 0, NEW)
     with pytest.raises(UsageError, match="early_stopping must be"):
         early_stopping_mode("sometimes")
 
@@ -142,66 +121,67 @@ def run_all(executor, limit: int = 500) -> None:
 
 
 @pytest.mark.parametrize("width", [2, 4])
-def test_the_executor_answers_every_beam_with_other_requests_running(model, reference, prompts, end_id, width):
+def test_the_executor_answers_every_beam_with_other_requests_running(tp1_model, glm_reference, four_prompts, end_id,
+                                                                     width):
     """Beam searches share the steps with greedy requests (their slots decoded together, beams copied between
     slots as they move on) and still give transformers' beams; the greedy requests give generate()'s tokens."""
     from trtglm.runtime.executor import Executor, Request
     from trtglm.runtime.generate import generate
     from trtglm.runtime.slot_runtime import ShardedSlotModel
 
-    executor = Executor(ShardedSlotModel(model, max_batch=2 * width + 2, max_seq_len=256), max_beam_width=width)
+    executor = Executor(ShardedSlotModel(tp1_model, max_batch=2 * width + 2, max_seq_len=256), max_beam_width=width)
     outputs = {}
-    for i, prompt in enumerate(prompts):
+    for i, prompt in enumerate(four_prompts):
         executor.submit(Request(prompt, NEW, end_id=end_id, beam_width=width, length_penalty=0.5, early_stopping=0,
                                 log_probs=True), outputs.setdefault(("beams", i), []).append)
         executor.submit(Request(prompt, NEW, end_id=end_id), outputs.setdefault(("greedy", i), []).append)
     run_all(executor)
-    for i, prompt in enumerate(prompts):
+    for i, prompt in enumerate(four_prompts):
         answer, = outputs[("beams", i)]
-        ids, scores = transformers_beams(reference, prompt, width, end_id, 0.5, False)
+        ids, scores = transformers_beams(glm_reference, prompt, width, end_id, 0.5, False)
         assert [b.tokens for b in answer.beams] == [t[:-1] if t[-1] == end_id else t for t in ids]
         assert [b.score for b in answer.beams] == pytest.approx(scores, abs=1e-3)
         best = answer.beams[0]
         assert answer.finished and answer.tokens == best.tokens and answer.log_probs == best.log_probs
         assert answer.reason == ("end_id" if ids[0][-1] == end_id else "length")
         assert sum(best.log_probs) <= best.cum_log_prob + 1e-4  # the end id's log prob counts in cum_log_prob
-        assert [t for o in outputs[("greedy", i)] for t in o.tokens] == generate(model, prompt, NEW, end_id=end_id)
+        assert [t for o in outputs[("greedy", i)] for t in o.tokens] == generate(tp1_model, prompt, NEW, end_id=end_id)
     assert executor.stats().active == 0 and not executor._held
 
 
-def test_a_beam_search_waits_for_enough_free_slots_and_frees_them(model, prompts, end_id):
+def test_a_beam_search_waits_for_enough_free_slots_and_frees_them(tp1_model, four_prompts, end_id):
     from trtglm.runtime.executor import Executor, Request
     from trtglm.runtime.slot_runtime import ShardedSlotModel
 
-    executor = Executor(ShardedSlotModel(model, max_batch=4, max_seq_len=256), max_beam_width=4)
+    executor = Executor(ShardedSlotModel(tp1_model, max_batch=4, max_seq_len=256), max_beam_width=4)
     first, second, third = [], [], []
-    executor.submit(Request(prompts[0], NEW, end_id=end_id), first.append)
-    executor.submit(Request(prompts[1], NEW, end_id=end_id, beam_width=4), second.append)
-    executor.submit(Request(prompts[2], NEW, end_id=end_id, beam_width=2), third.append)
+    executor.submit(Request(four_prompts[0], NEW, end_id=end_id), first.append)
+    executor.submit(Request(four_prompts[1], NEW, end_id=end_id, beam_width=4), second.append)
+    executor.submit(Request(four_prompts[2], NEW, end_id=end_id, beam_width=2), third.append)
     executor.step()
     assert executor.stats().active == 1 and executor.stats().queued == 2  # 3 slots free: not enough for 4 beams
     run_all(executor)
     assert len(second[-1].beams) == 4 and len(third[-1].beams) == 2
-    assert [b.tokens for b in third[-1].beams] == [b.tokens[:-1] if b.tokens[-1] == end_id else b.tokens
-                                                   for b in beam_search(model, prompts[2], 2, NEW, end_id=end_id)]
+    alone = beam_search(tp1_model, four_prompts[2], 2, NEW, end_id=end_id)
+    assert [b.tokens for b in third[-1].beams] == [b.tokens[:-1] if b.tokens[-1] == end_id else b.tokens for b in alone]
 
 
-def test_beam_widths_past_the_limit_are_refused(model, prompts):
+def test_beam_widths_past_the_limit_are_refused(tp1_model, four_prompts):
     from trtglm.runtime.executor import Executor, Request
     from trtglm.runtime.slot_runtime import ShardedSlotModel
 
-    executor = Executor(ShardedSlotModel(model, max_batch=4, max_seq_len=256), max_beam_width=2)
+    executor = Executor(ShardedSlotModel(tp1_model, max_batch=4, max_seq_len=256), max_beam_width=2)
     with pytest.raises(UsageError, match=r"beam_width 3 is outside 1..2 \(the engine's max_beam_width\)"):
-        executor.submit(Request(prompts[0], NEW, beam_width=3), lambda output: None)
+        executor.submit(Request(four_prompts[0], NEW, beam_width=3), lambda output: None)
     with pytest.raises(UsageError, match="max_beam_width must be 1 to the 4 slots"):
-        Executor(ShardedSlotModel(model, max_batch=4, max_seq_len=256), max_beam_width=5)
+        Executor(ShardedSlotModel(tp1_model, max_batch=4, max_seq_len=256), max_beam_width=5)
 
 
-def test_a_slot_copy_continues_like_the_original(model, prompts):
+def test_a_slot_copy_continues_like_the_original(tp1_model, four_prompts):
     from trtglm.runtime.slot_runtime import ShardedSlotModel
 
-    slots = ShardedSlotModel(model, max_batch=3, max_seq_len=256)
-    slots.prefill([0, 2], [prompts[0], prompts[1]])
+    slots = ShardedSlotModel(tp1_model, max_batch=3, max_seq_len=256)
+    slots.prefill([0, 2], [four_prompts[0], four_prompts[1]])
     slots.copy([0], [1])
     logits = slots.decode([0, 1, 2], [5, 5, 5])
     torch.testing.assert_close(logits[0], logits[1])

@@ -355,7 +355,8 @@ class Executor:
             parents = sequence.beam_step(logits)
         except Exception as e:
             log.warning("request %d: %s", sequence.handle.id, e)
-            self._finish(sequence, Output([], finished=True, reason="error", error=f"no next beam could be chosen: {e}"))
+            error = f"no next beam could be chosen: {e}"
+            self._finish(sequence, Output([], finished=True, reason="error", error=error))
             return
         self._stats.generated_tokens += 1
         if sequence.beams.done:
