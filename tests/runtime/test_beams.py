@@ -4,26 +4,17 @@ returned beam, in the same order, with the same scores."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
+from support.references import four_prompts, glm_reference, tp1_model  # noqa: F401 (fixtures)
+from support.tokenizer import tok  # noqa: F401 (fixture)
 
-from trtglm.chatglm.chat import chat_ids
-from trtglm.chatglm.tokenizer import ChatGLMTokenizer
-from trtglm.convert.writer import convert_checkpoint
 from trtglm.errors import UsageError
 from trtglm.runtime.beams import early_stopping_mode
 from trtglm.runtime.generate import beam_search
-from trtglm.runtime.model import load_model
 
 NEW = 20
 SEARCHES = [(1.0, True), (0.0, False), (2.0, "never"), (-1.0, False)]  # (length_penalty, early_stopping)
-
-
-@pytest.fixture(scope="module")
-def tok(fixture_dir) -> ChatGLMTokenizer:
-    return ChatGLMTokenizer(fixture_dir)
 
 
 @pytest.fixture(scope="module")

@@ -5,24 +5,15 @@ rule, which transformers lacks, as a processor run after its temperature, where 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
+from support.references import four_prompts, glm_reference, tp1_model  # noqa: F401 (fixtures)
+from support.tokenizer import tok  # noqa: F401 (fixture)
 
-from trtglm.chatglm.chat import chat_ids
-from trtglm.chatglm.tokenizer import ChatGLMTokenizer
-from trtglm.convert.writer import convert_checkpoint
 from trtglm.runtime.executor import Executor, Request
-from trtglm.runtime.model import load_model
 from trtglm.runtime.slot_runtime import ShardedSlotModel
 
 NEW = 24
-
-
-@pytest.fixture(scope="module")
-def tok(fixture_dir) -> ChatGLMTokenizer:
-    return ChatGLMTokenizer(fixture_dir)
 
 
 class TensorRTLLMPenalties:

@@ -1,4 +1,4 @@
-"""What the runtime's parity tests share: the fixture converted to one float32 shard, transformers'
+"""Fixtures the runtime's parity tests share: the fixture converted to one float32 shard, transformers'
 GlmForCausalLM with the same weights (the reference), and four of the fixture's chat prompts."""
 
 from __future__ import annotations
