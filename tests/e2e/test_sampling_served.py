@@ -81,6 +81,23 @@ def test_beam_width_2_returns_both_beams(served, conversation, model):
     assert status == 200 and body["text_output"] == conversation["answer"]  # one beam: greedy, as before
 
 
+def test_tensorrt_llm_answers_every_beam_in_nvidias_tensors(served, conversation):
+    """Straight to tensorrt_llm: output_ids [1, beams, longest] (the shorter beam padded with -1), sequence_length
+    and cum_log_probs [1, beams], as NVIDIA's backend gives them."""
+    tok = ChatGLMTokenizer(FIXTURE)
+    prompt = chat_ids(tok, conversation["messages"])
+    status, body = generate(served.url, "tensorrt_llm", {
+        "input_ids": prompt, "input_lengths": len(prompt), "request_output_len": MAX_TOKENS, "beam_width": 2,
+        "end_id": tok.eos_id, "stop_words_list": [518, 520, 1, 2], "return_log_probs": True})
+    assert status == 200, body
+    model = load_model(served.root / "engine" / "checkpoint")
+    beams = beam_search(model, prompt, 2, MAX_TOKENS, end_id=tok.eos_id, stop_words=served_stops(tok))
+    longest = max(len(b.tokens) for b in beams)
+    assert body["output_ids"] == [t for b in beams for t in b.tokens + [-1] * (longest - len(b.tokens))]
+    assert body["sequence_length"] == [len(b.tokens) for b in beams]
+    assert body["cum_log_probs"] == pytest.approx([b.cum_log_prob for b in beams], abs=1e-4)
+
+
 def test_too_wide_or_streamed_beams_are_refused_in_one_line(served):
     status, body = generate(served.url, "ensemble", {"text_input": "hi", "max_tokens": 8, "beam_width": 3})
     assert status >= 400 and "beam_width 3 is outside 1..2 (the engine's max_beam_width)" in body["error"]
