@@ -81,6 +81,15 @@ def test_beam_width_2_returns_both_beams(served, conversation, model):
     assert status == 200 and body["text_output"] == conversation["answer"]  # one beam: greedy, as before
 
 
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_trtglm_generate_prints_both_beams(served, conversation, transport):
+    text = json.dumps({"messages": conversation["messages"]}, ensure_ascii=False)
+    where = ("--url", served.url) if transport == "http" else ("--grpc", served.grpc)
+    done = served.run("generate", *where, "--prompt", text, "--max-tokens", str(MAX_TOKENS), "--beam-width", "2")
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == "\n".join(expected_beams(served, conversation["messages"])) + "\n"
+
+
 def test_tensorrt_llm_answers_every_beam_in_nvidias_tensors(served, conversation):
     """Straight to tensorrt_llm: output_ids [1, beams, longest] (the shorter beam padded with -1), sequence_length
     and cum_log_probs [1, beams], as NVIDIA's backend gives them."""
