@@ -37,11 +37,25 @@ class BanBeforeSoftmax:
         return torch.log_softmax(scores, dim=-1)
 
 
-def transformers_beams(reference, prompt, width, end_id, length_penalty, early_stopping, new=NEW, min_new=0):
+class AdditivePenaltiesBeforeSoftmax:
+    """TensorRT-LLM's presence and frequency penalties on a beam's logits, as a transformers processor of its
+    log-probs: the penalties shift logits, so penalizing the log-probs and renormalizing is the same."""
+
+    def __init__(self, presence: float, frequency: float):
+        self.presence, self.frequency = presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        counts = torch.zeros_like(scores).scatter_add_(1, input_ids, torch.ones_like(input_ids, dtype=scores.dtype))
+        return torch.log_softmax(scores - self.presence * (counts > 0) - self.frequency * counts, dim=-1)
+
+
+def transformers_beams(reference, prompt, width, end_id, length_penalty, early_stopping, new=NEW, min_new=0,
+                       processors=()):
     """transformers' `width` beams: (generated ids, end id included, and score) best first."""
     from transformers import LogitsProcessorList
 
-    processors = LogitsProcessorList([BanBeforeSoftmax(end_id, len(prompt), min_new)] if min_new else [])
+    processors = LogitsProcessorList([*processors, *([BanBeforeSoftmax(end_id, len(prompt), min_new)] if min_new
+                                                     else [])])
     with torch.no_grad():
         out = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                  max_new_tokens=new, logits_processor=processors, num_beams=width,
@@ -179,3 +193,23 @@ def test_a_slot_copy_continues_like_the_original(tp1_model, four_prompts):
     assert not torch.equal(logits[0], logits[2])
     with pytest.raises(UsageError, match="one distinct target slot"):
         slots.copy([0, 1], [1, 2])
+
+
+def test_beams_take_presence_and_frequency_penalties_on_each_beams_history(tp1_model, glm_reference, four_prompts,
+                                                                           end_id):
+    from trtglm.runtime.executor import Executor, Request
+    from trtglm.runtime.slot_runtime import ShardedSlotModel
+
+    executor = Executor(ShardedSlotModel(tp1_model, max_batch=8, max_seq_len=256), max_beam_width=2)
+    answers = []
+    for prompt in four_prompts:
+        answers.append([])
+        executor.submit(Request(prompt, NEW, end_id=end_id, beam_width=2, presence_penalty=1.0,
+                                frequency_penalty=0.5), answers[-1].append)
+    run_all(executor)
+    for prompt, (answer,) in zip(four_prompts, answers):
+        ids, _ = transformers_beams(glm_reference, prompt, 2, end_id, 1.0, True,
+                                    processors=[AdditivePenaltiesBeforeSoftmax(1.0, 0.5)])
+        assert [b.tokens for b in answer.beams] == [t[:-1] if t[-1] == end_id else t for t in ids]
+    plain = [b.tokens for b in beam_search(tp1_model, four_prompts[0], 2, NEW, end_id=end_id)]
+    assert [t[:-1] if t[-1] == end_id else t for t in plain] != [b.tokens for b in answers[0][0].beams]
