@@ -206,6 +206,7 @@ def test_answers_that_are_not_what_triton_sends_are_errors(canned):
     ({"top_p": 1.5}, "--top-p must be a number in (0, 1]"),
     ({"seed": 2**64}, "--seed must be a whole number in [0, 2^64)"),
     ({"seed": True}, "--seed must be a whole number"),
+    ({"beam_width": 0}, "--beam-width must be a whole number of at least 1, not 0"),
 ])
 def test_bad_requests_are_refused_before_sending(options, message):
     with pytest.raises(UsageError) as refused:
@@ -234,6 +235,14 @@ def test_generate_prints_the_answer_and_sends_the_options(canned):
     assert sent(canned) == [("/v2/models/ensemble/generate",
                              {"text_input": chat, "max_tokens": 12, "stream": False, "temperature": 0.5,
                               "top_k": 3, "top_p": 0.9, "random_seed": 7})]
+
+
+def test_generate_prints_every_beam_on_a_line_of_its_own(canned):
+    canned.replies["/v2/models/ensemble/generate"] = json_reply(200, {"text_output": ["The sky is blue.",
+                                                                                     "The sky is grey."]})
+    done = cli("--url", canned.url, "--prompt", "hi", "--beam-width", "2")
+    assert (done.returncode, done.stdout) == (0, "The sky is blue.\nThe sky is grey.\n")
+    assert sent(canned)[0][1]["beam_width"] == 2
 
 
 def test_prompts_that_look_like_other_values_stay_text(canned):

@@ -81,7 +81,8 @@ def test_penalties_reach_the_executor_request():
     ({"request_output_len": np.array([-2**31], np.int32)}, r"request_output_len must be between 1 and 2147483647, "
                                                            r"not -2147483648 \(over HTTP JSON .* 2147483648 arrives"),
     ({"runtime_top_k": np.array([-1], np.int32)}, "runtime_top_k must be between 0 and 2147483647, not -1"),
-    ({"beam_width": np.array([2], np.int32)}, "does not search beams"),
+    ({"beam_width": np.array([0], np.int32)}, "beam_width must be between 1 and 2147483647, not 0"),
+    ({"beam_width": np.array([2], np.int32), "streaming": np.array([True])}, "streaming takes beam_width 1, not 2"),
     ({"input_lengths": np.array([9], np.int32)}, "input_lengths 9 must be between 1 and the 4 ids"),
     ({"stop_words_list": np.array([[[1, 2], [3, -1]]], np.int32)}, r"offset 3 does not follow 0 within 2 ids"),
 ])

@@ -18,12 +18,13 @@ from conftest import REPO
 from support.engines import MAX_NEW, build_tiny_engine, chat_prompts, unsplit_answers
 from trtglm.backend.engine import ServedEngine
 from trtglm.errors import UsageError
-from trtglm.runtime.distributed import (DECODE, MIXED, PREFILL, RELEASE, REUSE, STOP, RankInfo, Step, follow, rank_info,
-                                        rendezvous)
+from trtglm.runtime.distributed import (COPY, DECODE, MIXED, PREFILL, RELEASE, REUSE, STOP, LeaderSlotModel, RankInfo,
+                                        Step, follow, rank_info, rendezvous)
 from trtglm.runtime.model import load_model
 
 # One rank's program: a ServedEngine from the OMPI environment; rank 0 answers the prompts (all submitted
-# at once, so they are batched) and writes the tokens; every rank reports how it ended.
+# at once, so they are batched) and writes the tokens (mode "beams:W": every beam of a beam search W wide);
+# every rank reports how it ended.
 RANK_PROGRAM = '''
 import json, os, sys, time
 from trtglm.backend.engine import ServedEngine
@@ -39,8 +40,13 @@ if rank == 0:
         os._exit(0)  # rank 0 goes away without a word
     prompts = json.load(open(prompts_file))
     tokens = [[] for _ in prompts]
-    handles = [engine.executor.submit(Request(p, int(mode), end_id=2, stop_words=[[518], [520]]),
-                                      lambda output, i=i: tokens[i].extend(output.tokens))
+    width, new = (int(mode[6:]), 40) if mode.startswith("beams:") else (1, int(mode))
+
+    def take(output, i):
+        tokens[i].extend([b.tokens for b in output.beams] if output.beams else output.tokens)
+
+    handles = [engine.executor.submit(Request(p, new, end_id=2, stop_words=[[518], [520]], beam_width=width),
+                                      lambda output, i=i: take(output, i))
                for i, p in enumerate(prompts)]
     for handle in handles:
         handle.done.wait()
@@ -120,6 +126,24 @@ def test_ranks_in_processes_prefill_prompts_in_chunks(tmp_path, prompts, expecte
 
 
 @pytest.mark.slow
+def test_ranks_in_processes_search_beams_like_the_unsplit_model(tmp_path, prompts):
+    """Beam searches across two ranks: every rank copies the same slots as beams move on (rank 0's copy steps),
+    and the beams are those of the unsplit model's in-process search."""
+    from trtglm.runtime.generate import beam_search
+
+    needs_mpirun()
+    engine = build_tiny_engine(tmp_path / "engine", 2, **{"build.max_beam_width": 2})
+    reports = run_ranks(tmp_path, engine, 2, prompts[:6], "beams:2")
+    assert reports[-1]["returncode"] == 0, reports[-1]["stderr"]
+    torch.set_num_threads(1)
+    model = load_model(engine / "checkpoint")
+    for prompt, beams in zip(prompts[:6], reports[0]["tokens"], strict=True):
+        alone = beam_search(model, prompt, 2, 40, end_id=2, stop_words=[[518], [520]])
+        assert beams == [b.tokens[:-1] if b.tokens[-1] == 2 else b.tokens for b in alone]
+    assert len({tuple(beams[1]) for beams in reports[0]["tokens"]}) > 1
+
+
+@pytest.mark.slow
 def test_followers_stop_when_rank_0_dies(tmp_path, engines, prompts):
     needs_mpirun()
     reports = run_ranks(tmp_path, engines[2], 2, prompts, "die")
@@ -188,13 +212,25 @@ class Script:
     def release(self, slot):
         self.calls.append(("release", slot))
 
+    def copy(self, sources, targets):
+        self.calls.append(("copy", list(sources), list(targets)))
+
 
 def test_a_follower_makes_rank_0s_calls_and_goes_on_after_one_that_fails():
     script = Script([Step.prefill([1], [[4, 5]]), Step(DECODE, [1], [99]), Step(DECODE, [1], [6]),
-                     Step(RELEASE, [1], []), Step(DECODE, [0], [3])])
-    script.steps.insert(4, Step(STOP, [], []))  # rank 0 stops: what follows is never made
+                     Step(COPY, [0], [1]), Step(RELEASE, [1], []), Step(DECODE, [0], [3])])
+    script.steps.insert(5, Step(STOP, [], []))  # rank 0 stops: what follows is never made
     follow(script, script)
-    assert script.calls == [("prefill", [1], [[4, 5]], [0]), ("decode", [1], [6]), ("release", 1)]
+    assert script.calls == [("prefill", [1], [[4, 5]], [0]), ("decode", [1], [6]), ("copy", [1], [0]),
+                            ("release", 1)]
+
+
+def test_the_leader_sends_a_copy_before_making_it():
+    script = Script([])
+    sent = []
+    leader = LeaderSlotModel(script, type("Channel", (), {"send": lambda self, step: sent.append(step)})())
+    leader.copy([2, 2], [0, 1])
+    assert sent == [Step(COPY, [0, 1], [2, 2])] and script.calls == [("copy", [2, 2], [0, 1])]
 
 
 def test_a_follower_makes_rank_0s_mixed_steps_and_prefix_copies():

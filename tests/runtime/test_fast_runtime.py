@@ -186,19 +186,20 @@ def test_released_slot_serves_a_new_sequence(model, reference, hf_cfg):
 
 def test_both_slot_caches_keep_lengths_alike_and_their_models_agree(model, checkpoint, hf_cfg):
     """The fast model's StaticCache and the portable model's ShardedCache: one SlotCache protocol, the same lengths
-    after the same prefills (whole and chunked), decodes and releases, and the same logits."""
+    after the same prefills (whole and chunked), decodes, copies (a beam continuing another) and releases, and the
+    same logits."""
     portable = ShardedSlotModel(load_model(checkpoint), max_batch=model.max_batch, max_seq_len=model.max_seq_len)
     assert isinstance(model.cache, SlotCache) and isinstance(portable.cache, SlotCache)
     a, b = sequences(hf_cfg.vocab_size, [9, 6], seed=11)
     calls = [("prefill", [0, 3], [a[:4], b]), ("prefill", [0], [a[4:]], [4]), ("decode", [3, 0], [b[0], a[0]]),
-             ("release", 3), ("prefill", [3], [b[:2]]), ("decode", [0, 3], [a[1], b[2]])]
+             ("copy", [0], [2]), ("release", 3), ("prefill", [3], [b[:2]]), ("decode", [0, 2, 3], [a[1], a[1], b[2]])]
     for name, *args in calls:
         outputs = [getattr(slots, name)(*args) for slots in (model, portable)]
-        if name != "release":
+        if name not in ("release", "copy"):
             assert max_diff(*outputs) <= FP32_TOL, name
         assert model.cache.lengths[:model.max_batch] == portable.cache.lengths, name
-    assert portable.cache.lengths == [11, 0, 0, 3, 0]
-    for slot in (0, 3):
+    assert portable.cache.lengths == [11, 0, 11, 3, 0]
+    for slot in (0, 2, 3):
         model.release(slot)
 
 

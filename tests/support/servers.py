@@ -33,10 +33,13 @@ def fixture_answers() -> dict[str, str]:
 
 
 class Launched:
-    """The fixture's torch engine, its rendered repository and a detached `trtglm launch` of it."""
+    """The fixture's torch engine (`build_flags`: e.g. `--set` overrides of configs/tiny.yaml), its rendered
+    repository and a detached `trtglm launch` of it."""
 
-    def __init__(self, root: Path, server_flags: tuple[str, ...] = (), launch_flags: tuple[str, ...] = ()):
-        self.root, self.repo, self.server_flags, self.launch_flags = root, root / "repo", server_flags, launch_flags
+    def __init__(self, root: Path, server_flags: tuple[str, ...] = (), launch_flags: tuple[str, ...] = (),
+                 build_flags: tuple[str, ...] = ()):
+        self.root, self.repo, self.server_flags = root, root / "repo", server_flags
+        self.launch_flags, self.build_flags = launch_flags, build_flags
         # below the ephemeral range: the clients' own connections (the OpenAI API's to Triton too) never take them
         self.ports = dict(zip(("http", "grpc", "metrics", "openai"), free_ports(4)))
         self.env = {**os.environ, "TRTGLM_STATE_DIR": str(root / "state"), "PYTHONUNBUFFERED": "1"}
@@ -51,7 +54,7 @@ class Launched:
 
     def start(self) -> None:
         engine = self.root / "engine"
-        for args in (("build-engine", "--config", "configs/tiny.yaml", "--output-dir", str(engine)),
+        for args in (("build-engine", "--config", "configs/tiny.yaml", "--output-dir", str(engine), *self.build_flags),
                      ("patch-repo", "--engine-dir", str(engine), "--output-repo", str(self.repo)),
                      ("launch", "--repo", str(self.repo), "--detach", "--timeout", "180",
                       *(f"--{name}-port={port}" for name, port in self.ports.items()), *self.launch_flags,
@@ -64,9 +67,9 @@ class Launched:
         self.run("stop", "--repo", str(self.repo), timeout=120)
 
 
-def launched_server(root: Path):
+def launched_server(root: Path, build_flags: tuple[str, ...] = ()):
     """Generator for module fixtures: a launched server, always stopped."""
-    server = Launched(root)
+    server = Launched(root, build_flags=build_flags)
     try:
         server.start()
         yield server

@@ -40,6 +40,7 @@ class EngineInfo:
     max_num_tokens: int
     tokenizer_size: int  # ids the tokenizer can decode; the engine's vocabulary may be padded past them
     tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK  # KV-cache block: the unit of admission and prefix reuse
+    max_beam_width: int = 1
 
 
 def engine_info(engine_dir: str | Path) -> EngineInfo:
@@ -53,7 +54,7 @@ def engine_info(engine_dir: str | Path) -> EngineInfo:
         DEFAULT_TOKENS_PER_BLOCK
     return EngineInfo(Path(manifest["checkpoint_dir"]), int(mapping["tp_size"]) * int(mapping["pp_size"]),
                       int(limits["max_batch_size"]), int(limits["max_seq_len"]), int(limits["max_num_tokens"]),
-                      int(manifest["tokenizer"]["vocab_size"]), int(block))
+                      int(manifest["tokenizer"]["vocab_size"]), int(block), int(limits.get("max_beam_width", 1)))
 
 
 def pick_device(info: RankInfo, requested: str | None = None) -> torch.device:
@@ -67,7 +68,9 @@ def pick_device(info: RankInfo, requested: str | None = None) -> torch.device:
 
 
 def slot_model(engine: EngineInfo, info: RankInfo, device: torch.device, group=None) -> SlotModel:
-    """This rank's SlotModel: the fast one on a single GPU when it loads, else the portable one."""
+    """This rank's SlotModel: the fast one on a single GPU when it loads, else the portable one. Its slots are
+    max_batch_size × max_beam_width (a beam takes a slot), the sequences TensorRT-LLM sizes its KV cache for."""
+    slots = engine.max_batch_size * engine.max_beam_width
     from trtglm.runtime.model import load_model
     from trtglm.runtime.slot_runtime import ShardedSlotModel
 
@@ -75,13 +78,13 @@ def slot_model(engine: EngineInfo, info: RankInfo, device: torch.device, group=N
         try:
             from trtglm.runtime.fast import load_fast_model
 
-            return load_fast_model(engine.checkpoint_dir, max_batch=engine.max_batch_size,
+            return load_fast_model(engine.checkpoint_dir, max_batch=slots,
                                    max_seq_len=engine.max_seq_len, device=device)
         except ImportError as e:
             log.warning("the fast GPU runtime is not available (%s); using the portable one", e)
     rank = info.rank if info.world_size > 1 else None
     model = load_model(engine.checkpoint_dir, device=device, rank=rank, group=group)
-    return ShardedSlotModel(model, engine.max_batch_size, engine.max_seq_len)
+    return ShardedSlotModel(model, slots, engine.max_seq_len)
 
 
 class ServedEngine:
@@ -117,7 +120,7 @@ class ServedEngine:
             self.model = model
             self.executor = Executor(model, max_queue or QUEUE_PER_SLOT * self.engine.max_batch_size,
                                      max_num_tokens=self.engine.max_num_tokens, device=self.device,
-                                     vocab_limit=self.engine.tokenizer_size,
+                                     vocab_limit=self.engine.tokenizer_size, max_beam_width=self.engine.max_beam_width,
                                      tokens_per_block=self.engine.tokens_per_block, kv_cache_reuse=kv_cache_reuse)
             log.info("rank 0: up to %d tokens a step; KV-cache reuse %s (blocks of %d tokens)",
                      self.engine.max_num_tokens, "on" if kv_cache_reuse else "off", self.engine.tokens_per_block)

@@ -65,6 +65,7 @@ class Limits:
     vocab_size: int
     max_seq_len: int
     capacity: int  # requests the executor holds at once: its slots plus its queue
+    max_beam_width: int = 1
 
 
 # --- the wire ------------------------------------------------------------------------------------------
@@ -173,7 +174,7 @@ class EngineProcess:
 
     def submit(self, request: Request, on_output: OutputCallback,
                is_cancelled: Callable[[], bool] | None = None) -> Handle:
-        check_request(request, self.limits.vocab_size, self.limits.max_seq_len)
+        check_request(request, self.limits.vocab_size, self.limits.max_seq_len, self.limits.max_beam_width)
         with self._lock:
             if self._dead or self._closing:
                 raise ExecutorStopped(self._dead or "the executor is stopping")
@@ -323,7 +324,7 @@ class EngineHost:
         engine = self.engine
         capacity = self.capacity if self.executor else 0
         return Limits(engine.info.rank, self.executor is not None, engine.model.vocab_size, engine.engine.max_seq_len,
-                      capacity)
+                      capacity, engine.engine.max_beam_width)
 
     def serve(self) -> None:
         """Take messages until the stub says stop or is gone; then close the engine."""

@@ -4,12 +4,14 @@ Inputs (batch first; each sequence of a request is a request of its own to the i
 as in NVIDIA's backend):
 input_ids, input_lengths, request_output_len, end_id, stop_words_list and bad_words_list
 (TensorRT-LLM's [2, n] ids/offsets layout), embedding_bias, min_length, temperature,
-runtime_top_k, runtime_top_p, random_seed, return_log_probs, streaming. pad_id and
-len_penalty (beam search only) are accepted and unused. Sampling follows TensorRT-LLM: with
-neither runtime_top_k nor runtime_top_p above 0 the choice is greedy; otherwise temperature
-(default 1), then top-k, then top-p; repetition_penalty, presence_penalty and
-frequency_penalty as TensorRT-LLM applies them (runtime/sampling.py). beam_width above 1 is
-refused with an error naming it.
+runtime_top_k, runtime_top_p, random_seed, return_log_probs, streaming, beam_width,
+len_penalty and early_stopping (beam search). pad_id is accepted and unused. Sampling follows
+TensorRT-LLM: with neither runtime_top_k nor runtime_top_p above 0 the choice is greedy;
+otherwise temperature (default 1), then top-k, then top-p; repetition_penalty,
+presence_penalty and frequency_penalty as TensorRT-LLM applies them (runtime/sampling.py).
+beam_width above 1 searches beams (runtime/beams.py; up to the engine's max_beam_width, which
+the executor checks) and is not streamed: TensorRT-LLM's backend refuses "Streaming mode is only
+supported with beam width of 1", and so does this one.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ def engine_requests(arrays: Mapping[str, np.ndarray | None]) -> tuple[list[Reque
     if batch > 1 and True in streaming:
         raise UsageError(f"streaming takes one sequence per request; this one has {batch}: stream each as its own "
                          "request, or leave streaming off to have every reply in one response")
+    if len({request.beam_width for request, _ in parsed}) > 1:
+        raise UsageError("beam_width must be the same for every sequence of a request")
     return [request for request, _ in parsed], streaming.pop()
 
 
@@ -83,9 +87,12 @@ def engine_request(arrays: Mapping[str, np.ndarray | None]) -> tuple[Request, bo
     length = int(_one(arrays, "input_lengths", ids.shape[1]))
     if not 0 < length <= ids.shape[1]:
         raise UsageError(f"input_lengths {length} must be between 1 and the {ids.shape[1]} ids given")
-    beams = int(_one(arrays, "beam_width", 1))
-    if beams != 1:
-        raise UsageError(f"beam_width {beams}: trtglm's runtime does not search beams (max_beam_width 1)")
+    beams, streaming = int(_one(arrays, "beam_width", 1)), bool(_one(arrays, "streaming", False))
+    if beams < 1:
+        raise int32_range_error("beam_width", beams, 1)
+    if beams > 1 and streaming:
+        raise UsageError(f"streaming takes beam_width 1, not {beams} (as TensorRT-LLM's backend): leave streaming "
+                         "off to have every beam in one response")
     top_k, top_p = int(_one(arrays, "runtime_top_k", 0)), float(_one(arrays, "runtime_top_p", 0.0))
     output_len, min_length = int(_one(arrays, "request_output_len")), int(_one(arrays, "min_length", 0))
     for name, value, low in (("request_output_len", output_len, 1), ("runtime_top_k", top_k, 0),
@@ -112,8 +119,11 @@ def engine_request(arrays: Mapping[str, np.ndarray | None]) -> tuple[Request, bo
         repetition_penalty=float(_one(arrays, "repetition_penalty", 1.0)),
         presence_penalty=float(_one(arrays, "presence_penalty", 0.0)),
         frequency_penalty=float(_one(arrays, "frequency_penalty", 0.0)),
+        beam_width=beams,
+        length_penalty=float(_one(arrays, "len_penalty", 1.0)),
+        early_stopping=int(_one(arrays, "early_stopping", 1)),
     )
-    return request, bool(_one(arrays, "streaming", False))
+    return request, streaming
 
 
 def _words(arrays: Mapping[str, np.ndarray | None], name: str) -> list[list[int]]:

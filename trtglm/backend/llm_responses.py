@@ -8,7 +8,8 @@ response. Not streaming: one response with every token of every sequence, sent o
 one finishes (`Gathered`: rows shorter than the longest padded with -1; sequence_length tells
 each row's count); the first sequence to fail fails the request and stops the others.
 Streaming (`Reply`, one sequence per request): one response per output, the last one flagged
-final.
+final. A beam search answers once, with every beam (`[1, beams, …]`, best first, shorter beams
+padded with -1 as NVIDIA's backend pads them).
 """
 
 from __future__ import annotations
@@ -19,20 +20,37 @@ from collections.abc import Callable
 import numpy as np
 
 from trtglm.errors import TrtglmError
+from trtglm.runtime.beams import Beam
 from trtglm.runtime.executor import Output
 
 
 def response_arrays(new_ids: list[int], new_log_probs: list[float], all_ids: list[int], cum_log_prob: float,
                     final: bool) -> dict[str, np.ndarray]:
     """Every output tensor of one response ([batch 1, beam 1, …])."""
-    count = len(new_ids)
-    log_probs = new_log_probs if len(new_log_probs) == count else [0.0] * count
+    arrays = beam_arrays([Beam(new_ids, cum_log_prob, 0.0, new_log_probs)], final)
+    arrays["generated_ids"] = np.array(all_ids, dtype=np.int32).reshape(1, 1, len(all_ids))
+    return arrays
+
+
+def beam_arrays(beams: list[Beam], final: bool = True) -> dict[str, np.ndarray]:
+    """Every output tensor of one response holding `beams` whole ([batch 1, beams, …], the shorter padded);
+    log probs are zeros where a beam has none (return_log_probs off)."""
+    width = max(len(beam.tokens) for beam in beams)
+
+    def padded(values: list, count: int) -> list:
+        return values + [PADDING] * (width - count)
+
+    ids = np.array([[padded(list(beam.tokens), len(beam.tokens)) for beam in beams]], dtype=np.int32).reshape(
+        1, len(beams), width)
+    log_probs = [beam.log_probs if len(beam.log_probs) == len(beam.tokens) else [0.0] * len(beam.tokens)
+                 for beam in beams]
     return {
-        "output_ids": np.array(new_ids, dtype=np.int32).reshape(1, 1, count),
-        "sequence_length": np.array([[count]], dtype=np.int32),
-        "cum_log_probs": np.array([[cum_log_prob]], dtype=np.float32),
-        "output_log_probs": np.array(log_probs, dtype=np.float32).reshape(1, 1, count),
-        "generated_ids": np.array(all_ids, dtype=np.int32).reshape(1, 1, len(all_ids)),
+        "output_ids": ids,
+        "sequence_length": np.array([[len(beam.tokens) for beam in beams]], dtype=np.int32),
+        "cum_log_probs": np.array([[beam.cum_log_prob for beam in beams]], dtype=np.float32),
+        "output_log_probs": np.array([[padded(row, len(row)) for row in log_probs]], dtype=np.float32).reshape(
+            1, len(beams), width),
+        "generated_ids": ids,
         "is_final": np.array([[final]], dtype=bool),
     }
 
@@ -61,6 +79,8 @@ class Reply:
         self.log_probs += output.log_probs
         if output.error or output.reason == "cancelled":
             self.fail(output.error or "the request was cancelled")
+        elif output.beams:
+            self.send(beam_arrays(output.beams), True)
         elif self.streaming:
             self.send(response_arrays(self.ids[before:], self.log_probs[before:], self.ids, sum(self.log_probs),
                                       output.finished), output.finished)

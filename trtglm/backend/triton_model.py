@@ -16,8 +16,10 @@ many there are, cum_log_probs the sum of the log probabilities so far (zeros unl
 return_log_probs). Not streaming: one response with every token of every sequence, sent once
 the last one finishes (rows shorter than the longest padded with -1; sequence_length tells
 each row's count); the first sequence to fail fails the request and stops the others.
-Streaming (one sequence per request): one response per step's token, or several tokens in
-one when sending fell behind (below), the last one flagged final; a request that ends at
+A beam search (beam_width up to the engine's max_beam_width) answers once with every beam
+(`[1, beams, …]`, best first). Streaming (one sequence per request, one beam): one response
+per step's token, or several tokens in one when sending fell behind (below), the last one
+flagged final; a request that ends at
 end_id (never returned) ends with a final response of no tokens. The python backend's
 repository also declares `generated_ids` (every token so far) and `is_final` (whether this is the last response),
 which let the ensemble's postprocessing decode a streamed reply exactly, and `reply_prefix`

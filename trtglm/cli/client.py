@@ -15,18 +15,19 @@ from trtglm.errors import TrtglmError, UsageError
 def generate(prompt: str, url: str = DEFAULT_URL, max_tokens: PosInt = 64, stream: bool = False,
              grpc: str | None = None, model: str = "ensemble", temperature: float | None = None,
              top_k: CountInt | None = None, top_p: float | None = None, seed: int | None = None,
-             timeout: PosFloat = 600.0):
+             beam_width: PosInt | None = None, timeout: PosFloat = 600.0):
     """Ask a served model (ensemble or tensorrt_llm_bls) and print its answer; --stream prints it as it arrives.
 
     --prompt: text, or a JSON chat (a list of {role, content} messages or {"messages": [...]}).
     Over HTTP (--url) the answer comes from /generate, or with --stream from /generate_stream;
-    --grpc HOST:PORT uses Triton's gRPC stream instead. --temperature, --top-k, --top-p, --seed
-    are sent only when given. --timeout: seconds to wait for the server.
+    --grpc HOST:PORT uses Triton's gRPC stream instead. --temperature, --top-k, --top-p, --seed,
+    --beam-width are sent only when given; with --beam-width N every beam is printed, best first, one a
+    line (beams are not streamed). --timeout: seconds to wait for the server.
     """
     from trtglm.client import GenerateRequest, check_model
 
     request = GenerateRequest(prompt, max_tokens, stream=stream, temperature=temperature, top_k=top_k,
-                              top_p=top_p, seed=seed)
+                              top_p=top_p, seed=seed, beam_width=beam_width)
     check_model(model)
     _print_pieces(_pieces(url, grpc, model, request, timeout))
 

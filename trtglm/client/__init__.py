@@ -34,6 +34,7 @@ class GenerateRequest:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    beam_width: int | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.text, str) and self.text != "", f"--prompt must be non-empty text, not {self.text!r}")
@@ -47,12 +48,14 @@ class GenerateRequest:
                f"--top-p must be a number in (0, 1], not {self.top_p!r}")
         _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**64),
                f"--seed must be a whole number in [0, 2^64), not {self.seed!r}")
+        _check(self.beam_width is None or (_is_int(self.beam_width) and self.beam_width >= 1),
+               f"--beam-width must be a whole number of at least 1, not {self.beam_width!r}")
 
     def inputs(self) -> dict[str, str | int | float | bool]:
         """The model inputs by name (Triton's names), leaving out options that are not set."""
         values = {"text_input": self.text, "max_tokens": self.max_tokens, "stream": self.stream,
                   "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
-                  "random_seed": self.seed}
+                  "random_seed": self.seed, "beam_width": self.beam_width}
         return {name: value for name, value in values.items() if value is not None}
 
 

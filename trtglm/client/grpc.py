@@ -26,6 +26,7 @@ DATATYPES = {  # model input -> (numpy dtype, Triton datatype)
     "temperature": (np.float32, "FP32"),
     "top_k": (np.int32, "INT32"),
     "top_p": (np.float32, "FP32"),
+    "beam_width": (np.int32, "INT32"),
     "random_seed": (np.uint64, "UINT64"),
 }
 
@@ -121,4 +122,4 @@ def _text(result) -> str:
     array = result.as_numpy("text_output")
     if array is None:
         return ""
-    return "".join(item.decode("utf-8") if isinstance(item, bytes) else str(item) for item in array.reshape(-1))
+    return "\n".join(item.decode("utf-8") if isinstance(item, bytes) else str(item) for item in array.reshape(-1))

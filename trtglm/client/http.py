@@ -128,7 +128,7 @@ def sse_data(lines: Iterable[bytes]) -> Iterator[str]:
 
 
 def reply_text(output: dict, streamed: bool = False) -> str:
-    """An answer's `text_output` (a string, or a list of strings for several rows); errors raise."""
+    """An answer's `text_output` (a string, or a list of strings for several beams: one a line); errors raise."""
     if "error" in output:
         raise ServerError(one_line(output["error"]))
     text = output.get("text_output")
@@ -137,7 +137,7 @@ def reply_text(output: dict, streamed: bool = False) -> str:
             return ""
         raise ServerError(f"the answer has no text_output: {json.dumps(output)[:200]}")
     if isinstance(text, list):
-        return "".join(str(piece) for piece in text)
+        return "\n".join(str(piece) for piece in text)
     return str(text)
 
 

@@ -118,6 +118,14 @@ class KVCache:
     def advance(self, steps: int) -> None:
         self.length += steps
 
+    def reorder(self, rows: Sequence[int]) -> None:
+        """Row i takes what row `rows[i]` holds (beam search: each beam continues the one it came from)."""
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.valid.device)
+        for block in (*self.keys, *self.values):
+            for t in block:
+                t.copy_(t[index])
+        self.valid.copy_(self.valid[index])
+
 
 # --- the portable runtime's slots ----------------------------------------------------------------
 

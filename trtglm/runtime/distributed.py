@@ -10,7 +10,8 @@ process groups:
   `ShardedModel` combines its partial results with);
 - control (gloo, CPU tensors): rank 0, which takes the requests, broadcasts each call it makes
   on its `SlotModel` (prefill and mixed step: slots, starts and pieces; decode: slots and
-  tokens; reuse: slot, source and length; release: a slot; stop) before making it (`LeaderSlotModel`); the other ranks make the same calls
+  tokens; reuse: slot, source and length; copy: source and target slots; release: a slot;
+  stop) before making it (`LeaderSlotModel`); the other ranks make the same calls
   (`follow`), so every collective meets its partners. Followers wait for the next message
   without a deadline (an idle server is fine) and stop when rank 0 says so or goes away
   (gloo reports the closed connection at once).
@@ -148,13 +149,13 @@ def join(info: RankInfo, device: torch.device, init_method: str | None = None,
 
 # --- rank 0's steps, told to the followers -------------------------------------------------------------
 
-PREFILL, DECODE, RELEASE, STOP, MIXED, REUSE = 1, 2, 3, 4, 5, 6
+PREFILL, DECODE, RELEASE, STOP, MIXED, REUSE, COPY = 1, 2, 3, 4, 5, 6, 7
 
 
 @dataclass(frozen=True)
 class Step:
     """One SlotModel call: `op`, its slots, and `data` (decode: tokens; prefill and mixed step: starts, lengths,
-    then all ids; reuse: the slot, then [source, length])."""
+    then all ids; reuse: the slot, then [source, length]; copy: the targets, then the sources)."""
 
     op: int
     slots: list[int]
@@ -231,6 +232,10 @@ class LeaderSlotModel:
         self.channel.send(Step(RELEASE, [slot], []))
         self.inner.release(slot)
 
+    def copy(self, sources: Sequence[int], targets: Sequence[int]) -> None:
+        self.channel.send(Step(COPY, list(targets), [int(s) for s in sources]))
+        self.inner.copy(sources, targets)
+
     def stop_followers(self) -> None:
         self.channel.send(Step(STOP, [], []))
 
@@ -258,7 +263,8 @@ def follow(model: SlotModel, channel: StepChannel) -> None:
         steps += 1
 
 
-STEP_NAMES = {PREFILL: "prefill", DECODE: "decode", RELEASE: "release", STOP: "stop", MIXED: "step", REUSE: "reuse"}
+STEP_NAMES = {PREFILL: "prefill", DECODE: "decode", RELEASE: "release", STOP: "stop", MIXED: "step", REUSE: "reuse",
+              COPY: "copy"}
 
 
 def _make(model: SlotModel, step: Step) -> None:
@@ -272,5 +278,7 @@ def _make(model: SlotModel, step: Step) -> None:
         model.reuse(step.slots[0], *step.data)
     elif step.op == RELEASE:
         model.release(step.slots[0])
+    elif step.op == COPY:
+        model.copy(step.data, step.slots)
     else:
         raise UsageError(f"unknown step {step.op} from rank 0")

@@ -36,6 +36,15 @@ embedding bias, bad words, `end_id` banned before `min_length`, then greedy or t
 own seeded temperature / top-k / top-p sampling, and log probabilities of the distribution
 the token was chosen from).
 
+A beam search (`beam_width` > 1, beams.py) takes `beam_width` slots at admission, and KV-cache
+room for `beam_width` whole lengths (each beam's slot holds the prompt and its own output). Its
+prompt is prefilled into its first slot (reusing a cached prefix as any request's does: every
+beam's slot holds the same prompt, so the first slot's prompt blocks stay valid whichever beams
+survive), then each step's pass takes one decode token per beam beside the other requests'
+tokens and chunks; a beam that continues another takes a copy of that one's slot
+(`SlotModel.copy`). It answers once, when the search ends, with every beam (`Output.beams`,
+best first).
+
 `step()` runs one step on the calling thread (tests drive it so); `start()` runs steps on a
 background thread whenever there is work. The types a caller hands in and gets back (`Request`,
 `Output`, `Handle`, the errors, `ExecutorStats`) and the request checks are in request.py.
@@ -53,6 +62,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from trtglm.errors import UsageError
+from trtglm.runtime.beams import Beam, BeamSearch, continued_slots, ends_with_any
 from trtglm.runtime.prefix import PrefixIndex
 from trtglm.runtime.request import (ExecutorStats, ExecutorStopped, Handle, Output, OutputCallback, QueueFullError,
                                     Request, check_request, fitted)
@@ -80,6 +90,11 @@ class _Sequence:
         self.stops_by_last = _by_last_token(request.stop_words)
         self.bad_words = BadWords(request.bad_words)
         self.kv_blocks = 0  # KV-cache blocks reserved for it while it holds a slot
+        self.held: list[int] = []  # a beam search's slots besides `slot`
+        self.beams = BeamSearch(request.beam_width, request.max_new_tokens, request.length_penalty,
+                                request.early_stopping, ends_with_any(request.end_id, request.stop_words)) \
+            if request.beam_width > 1 else None
+        self.beam_slots: list[int] = []  # the slot of each running beam
 
     @property
     def unprefilled(self) -> int:
@@ -98,11 +113,44 @@ class _Sequence:
                 return True
         return False
 
-    def banned(self) -> list[int]:
-        banned = self.bad_words.banned(self.history)
-        if self.request.end_id is not None and self.generated < self.request.min_length:
+    def banned(self, history: list[int] | None = None) -> list[int]:
+        """The ids banned after `history` (default: this sequence's)."""
+        history = self.history if history is None else history
+        banned = self.bad_words.banned(history)
+        if self.request.end_id is not None and len(history) - len(self.request.prompt) < self.request.min_length:
             banned.append(self.request.end_id)
         return banned
+
+    def decode_pieces(self) -> list[tuple[int, list[int], int]]:
+        """(slot, [token], start) of each decode token this sequence puts into a step: one per running beam."""
+        if self.beams is None:
+            return [(self.slot, [self.history[-1]], len(self.history) - 1)]
+        return [(slot, [tokens[-1]], len(self.history) + len(tokens) - 1)
+                for slot, tokens in zip(self.beam_slots, self.beams.running, strict=True)]
+
+    def beam_step(self, logits: torch.Tensor) -> list[int]:
+        """Advance the beam search by the processed logits of its beams (`[beams, vocab]`); each new beam's
+        parent. Penalties count each beam's own history."""
+        request, rows = self.request, []
+        for row, tokens in zip(logits, self.beams.running):
+            history = self.history + tokens
+            penalties = Penalties(request.repetition_penalty, request.presence_penalty, request.frequency_penalty)
+            if penalties.active:
+                penalties.start(history, row.numel(), row.device)
+            rows.append(processed(row, request.embedding_bias, self.banned(history), penalties))
+        return self.beams.step(torch.log_softmax(torch.stack(rows), dim=-1))
+
+    def beam_output(self) -> Output:
+        """The finished search's answer: every beam, best first, without its end id (as a single sequence's);
+        log probabilities (each token's, and the sum with the end id's) only when asked for."""
+        end_id, asked, found, beams = self.request.end_id, self.request.log_probs, self.beams.result(), []
+        for beam in found:
+            cut = len(beam.tokens) - (end_id is not None and beam.tokens[-1] == end_id)
+            beams.append(Beam(beam.tokens[:cut], beam.cum_log_prob if asked else 0.0, beam.score,
+                              beam.log_probs[:cut] if asked else []))
+        best, ended = beams[0], found[0].tokens
+        reason = "end_id" if len(ended) > len(best.tokens) else "stop_word" if self.beams.ends(ended) else "length"
+        return Output(best.tokens, best.log_probs, finished=True, reason=reason, beams=beams)
 
     def plain_greedy(self) -> bool:
         """Greedy with nothing to adjust: the next token is the row's argmax."""
@@ -128,19 +176,23 @@ class Executor:
     def __init__(self, model: SlotModel, max_queue: int = 64, max_num_tokens: int | None = None,
                  device: torch.device | str = "cpu", vocab_limit: int | None = None,
                  on_step_end: Callable[[], None] | None = None, max_kv_tokens: int | None = None,
-                 tokens_per_block: int = 64, kv_cache_reuse: bool = False):
+                 tokens_per_block: int = 64, kv_cache_reuse: bool = False, max_beam_width: int = 1):
         """`max_num_tokens`: tokens of one step (None: max_seq_len). `max_kv_tokens`: what the KV cache holds,
         in blocks of `tokens_per_block` (None: every slot's whole length). `vocab_limit`: ids at or above it (the
         padding of an engine's vocabulary past its tokenizer's) are never chosen. `on_step_end` is called after
-        every step, on the step's thread (to send a step's outputs together)."""
+        every step, on the step's thread (to send a step's outputs together). `max_beam_width`: the widest beam
+        search taken (each beam takes a slot)."""
         if max_queue < 0:
             raise UsageError(f"max_queue must be >= 0, not {max_queue}")
         for name, value in (("max_num_tokens", max_num_tokens), ("max_kv_tokens", max_kv_tokens),
                             ("tokens_per_block", tokens_per_block)):
             if value is not None and value < 1:
                 raise UsageError(f"{name} must be >= 1, not {value}")
+        if not 1 <= max_beam_width <= model.max_batch:
+            raise UsageError(f"max_beam_width must be 1 to the {model.max_batch} slots, not {max_beam_width}")
         self.model = model
         self.on_step_end = on_step_end
+        self.max_beam_width = max_beam_width
         self.max_queue = max_queue
         self.max_num_tokens = max_num_tokens or model.max_seq_len
         self.tokens_per_block = tokens_per_block
@@ -152,6 +204,7 @@ class Executor:
         self._lock = threading.Condition()
         self._queue: deque[_Sequence] = deque()
         self._active: dict[int, _Sequence] = {}  # slot -> sequence
+        self._held: dict[int, _Sequence] = {}  # a beam search's other slots -> its sequence
         self._numbers = itertools.count()
         self._stats = ExecutorStats()
         self._stopping = False
@@ -185,14 +238,14 @@ class Executor:
 
     def check(self, request: Request) -> None:
         """UsageError when `request` cannot be served by this model, or would never fit its KV cache."""
-        check_request(request, self.model.vocab_size, self.model.max_seq_len)
+        check_request(request, self.model.vocab_size, self.model.max_seq_len, self.max_beam_width)
         blocks = self._blocks_for(fitted(request, self.model.max_seq_len))
         if blocks > self.kv_blocks:
             raise UsageError(f"the request needs {blocks * self.tokens_per_block} KV-cache positions (prompt and "
-                             f"output); the cache holds {self.kv_blocks * self.tokens_per_block}")
+                             f"output, for each beam); the cache holds {self.kv_blocks * self.tokens_per_block}")
 
     def _blocks_for(self, request: Request) -> int:
-        return -(-(len(request.prompt) + request.max_new_tokens) // self.tokens_per_block)
+        return request.beam_width * -(-(len(request.prompt) + request.max_new_tokens) // self.tokens_per_block)
 
     def stats(self) -> ExecutorStats:
         with self._lock:
@@ -236,11 +289,10 @@ class Executor:
         try:
             self._drop_cancelled()
             decoding = sorted((s for s in self._active.values() if not s.unprefilled), key=lambda s: s.handle.id)
-            chunks = self._plan_prefill(max(1, self.max_num_tokens - len(decoding)))
-            if chunks:
-                self._mixed(decoding, chunks)
-            elif decoding:
-                self._decode(decoding)
+            decode_tokens = sum(s.request.beam_width for s in decoding)
+            chunks = self._plan_prefill(max(1, self.max_num_tokens - decode_tokens))
+            if decoding or chunks:
+                self._forward(decoding, chunks)
             self._stats.steps += 1
         except Exception as e:
             log.exception("the model failed")
@@ -281,7 +333,7 @@ class Executor:
         prompt tokens are left (the last admitted may start with a chunk of its prompt)."""
         admitted = []
         with self._lock:
-            while self._queue and budget > 0 and len(self._active) < self.model.max_batch:
+            while self._queue and budget > 0 and len(self._free_slots()) >= self._queue[0].request.beam_width:
                 sequence = self._queue[0]
                 blocks = self._blocks_for(sequence.request)
                 if blocks > self._free_kv_blocks:
@@ -290,6 +342,7 @@ class Executor:
                 self._free_kv_blocks -= blocks
                 sequence.kv_blocks = blocks
                 self._place(sequence)
+                self._hold(sequence)
                 admitted.append(sequence)
                 budget -= sequence.unprefilled
         return admitted
@@ -297,7 +350,7 @@ class Executor:
     def _place(self, sequence: _Sequence) -> None:
         """Give `sequence` a free slot; with prefix caching, the one that holds the longest prefix of its prompt
         (or the least recently used, into which that prefix is copied from the slot that holds it)."""
-        free = [slot for slot in range(self.model.max_batch) if slot not in self._active]
+        free = self._free_slots()
         if self.prefixes is None:
             sequence.slot = free[0]
         else:
@@ -313,15 +366,35 @@ class Executor:
                 self._stats.reused_tokens += match.length
         self._active[sequence.slot] = sequence
 
-    def _mixed(self, decoding: list[_Sequence], chunks: list[tuple[_Sequence, int]]) -> None:
-        """One pass of the decode tokens and the prompt chunks; the requests whose prompt it completes get
-        their first token."""
-        slots = [s.slot for s in decoding] + [s.slot for s, _ in chunks]
-        pieces = [[s.history[-1]] for s in decoding] + [s.next_chunk(length) for s, length in chunks]
-        starts = [len(s.history) - 1 for s in decoding] + [s.prefilled for s, _ in chunks]
-        # Prompts alone go through prefill, which the fast runtime replays as a CUDA graph for a lone prompt.
-        logits = (self.model.step if decoding else self.model.prefill)(slots, pieces, starts)
-        self._stats.prefill_calls += 1
+    def _hold(self, sequence: _Sequence) -> None:
+        """A beam search's other slots (with prefix caching the least recently used, whose prefixes are
+        forgotten: beams overwrite them)."""
+        for _ in range(sequence.request.beam_width - 1):
+            free = self._free_slots()
+            slot = free[0] if self.prefixes is None else self.prefixes.choose_slot(free, None)
+            if self.prefixes is not None:
+                self.prefixes.take(slot, 0)
+            sequence.held.append(slot)
+            self._held[slot] = sequence
+        sequence.beam_slots = [sequence.slot, *sequence.held]
+
+    def _free_slots(self) -> list[int]:
+        return [slot for slot in range(self.model.max_batch) if slot not in self._active and slot not in self._held]
+
+    def _forward(self, decoding: list[_Sequence], chunks: list[tuple[_Sequence, int]]) -> None:
+        """One pass of the decode tokens (a beam search's: one per beam) and the prompt chunks; the requests whose
+        prompt it completes get their first token."""
+        work = [piece for s in decoding for piece in s.decode_pieces()]
+        decode_rows = len(work)
+        work += [(s.slot, s.next_chunk(length), s.prefilled) for s, length in chunks]
+        slots, pieces, starts = (list(column) for column in zip(*work))
+        # Decode tokens alone and prompts alone go through decode and prefill, which the fast runtime replays as
+        # CUDA graphs (for a decode batch and for a lone prompt).
+        if not chunks:
+            logits = self.model.decode(slots, [piece[0] for piece in pieces])
+        else:
+            logits = (self.model.step if decoding else self.model.prefill)(slots, pieces, starts)
+        self._stats.prefill_calls += bool(chunks)
         self._stats.decode_calls += bool(decoding)
         self._stats.prefill_chunks += len(chunks)
         self._stats.max_decode_batch = max(self._stats.max_decode_batch, len(decoding))
@@ -330,20 +403,42 @@ class Executor:
             self._stats.prefill_tokens += length
             if self.prefixes is not None:
                 self.prefixes.holds(sequence.slot, sequence.request.prompt, sequence.prefilled)
-        rows = list(range(len(decoding))) + [len(decoding) + i for i, (s, _) in enumerate(chunks) if not s.unprefilled]
-        ready = decoding + [s for s, _ in chunks if not s.unprefilled]
-        if ready:
-            if len(rows) < len(slots):
-                logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-            for sequence, choice in zip(ready, self._choose_all(ready, logits), strict=True):
-                self._take(sequence, choice)
+        complete = [i for i, (s, _) in enumerate(chunks) if not s.unprefilled]
+        rows = list(range(decode_rows)) + [decode_rows + i for i in complete]
+        if rows and len(rows) < len(slots):
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        widths = [s.request.beam_width for s in decoding] + [1] * len(complete)
+        self._take_rows(decoding + [chunks[i][0] for i in complete], logits, widths)
 
-    def _decode(self, sequences: list[_Sequence]) -> None:
-        logits = self.model.decode([s.slot for s in sequences], [s.history[-1] for s in sequences])
-        self._stats.decode_calls += 1
-        self._stats.max_decode_batch = max(self._stats.max_decode_batch, len(sequences))
-        for sequence, choice in zip(sequences, self._choose_all(sequences, logits), strict=True):
-            self._take(sequence, choice)
+    def _take_rows(self, sequences: list[_Sequence], logits: torch.Tensor, widths: list[int]) -> None:
+        """Each sequence's next token from its `widths[i]` rows of `logits` (a beam search's: one per beam, one
+        before its first step)."""
+        firsts = list(itertools.accumulate(widths, initial=0))
+        plain = [i for i, s in enumerate(sequences) if s.beams is None]
+        if plain:
+            rows = logits if len(plain) == len(logits) else \
+                logits.index_select(0, torch.tensor([firsts[i] for i in plain], device=logits.device))
+            for i, choice in zip(plain, self._choose_all([sequences[i] for i in plain], rows), strict=True):
+                self._take(sequences[i], choice)
+        for i, sequence in enumerate(sequences):
+            if sequence.beams is not None:
+                self._beam_step(sequence, logits[firsts[i]:firsts[i + 1], :self.vocab_limit])
+
+    def _beam_step(self, sequence: _Sequence, logits: torch.Tensor) -> None:
+        try:
+            parents = sequence.beam_step(logits)
+        except Exception as e:
+            log.warning("request %d: %s", sequence.handle.id, e)
+            error = f"no next beam could be chosen: {e}"
+            self._finish(sequence, Output([], finished=True, reason="error", error=error))
+            return
+        self._stats.generated_tokens += 1
+        if sequence.beams.done:
+            self._finish(sequence, sequence.beam_output())
+            return
+        sequence.beam_slots, sources, targets = continued_slots(sequence.beam_slots, parents)
+        if sources:
+            self.model.copy(sources, targets)
 
     def _choose_all(self, sequences: list[_Sequence], logits: torch.Tensor) -> list[tuple[int, float] | str]:
         """(token, log-prob) per row, or the error that ended that row's request alone. Plain greedy rows
@@ -402,6 +497,9 @@ class Executor:
             del self._active[sequence.slot]
             self._free_kv_blocks += sequence.kv_blocks
             self.model.release(sequence.slot)
+            for slot in sequence.held:
+                del self._held[slot]
+                self.model.release(slot)
         self._stats.finished += 1
         self._stats.cancelled += output.reason == "cancelled"
         self._deliver(sequence, output)
@@ -425,6 +523,7 @@ class Executor:
         message = f"the model failed: {type(error).__name__}: {error}"
         running = list(self._active.values())
         self._active.clear()
+        self._held.clear()
         self._free_kv_blocks = self.kv_blocks
         if self.prefixes is not None:
             self.prefixes.clear()  # a failed pass may have left any slot's positions half written
@@ -445,6 +544,7 @@ class Executor:
             sequences = list(self._queue) + list(self._active.values())
             self._queue.clear()
             self._active.clear()
+            self._held.clear()
             self._free_kv_blocks = self.kv_blocks
         for sequence in sequences:
             self._deliver(sequence, Output([], finished=True, reason="error", error=message))

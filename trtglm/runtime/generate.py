@@ -1,9 +1,12 @@
-"""Offline token generation (greedy or sampled) on a `ShardedModel`, for `trtglm chat` and `verify`.
+"""Offline token generation (greedy, sampled or beam search) on a `ShardedModel`, for `trtglm chat`
+and `verify`.
 
 Prompts of different lengths share one cache, right-aligned (left padding): each prompt is
 prefilled on its own into its row, so padding costs no compute, then all sequences decode
 together. Padded slots are masked out and each sequence keeps its own positions, so every
-sequence gets the tokens it would get alone.
+sequence gets the tokens it would get alone. `beam_search` gives each beam a row of its own:
+the prompt is prefilled once, and after every step each row takes the cache of the beam it
+continues (beams.py has the rules).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import torch
 from trtglm.errors import UsageError
 from trtglm.runtime.cache import KVCache
 from trtglm.runtime.model import ShardedModel
-from trtglm.runtime.sampling import Sampler
+from trtglm.runtime.beams import Beam, BeamSearch, ends_with_any
+from trtglm.runtime.sampling import Sampler, processed
 
 
 def full_logits(model: ShardedModel, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -82,6 +86,30 @@ def _steps(model: ShardedModel, batch: list[list[int]], max_new_tokens: int, end
         positions = positions + 1
         next_ids = torch.tensor(chosen, device=model.device)[:, None]
         logits = model.forward(next_ids, cache, positions)[:, -1]
+
+
+def beam_search(model: ShardedModel, prompt: Sequence[int], beam_width: int, max_new_tokens: int = 16,
+                end_id: int | None = None, stop_words: Sequence[Sequence[int]] = (), min_length: int = 0,
+                length_penalty: float = 1.0, early_stopping: bool | int | str = True) -> list[Beam]:
+    """The `beam_width` best continuations of `prompt`, best first, by beam search (beams.py). `end_id` is
+    banned until `min_length` tokens exist; a finished beam's tokens end with its end id or stop word."""
+    prompt = [int(t) for t in prompt]
+    _check_request(model, [prompt], max_new_tokens, 0.0, 0, 1.0)
+    search = BeamSearch(beam_width, max_new_tokens, length_penalty, early_stopping,
+                        ends_with_any(end_id, stop_words))
+    cache = KVCache.for_model(model, beam_width, len(prompt) + max_new_tokens)
+    logits = model.forward(torch.tensor([prompt], device=model.device), cache.row(0, 0), last_only=True)[:, -1]
+    cache.advance(len(prompt))
+    while True:
+        early = end_id is not None and search.generated < min_length
+        rows = [processed(row, None, [end_id] if early else []) for row in logits]
+        parents = search.step(torch.log_softmax(torch.stack(rows), dim=-1))
+        if search.done:
+            return search.result()
+        cache.reorder(parents)
+        last = torch.tensor([[beam[-1]] for beam in search.running], device=model.device)
+        positions = torch.full_like(last, len(prompt) + search.generated - 1)
+        logits = model.forward(last, cache, positions)[:, -1]
 
 
 def _check_request(model: ShardedModel, batch: list[list[int]], max_new_tokens: int,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trtglm.errors import TrtglmError, UsageError
+from trtglm.runtime.beams import Beam, early_stopping_mode
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,9 @@ class Request:
     repetition_penalty: float = 1.0  # TensorRT-LLM's penalties (sampling.Penalties)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    beam_width: int = 1  # above 1: beam search (beams.py), one slot per beam
+    length_penalty: float = 1.0  # beam search only
+    early_stopping: bool | int | str = 1  # beam search only; TensorRT-LLM's default 1 (True)
 
 
 @dataclass
@@ -56,6 +60,7 @@ class Output:
     finished: bool = False
     reason: str | None = None  # end_id | stop_word | length | cancelled | error
     error: str | None = None
+    beams: list[Beam] = field(default_factory=list)  # beam search: every beam, best first (only when finished)
 
 
 OutputCallback = Callable[[Output], None]
@@ -102,8 +107,9 @@ def fitted(request: Request, max_seq_len: int) -> Request:
     return dataclasses.replace(request, max_new_tokens=room)
 
 
-def check_request(request: Request, vocab: int, max_seq_len: int) -> None:
-    """UsageError when `request` cannot be served by a model of `vocab` ids and `max_seq_len` positions."""
+def check_request(request: Request, vocab: int, max_seq_len: int, max_beam_width: int = 1) -> None:
+    """UsageError when `request` cannot be served by a model of `vocab` ids, `max_seq_len` positions and
+    `max_beam_width` beams."""
     prompt = request.prompt
     if len(prompt) == 0:
         raise UsageError("the prompt is empty")
@@ -121,6 +127,10 @@ def check_request(request: Request, vocab: int, max_seq_len: int) -> None:
         raise UsageError("need temperature >= 0, runtime_top_k >= 0 and 0 < runtime_top_p <= 1")
     if not request.repetition_penalty > 0:
         raise UsageError(f"repetition_penalty must be greater than 0, not {request.repetition_penalty:g}")
+    if not 1 <= request.beam_width <= max_beam_width:
+        raise UsageError(f"beam_width {request.beam_width} is outside 1..{max_beam_width} (the engine's "
+                         "max_beam_width)")
+    early_stopping_mode(request.early_stopping)
     if request.embedding_bias is not None and request.embedding_bias.numel() > vocab:
         raise UsageError(f"embedding_bias has {request.embedding_bias.numel()} values, more than the vocabulary "
                          f"({vocab})")

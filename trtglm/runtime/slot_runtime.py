@@ -21,7 +21,7 @@ import torch
 from trtglm.errors import UsageError
 from trtglm.runtime.cache import ShardedCache
 from trtglm.runtime.model import ShardedModel
-from trtglm.runtime.slots import check_reuse, check_start, prefill_starts
+from trtglm.runtime.slots import check_copy, check_reuse, check_start, prefill_starts
 
 
 class ShardedSlotModel:
@@ -87,6 +87,11 @@ class ShardedSlotModel:
     def release(self, slot: int) -> None:
         self._check_slot(slot)
         self.cache.reset(slot)
+
+    def copy(self, sources: Sequence[int], targets: Sequence[int]) -> None:
+        check_copy(sources, targets, self.max_batch)
+        for source, target in zip(sources, targets):
+            self.cache.copy(target, source, self.cache.lengths[source])
 
     def _check_prefill(self, slot: int, length: int, start: int) -> None:
         self._check_slot(slot)

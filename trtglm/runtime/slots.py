@@ -57,6 +57,10 @@ class SlotModel(Protocol):
     def release(self, slot: int) -> None:
         """Forget the slot's sequence; the slot may be prefilled again."""
 
+    def copy(self, sources: Sequence[int], targets: Sequence[int]) -> None:
+        """Each target slot takes a copy of its source slot's sequence (beam search: a beam that continues
+        another beam). No target is also a source."""
+
 
 def prefill_starts(starts: Sequence[int] | None, count: int) -> list[int]:
     """`starts` of a prefill of `count` prompts as a list (None: every prompt starts its slot afresh)."""
@@ -68,6 +72,16 @@ def prefill_starts(starts: Sequence[int] | None, count: int) -> list[int]:
     if any(s < 0 for s in starts):
         raise UsageError(f"a prefill cannot start at a negative position ({min(starts)})")
     return starts
+
+
+def check_copy(sources: Sequence[int], targets: Sequence[int], max_batch: int) -> None:
+    """UsageError unless `targets` are distinct slots apart from `sources`, one for each."""
+    if len(sources) != len(targets) or len(set(targets)) != len(targets) or set(sources) & set(targets):
+        raise UsageError(f"a copy needs one distinct target slot, not also a source, per source: {list(sources)} -> "
+                         f"{list(targets)}")
+    bad = [s for s in (*sources, *targets) if not 0 <= s < max_batch]
+    if bad:
+        raise UsageError(f"slot {bad[0]} does not exist (0..{max_batch - 1})")
 
 
 def check_start(slot: int, start: int, cached: int) -> None:

@@ -55,7 +55,7 @@ from trtglm.runtime.fast.ops import TritonOps, select_ops
 from trtglm.runtime.fast.shapes import (batch_buckets, check_shape_options, prefill_groups, prefill_widths, resolve_dtype,
                                         resolve_weight_only)
 from trtglm.runtime.model import rotary_tables
-from trtglm.runtime.slots import check_reuse, check_start, prefill_starts
+from trtglm.runtime.slots import check_copy, check_reuse, check_start, prefill_starts
 
 log = logging.getLogger(__name__)
 
@@ -362,6 +362,13 @@ class FastModel:
         """Forget the slot's sequence; the slot may be prefilled again."""
         self._check_slot(slot)
         self.cache.reset(slot)
+
+    @torch.no_grad()
+    def copy(self, sources: Sequence[int], targets: Sequence[int]) -> None:
+        """Each target slot takes a copy of its source slot's sequence."""
+        check_copy(sources, targets, self.max_batch)
+        for source, target in zip(sources, targets):
+            self.cache.copy(target, source, self.cache.lengths[source])
 
     @torch.no_grad()
     def score(self, tokens: Sequence[int]) -> torch.Tensor:

@@ -1,0 +1,53 @@
+"""The tensorrt_llm model's beam search tensors: beam_width, len_penalty and early_stopping into the executor's
+Request, and a beam search's answer as NVIDIA's output tensors ([1, beams, …], shorter beams padded with -1)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trtglm.backend.llm_requests import engine_request, engine_requests
+from trtglm.backend.llm_responses import Reply
+from trtglm.errors import UsageError
+from trtglm.runtime.beams import Beam
+from trtglm.runtime.executor import Output
+
+
+def arrays(batch: int = 1, **scalars) -> dict[str, np.ndarray]:
+    dtypes = {"beam_width": np.int32, "len_penalty": np.float32, "streaming": np.bool_, "early_stopping": np.bool_}
+    out = {"input_ids": np.array([[5, 6, 7]] * batch, np.int32),
+           "request_output_len": np.array([[8]] * batch, np.int32)}
+    for name, values in scalars.items():
+        out[name] = np.array(values if isinstance(values, list) else [values] * batch, dtypes[name]).reshape(batch, 1)
+    return out
+
+
+def test_beam_requests_carry_the_width_and_the_length_penalty():
+    request, streaming = engine_request(arrays(beam_width=4, len_penalty=0.5, early_stopping=False))
+    assert (request.beam_width, request.length_penalty, request.early_stopping, streaming) == (4, 0.5, 0, False)
+    plain, _ = engine_request(arrays())
+    assert (plain.beam_width, plain.length_penalty, plain.early_stopping) == (1, 1.0, 1)  # TensorRT-LLM's defaults
+
+
+@pytest.mark.parametrize("inputs, message", [
+    (arrays(beam_width=2, streaming=True), "streaming takes beam_width 1, not 2 (as TensorRT-LLM's backend)"),
+    (arrays(beam_width=0), "beam_width"),
+    (arrays(2, beam_width=[1, 2]), "beam_width must be the same for every sequence of a request"),
+])
+def test_bad_beam_requests_are_refused_in_one_line(inputs, message):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")) as refused:
+        engine_requests(inputs)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_beam_search_answers_every_beam_padded():
+    sent = []
+    reply = Reply(False, lambda arrays, last: sent.append((arrays, last)), lambda message: None)
+    beams = [Beam([4, 5, 6], -0.5, -0.2, [-0.1, -0.1, -0.2]), Beam([4, 9], -1.5, -0.9, [-0.1, -1.2])]
+    reply(Output([4, 5, 6], [-0.1, -0.1, -0.2], finished=True, reason="end_id", beams=beams))
+    (out, last), = sent
+    assert last and out["output_ids"].tolist() == [[[4, 5, 6], [4, 9, -1]]]
+    assert out["sequence_length"].tolist() == [[3, 2]] and out["output_ids"].dtype == np.int32
+    np.testing.assert_allclose(out["cum_log_probs"], [[-0.5, -1.5]])
+    np.testing.assert_allclose(out["output_log_probs"], [[[-0.1, -0.1, -0.2], [-0.1, -1.2, -1.0]]])
+    assert out["is_final"].tolist() == [[True]]

@@ -1,0 +1,36 @@
+"""Fixtures the runtime's parity tests share: the fixture converted to one float32 shard, transformers'
+GlmForCausalLM with the same weights (the reference), and four of the fixture's chat prompts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from trtglm.chatglm.chat import chat_ids
+from trtglm.chatglm.tokenizer import ChatGLMTokenizer
+from trtglm.convert.writer import convert_checkpoint
+from trtglm.runtime.model import load_model
+
+
+@pytest.fixture(scope="module")
+def tp1_model(tmp_path_factory, fixture_dir):
+    return load_model(convert_checkpoint(fixture_dir, tmp_path_factory.mktemp("ckpt") / "tp1", dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def glm_reference(fixture_dir):
+    from trtglm.chatglm.config import ChatGLMConfig
+    from trtglm.chatglm.reference import load_reference
+    from trtglm.chatglm.weights import HFWeights
+
+    return load_reference(ChatGLMConfig.from_model_dir(fixture_dir), HFWeights(fixture_dir).get, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def four_prompts(fixture_dir) -> list[list[int]]:
+    """Four of the fixture's chat prompts: the model's replies end with <|user|> in some beams, not in others."""
+    tok = ChatGLMTokenizer(fixture_dir)
+    lines = (fixture_dir / "conversations.jsonl").read_text().splitlines()
+    return [chat_ids(tok, json.loads(line)["messages"]) for line in lines][::7][:4]
