@@ -142,6 +142,19 @@ def model(checkpoint) -> FastModel:
     return load_fast_model(checkpoint, device="cpu", max_batch=5, max_seq_len=64)
 
 
+GPU_TOL = 5e-2  # float32 on a GPU: its matmuls round inputs to tf32
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+def any_model(request, model, checkpoint) -> tuple[FastModel, float]:
+    """The CPU model, and on a GPU machine also the GPU one (its Triton kernels and graphs), each with its
+    tolerance against the float64 reference."""
+    if request.param == "cpu":
+        return model, FP32_TOL
+    return load_fast_model(checkpoint, device="cuda", max_batch=5, max_seq_len=64), GPU_TOL
+
+
 def test_batch_buckets():
     assert batch_buckets(1) == [1]
     assert batch_buckets(5) == [1, 2, 4, 5]
@@ -287,20 +300,21 @@ def test_chunks_and_fresh_prompts_share_a_prefill_call(model, reference, hf_cfg)
         model.release(slot)
 
 
-def test_a_mixed_step_gives_the_logits_of_decode_and_prefill(model, reference, hf_cfg):
+def test_a_mixed_step_gives_the_logits_of_decode_and_prefill(any_model, reference, hf_cfg):
     """Decode tokens of two slots, a chunk continuing a third, a fresh prompt and a one-token prompt in one
     eager pass: each row is its sequence's logits; the slots then decode on (the graph path's lengths)."""
+    model, tol = any_model
     seqs = sequences(hf_cfg.vocab_size, [30, 30, 40, 24, 30], seed=29)
     refs = [ref_logits(reference(None), seq) for seq in seqs]
     model.prefill([0, 1, 2], [seqs[0][:9], seqs[1][:17], seqs[2][:5]])
     slots, starts, ends = [0, 1, 2, 3, 4], [9, 17, 5, 0, 0], [10, 18, 33, 20, 1]
     logits = model.step(slots, [seqs[i][start:end] for i, start, end in zip(slots, starts, ends)], starts)
     for row, ref, end in zip(logits, refs, ends):
-        assert max_diff(row, ref[end - 1]) <= FP32_TOL
+        assert max_diff(row.cpu(), ref[end - 1]) <= tol
     assert model.cache.lengths[:5] == ends and model.cache.device_lengths[:5].tolist() == ends
     decoded = model.decode(slots, [seq[end] for seq, end in zip(seqs, ends)])
     for row, ref, end in zip(decoded, refs, ends):
-        assert max_diff(row, ref[end]) <= FP32_TOL
+        assert max_diff(row.cpu(), ref[end]) <= tol
     for slot in range(5):
         model.release(slot)
 
@@ -353,7 +367,9 @@ def test_weight_only_matches_quantized_reference(checkpoint, reference, hf_cfg, 
 
 @pytest.mark.parametrize("max_num_tokens,reuse", [(None, False), (4, False), (6, True)],
                          ids=["whole", "chunked", "reused prefix"])
-def test_executor_over_fast_model_decodes_greedily_like_the_reference(model, reference, hf_cfg, max_num_tokens, reuse):
+def test_executor_over_fast_model_decodes_greedily_like_the_reference(any_model, reference, hf_cfg, max_num_tokens,
+                                                                       reuse):
+    model = any_model[0]
     prefix, *tails = sequences(hf_cfg.vocab_size, [16, 7, 15, 3], seed=13)
     prompts = [prefix + tail for tail in tails] if reuse else tails
     got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
