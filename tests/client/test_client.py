@@ -26,6 +26,7 @@ from support.servers import fixture_answers, free_port, launched_server
 
 from trtglm.client import GenerateRequest, ServerError
 from trtglm.client.http import generate, generate_stream, sse_data
+from trtglm.client.openai_chat import OpenAIChat
 from trtglm.errors import UsageError
 
 PROMPT = "What is the capital of France?"
@@ -72,6 +73,9 @@ def make_handler(canned: Canned):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
+        def do_GET(self):
+            self.do_POST()
+
         def do_POST(self):
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             canned.received.append((self.path, body))
@@ -111,8 +115,8 @@ def canned():
     server.server_close()
 
 
-def sent(canned: Canned) -> list[tuple[str, dict]]:
-    return [(path, json.loads(body)) for path, body in canned.received]
+def sent(canned: Canned) -> list[tuple[str, dict | None]]:
+    return [(path, json.loads(body) if body else None) for path, body in canned.received]
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -310,6 +314,49 @@ def test_errors_are_one_line_and_a_non_zero_exit(canned):
         assert bad.returncode == 2, bad.stderr
         assert bad.stderr.startswith(f"trtglm: error: {message}") and bad.stderr.count("\n") == 1, bad.stderr
     assert len(canned.received) == asked  # refused before anything was sent
+
+
+# --- the OpenAI chat API (trtglm chat --openai), against the canned server -----------------------------
+
+SKY_CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What color is the sky?"}]
+
+
+def chunk(delta: dict | None, finish: str | None = None) -> bytes:
+    """One chunk as OpenAI's streamed chat completions send it (no choices: a usage chunk)."""
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
+    return event({"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "tiny", "choices": choices})
+
+
+def test_openai_chat_sends_the_conversation_and_streams_the_deltas(canned):
+    canned.replies["/v1/models"] = json_reply(200, {"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+    canned.replies["/v1/chat/completions"] = sse_reply(
+        chunk({"role": "assistant", "content": ""}), chunk({"content": "The sky"}), None, chunk({"content": " is blue."}),
+        chunk({}, "stop"), chunk(None), b"data: [DONE]\n\n")
+    pieces = OpenAIChat(f"{canned.url}/v1", None, 32, 0.0, None, 7, timeout=20).pieces(SKY_CHAT)
+    assert next(pieces) == "The sky"
+    canned.gate.set()
+    assert list(pieces) == [" is blue."] and not canned.gate_timed_out
+    assert sent(canned) == [("/v1/models", None), ("/v1/chat/completions", {
+        "model": "tiny", "messages": SKY_CHAT, "stream": True, "max_tokens": 32, "temperature": 0.0, "seed": 7})]
+
+
+def test_openai_chat_errors_are_one_line(canned):
+    canned.replies["/api/v1/models"] = json_reply(200, {"data": [{"id": "a"}, {"id": "b"}]})
+    with pytest.raises(ServerError, match=r"lists the models \['a', 'b'\]: name one with --model$"):
+        OpenAIChat(f"{canned.url}/api/v1", None, 8, 0.0, None, None, timeout=20)
+    chat = OpenAIChat(canned.url, "tiny", 8, 0.0, None, None, timeout=20)  # /v1 added
+    cases = [
+        (json_reply(400, {"error": {"message": "the prompt is\ntoo long", "type": "invalid_request_error"}}),
+         r"^the prompt is too long \(HTTP 400\)$"),
+        (Reply(502, [b"Bad Gateway\n<html>"], "text/html"), r"^/v1/chat/completions: Bad Gateway \(HTTP 502\)$"),
+        (sse_reply(chunk({"content": "The"}), event({"error": {"message": "the model server failed"}}),
+                   b"data: [DONE]\n\n"), r"^the model server failed$"),
+        (sse_reply(chunk({"content": "The"})), r"ended without \[DONE\]$"),
+    ]
+    for reply, message in cases:
+        canned.replies["/v1/chat/completions"] = reply
+        with pytest.raises(ServerError, match=message):
+            list(chat.pieces(SKY_CHAT))
 
 
 # --- end to end: a launched server of the fixture's engine ------------------------------------------

@@ -68,9 +68,9 @@ Replier = Callable[[Sequence[dict]], Iterator[str]]  # a conversation -> the rep
 COMMANDS_HELP = "/clear starts a new conversation, /exit (or Ctrl-D) ends"
 
 
-def chat(engine_dir: str | None = None, url: str | None = None, grpc: str | None = None,
+def chat(engine_dir: str | None = None, url: str | None = None, grpc: str | None = None, openai: str | None = None,
          checkpoint: str | None = None, tokenizer_dir: str | None = None, prompt: str | None = None,
-         system: str | None = None, model: str = "tensorrt_llm_bls", max_new_tokens: PosInt = 256,
+         system: str | None = None, model: str | None = None, max_new_tokens: PosInt = 256,
          temperature: float = 0.0, top_k: CountInt = 0, top_p: PosFloat = 1.0, seed: CountInt | None = None,
          device: Literal["auto", "cpu", "cuda"] = "auto", timeout: PosFloat = 600.0):
     """Chat with ChatGLM3: an engine folder in-process, or a served repository; replies stream as they come.
@@ -78,14 +78,18 @@ def chat(engine_dir: str | None = None, url: str | None = None, grpc: str | None
     What answers: --engine-dir ENG (trtglm's runtime on the engine's checkpoint, on the GPU when
     there is one: --device), --checkpoint CKPT with --tokenizer-dir HF, or a server: --url
     http://HOST:PORT (Triton's HTTP generate_stream) or --grpc HOST:PORT, asking --model
-    (tensorrt_llm_bls or ensemble) with the whole conversation as a JSON chat.
+    (tensorrt_llm_bls, the default, or ensemble) with the whole conversation as a JSON chat; or
+    --openai http://HOST:PORT/v1, an OpenAI-compatible API (launch's, or any other) asked through
+    /v1/chat/completions with the whole conversation as its messages, for --model (default: the one
+    model it lists; --top-k is not part of that API).
     --prompt TEXT answers one turn (text or a JSON chat) and exits. Otherwise each line read is a
     user turn and the conversation goes on (at a terminal: /clear starts over, /exit or Ctrl-D ends);
     --system TEXT opens it with a system message. A turn that fails is reported and left out of the
     conversation; the exit code is then 1.
     """
-    replier = _replier(engine_dir, url, grpc, checkpoint, tokenizer_dir, model, max_new_tokens, temperature,
-                       top_k, top_p, seed, device, timeout)
+    sources = {"--engine-dir": engine_dir, "--url": url, "--grpc": grpc, "--openai": openai, "--checkpoint": checkpoint}
+    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    replier = _replier(sources, tokenizer_dir, model, sampling, device, timeout)
     opening = [] if system is None else [{"role": "system", "content": system}]
     if prompt is not None:
         from trtglm.chatglm.chat import chat_messages
@@ -136,40 +140,59 @@ def _turns(interactive: bool) -> Iterator[str]:
             return
 
 
-def _replier(engine_dir, url, grpc, checkpoint, tokenizer_dir, model, max_new_tokens, temperature, top_k, top_p,
-             seed, device, timeout) -> Replier:
-    sources = {"--engine-dir": engine_dir, "--url": url, "--grpc": grpc, "--checkpoint": checkpoint}
+def _replier(sources: dict[str, str | None], tokenizer_dir, model, sampling: dict, device, timeout) -> Replier:
     given = [flag for flag, value in sources.items() if value is not None]
     if len(given) != 1:
         raise UsageError(f"chat needs one of {', '.join(sources)} (given: {', '.join(given) or 'none'})")
+    checkpoint = sources["--checkpoint"]
     if (checkpoint is None) != (tokenizer_dir is None):
         raise UsageError("--checkpoint and --tokenizer-dir go together")
-    if url is not None or grpc is not None:
-        return _served(url, grpc, model, max_new_tokens, temperature, top_k, top_p, seed, timeout)
-    if engine_dir is not None:
+    if sources["--openai"] is not None:
+        return _openai(sources["--openai"], model, sampling, timeout)
+    if sources["--url"] is not None or sources["--grpc"] is not None:
+        return _served(sources["--url"], sources["--grpc"], model or "tensorrt_llm_bls", sampling, timeout)
+    if sources["--engine-dir"] is not None:
         from trtglm.engine.manifest import read_manifest
 
-        manifest = read_manifest(engine_dir)
+        manifest = read_manifest(sources["--engine-dir"])
         checkpoint, tokenizer_dir = manifest["checkpoint_dir"], manifest["tokenizer_dir"]
     from trtglm.runtime.answer import LocalChat
 
-    return LocalChat(checkpoint, tokenizer_dir, max_new_tokens, temperature, top_k, top_p, seed,
-                     _device(device)).pieces
+    return LocalChat(checkpoint, tokenizer_dir, **sampling, device=_device(device)).pieces
 
 
-def _served(url, grpc, model, max_new_tokens, temperature, top_k, top_p, seed, timeout) -> Replier:
+def _request_options(sampling: dict) -> dict:
+    """The sampling options as a served model takes them (checked before the first turn; defaults left out)."""
+    from trtglm.client import GenerateRequest
+
+    options = dict(max_tokens=sampling["max_new_tokens"], stream=True, temperature=sampling["temperature"] or None,
+                   top_k=sampling["top_k"] or None, top_p=None if sampling["top_p"] == 1 else sampling["top_p"],
+                   seed=sampling["seed"])
+    GenerateRequest("check", **options)
+    return options
+
+
+def _served(url, grpc, model, sampling: dict, timeout) -> Replier:
     from trtglm.client import GenerateRequest, check_model
 
     check_model(model)
-    options = dict(max_tokens=max_new_tokens, stream=True, temperature=temperature or None, top_k=top_k or None,
-                   top_p=None if top_p == 1 else top_p, seed=seed)
-    GenerateRequest("check", **options)  # bad options are reported before the first turn
+    options = _request_options(sampling)
 
     def pieces(messages: Sequence[dict]) -> Iterator[str]:
         request = GenerateRequest(json.dumps({"messages": list(messages)}, ensure_ascii=False), **options)
         return _pieces(url or DEFAULT_URL, grpc, model, request, timeout)
 
     return pieces
+
+
+def _openai(url, model, sampling: dict, timeout) -> Replier:
+    from trtglm.client.openai_chat import OpenAIChat
+
+    options = _request_options(sampling)
+    if options["top_k"] is not None:
+        raise UsageError("--top-k is not part of the OpenAI API: leave it out with --openai")
+    return OpenAIChat(url, model, options["max_tokens"], sampling["temperature"], options["top_p"], options["seed"],
+                      timeout).pieces
 
 
 def _device(device: str) -> str:

@@ -1,4 +1,4 @@
-"""Triton's HTTP generate extension: `POST /v2/models/{model}/generate` and `/generate_stream`.
+"""Triton's HTTP generate extension: `POST /v2/models/{model}/generate` and `/generate_stream`; and `/infer`.
 
 `/generate` answers one JSON object holding the outputs (`text_output`). `/generate_stream`
 answers `text/event-stream`: one `data: {…}` event per response, read line by line as it
@@ -25,26 +25,28 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Server:
-    """A Triton HTTP endpoint, from `http://HOST:PORT`, `https://HOST:PORT` or `HOST:PORT`."""
+    """An HTTP endpoint (Triton's unless `what` says otherwise), from `http://HOST:PORT`, `https://HOST:PORT`
+    or `HOST:PORT`; `flag` names where the URL came from in errors."""
 
     url: str
     host: str
     port: int
     tls: bool
+    what: str = "Triton"
 
     @classmethod
-    def parse(cls, url: str) -> "Server":
+    def parse(cls, url: str, flag: str = "--url", what: str = "Triton") -> "Server":
         if not isinstance(url, str) or not url:
-            raise UsageError(f"--url must be http://HOST:PORT, not {url!r}")
+            raise UsageError(f"{flag} must be http://HOST:PORT, not {url!r}")
         parts = urlsplit(url if "://" in url else f"http://{url}")
         try:
             port = parts.port
         except ValueError:
             port = -1
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") or port == -1:
-            raise UsageError(f"--url {url}: expected http://HOST:PORT")
+            raise UsageError(f"{flag} {url}: expected http://HOST:PORT")
         tls = parts.scheme == "https"
-        return cls(url.rstrip("/"), parts.hostname, port or (443 if tls else 80), tls)
+        return cls(url.rstrip("/"), parts.hostname, port or (443 if tls else 80), tls, what)
 
     @contextmanager
     def request(self, method: str, path: str, body: bytes | None,
@@ -68,15 +70,15 @@ class Server:
     def get_json(self, path: str, timeout: float = 30.0) -> dict:
         """A GET answered with a JSON object (e.g. a model's config); ServerError otherwise."""
         with self.request("GET", path, None, timeout) as response:
-            body = _read(self, response)
+            body = read_body(self, response)
         if response.status != 200:
             raise ServerError(_error_message(f"GET {path}", response.status, body))
-        return _json_object(f"GET {path}", body)
+        return json_object(f"GET {path}", body)
 
     def unreachable(self, error: OSError) -> ServerError:
         if isinstance(error, socket.timeout):
-            return ServerError(f"no answer from Triton at {self.url} in time")
-        return ServerError(f"cannot reach Triton at {self.url}: {error.strerror or error}")
+            return ServerError(f"no answer from {self.what} at {self.url} in time")
+        return ServerError(f"cannot reach {self.what} at {self.url}: {error.strerror or error}")
 
 
 def generate(url: str, model: str, request: GenerateRequest, timeout: float = 600.0) -> str:
@@ -84,10 +86,10 @@ def generate(url: str, model: str, request: GenerateRequest, timeout: float = 60
     server, path = Server.parse(url), f"/v2/models/{check_model(model)}/generate"
     log.debug("POST %s%s", server.url, path)
     with server.request("POST", path, _body(request), timeout) as response:
-        body = _read(server, response)
+        body = read_body(server, response)
     if response.status != 200:
         raise ServerError(_error_message(model, response.status, body))
-    return reply_text(_json_object(model, body))
+    return reply_text(json_object(model, body))
 
 
 def generate_stream(url: str, model: str, request: GenerateRequest, timeout: float = 600.0) -> Iterator[str]:
@@ -96,11 +98,26 @@ def generate_stream(url: str, model: str, request: GenerateRequest, timeout: flo
     log.debug("POST %s%s", server.url, path)
     with server.request("POST", path, _body(request), timeout) as response:
         if response.status != 200:
-            raise ServerError(_error_message(model, response.status, _read(server, response)))
-        for data in sse_data(_lines(server, response)):
-            piece = reply_text(_json_object(model, data.encode("utf-8")), streamed=True)
+            raise ServerError(_error_message(model, response.status, read_body(server, response)))
+        for data in sse_data(event_lines(server, response)):
+            piece = reply_text(json_object(model, data.encode("utf-8")), streamed=True)
             if piece:
                 yield piece
+
+
+def infer(url: str, model: str, inputs: list[dict], timeout: float = 600.0) -> dict[str, list]:
+    """The outputs (name -> data) of one `/v2/models/{model}/infer`; `inputs` as Triton's JSON writes them
+    ({name, datatype, shape, data})."""
+    server, path = Server.parse(url), f"/v2/models/{check_model(model)}/infer"
+    log.debug("POST %s%s", server.url, path)
+    with server.request("POST", path, json.dumps({"inputs": inputs}, ensure_ascii=False).encode(), timeout) as response:
+        body = read_body(server, response)
+    if response.status != 200:
+        raise ServerError(_error_message(model, response.status, body))
+    outputs = json_object(model, body).get("outputs")
+    if not isinstance(outputs, list) or not all(isinstance(output, dict) and "name" in output for output in outputs):
+        raise ServerError(f"{model}: the answer has no list of named outputs: {body[:200]!r}")
+    return {output["name"]: output.get("data") for output in outputs}
 
 
 def sse_data(lines: Iterable[bytes]) -> Iterator[str]:
@@ -145,14 +162,14 @@ def _body(request: GenerateRequest) -> bytes:
     return json.dumps(request.inputs(), ensure_ascii=False).encode("utf-8")
 
 
-def _read(server: Server, response: http.client.HTTPResponse) -> bytes:
+def read_body(server: Server, response: http.client.HTTPResponse) -> bytes:
     try:
         return response.read()
     except OSError as e:
         raise server.unreachable(e) from None
 
 
-def _lines(server: Server, response: http.client.HTTPResponse) -> Iterator[bytes]:
+def event_lines(server: Server, response: http.client.HTTPResponse) -> Iterator[bytes]:
     while True:
         try:
             line = response.readline()
@@ -170,7 +187,7 @@ def _lines(server: Server, response: http.client.HTTPResponse) -> Iterator[bytes
         yield line
 
 
-def _json_object(model: str, body: bytes) -> dict:
+def json_object(model: str, body: bytes) -> dict:
     try:
         value = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError):
