@@ -151,13 +151,9 @@ def test_launch_from_a_numpy2_environment_serves_exact_answers(tmp_path):
 def test_launch_fails_in_one_line_when_a_model_cannot_answer(tmp_path):
     """Models that load but fail every request: launch stops everything and names the model and the error."""
     server = Launched(tmp_path)
-    engine = tmp_path / "engine"
-    for args in (("build-engine", "--config", "configs/tiny.yaml", "--output-dir", str(engine)),
-                 ("patch-repo", "--engine-dir", str(engine), "--output-repo", str(server.repo))):
-        assert server.run(*args).returncode == 0
+    server.render()
     (server.repo / "preprocessing" / "1" / "model.py").write_text(FAILING_PREPROCESSING)
-    done = server.run("launch", "--repo", str(server.repo), "--detach", "--timeout", "180",
-                      *(f"--{name}-port={port}" for name, port in server.ports.items()))
+    done = server.launch()
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 1 and "serving" not in done.stdout, (done.stdout, done.stderr)
     assert last.startswith("trtglm: error: ensemble failed its first request at launch (") and \

@@ -52,16 +52,27 @@ class Launched:
         return subprocess.run([sys.executable, "-m", "trtglm", *args], capture_output=True, text=True,
                               timeout=timeout, cwd=REPO, env=self.env)
 
-    def start(self) -> None:
+    def render(self) -> None:
+        """Build the engine and render its repository (a test may change it before `launch`)."""
         engine = self.root / "engine"
         for args in (("build-engine", "--config", "configs/tiny.yaml", "--output-dir", str(engine), *self.build_flags),
-                     ("patch-repo", "--engine-dir", str(engine), "--output-repo", str(self.repo)),
-                     ("launch", "--repo", str(self.repo), "--detach", "--timeout", "180",
-                      *(f"--{name}-port={port}" for name, port in self.ports.items()), *self.launch_flags,
-                      *(("--", *self.server_flags) if self.server_flags else ()))):
-            done = self.run(*args)
-            if done.returncode != 0:
-                raise AssertionError(f"trtglm {args[0]} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
+                     ("patch-repo", "--engine-dir", str(engine), "--output-repo", str(self.repo))):
+            self._check(args, self.run(*args))
+
+    def launch(self) -> subprocess.CompletedProcess:
+        """A detached `trtglm launch` of the rendered repository, on the test's ports."""
+        return self.run("launch", "--repo", str(self.repo), "--detach", "--timeout", "180",
+                        *(f"--{name}-port={port}" for name, port in self.ports.items()), *self.launch_flags,
+                        *(("--", *self.server_flags) if self.server_flags else ()))
+
+    def start(self) -> None:
+        self.render()
+        self._check(("launch",), self.launch())
+
+    @staticmethod
+    def _check(args: tuple[str, ...], done: subprocess.CompletedProcess) -> None:
+        if done.returncode != 0:
+            raise AssertionError(f"trtglm {args[0]} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
 
     def stop(self) -> None:
         self.run("stop", "--repo", str(self.repo), timeout=120)

@@ -13,10 +13,11 @@ or any rank disappears, everything is stopped, the tail of that rank's log is pr
 the launch fails. SIGINT, SIGTERM or SIGHUP stop everything and end the launch normally; a
 second signal skips the grace period.
 
-Ready means: rank 0 answers /v2/health/ready, every rank's process runs, and `ensemble` and
-`tensorrt_llm_bls` (those the repository has) each answered one real request (a short prompt,
-a few tokens): a server whose models load but cannot answer fails the launch, naming the model
-and the last error its log holds. With NVIDIA's
+Ready means: rank 0 answers /v2/health/ready, every rank's process runs, and `ensemble`,
+`tensorrt_llm_bls` and the history model `chatglm3-6b` (those the repository has) each answered one
+real request (a short prompt, a few tokens; the history model's inputs as its config declares them):
+a server whose models load but cannot answer fails the launch, naming the model and the last error
+its log holds. With NVIDIA's
 backend, rank 0's tensorrt_llm is ready only once every rank holds the engine; python models
 on ranks > 0 load independently, so one that fails after rank 0 is ready is caught by the
 watch (with --detach: after `launch` has returned).
@@ -48,12 +49,15 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import psutil
 from tqdm import tqdm
 
+from trtglm.backend.contract import HISTORY_CHAT
 from trtglm.errors import TrtglmError
 from trtglm.serve.command import LLM_MODEL
 from trtglm.serve.launch_spec import LaunchSpec
@@ -70,6 +74,8 @@ POLL_S = 0.2
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 CHECKED_MODELS = ("ensemble", "tensorrt_llm_bls")  # asked once before the launch reports ready
 CHECK_PROMPT, CHECK_TOKENS, CHECK_TIMEOUT_S = "你好", 4, 120.0
+# the history model's first request: max_token counts the prompt (a few tokens here) and the reply together
+CHECK_HISTORY = {"prompt": CHECK_PROMPT, "history": "", "temperature": "0", "max_token": 16, "history_len": 0}
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback must not go through a proxy
 
 
@@ -185,16 +191,15 @@ class Supervisor:
                        f"(logs: {self.log_dir})", list(range(self.spec.world_size)))
 
     def check_answers(self) -> Failure | None:
-        """One real request through each client-facing model the repository has (a short prompt as a
-        BYTES input, a few tokens), so that a server whose models cannot answer is never called ready."""
-        from trtglm.client import GenerateRequest, ServerError
-        from trtglm.client.http import generate
+        """One real request through each model clients ask that the repository has (first_requests), so that
+        a server whose models cannot answer is never called ready."""
+        from trtglm.client import ServerError
 
         url = self.spec.endpoints.urls()["http"]
-        for model in [m for m in CHECKED_MODELS if (Path(self.spec.repo) / m / "config.pbtxt").is_file()]:
+        for model, ask in first_requests(Path(self.spec.repo)):
             started = time.monotonic()
             try:
-                generate(url, model, GenerateRequest(CHECK_PROMPT, CHECK_TOKENS), timeout=CHECK_TIMEOUT_S)
+                ask(url)
             except ServerError as e:
                 cause = last_error_line(self.log_dir, 0)
                 return Failure(f"{model} failed its first request at launch ({e})"
@@ -361,6 +366,49 @@ class Supervisor:
             self.hurry = True
         else:
             self.stop_signal = signum
+
+
+def first_requests(repo: Path) -> list[tuple[str, Callable[[str], object]]]:
+    """(model, ask it its first request at a Triton HTTP URL) for each model clients ask that `repo` has."""
+    asks: list[tuple[str, Callable[[str], object]]] = [
+        (model, partial(ask_generate, model)) for model in CHECKED_MODELS if (repo / model / "config.pbtxt").is_file()]
+    if (repo / HISTORY_CHAT / "config.pbtxt").is_file():
+        asks.append((HISTORY_CHAT, partial(ask_history_model, repo / HISTORY_CHAT / "config.pbtxt")))
+    return asks
+
+
+def ask_generate(model: str, url: str) -> str:
+    """`ensemble` or `tensorrt_llm_bls`: a short prompt through /generate, a few tokens."""
+    from trtglm.client import GenerateRequest
+    from trtglm.client.http import generate
+
+    return generate(url, model, GenerateRequest(CHECK_PROMPT, CHECK_TOKENS), timeout=CHECK_TIMEOUT_S)
+
+
+def ask_history_model(config_path: Path, url: str) -> dict:
+    """The history model: one /infer with the inputs its config declares (CHECK_HISTORY's values: a short
+    prompt, no history, greedy); every output it declares must come back."""
+    from trtglm.client import ServerError
+    from trtglm.client.http import infer
+    from trtglm.serve.checks import model_config
+
+    config = model_config(config_path)
+    shape = [1, 1] if config.max_batch_size > 0 else [1]
+    inputs = [{"name": tensor.name, "datatype": _http_datatype(tensor.data_type), "shape": shape,
+               "data": [CHECK_HISTORY[tensor.name]]} for tensor in config.input if tensor.name in CHECK_HISTORY]
+    outputs = infer(url, config.name or HISTORY_CHAT, inputs, timeout=CHECK_TIMEOUT_S)
+    missing = [tensor.name for tensor in config.output if tensor.name not in outputs]
+    if missing:
+        raise ServerError(f"the answer lacks the output(s) {', '.join(missing)}")
+    return outputs
+
+
+def _http_datatype(data_type: int) -> str:
+    """Triton's HTTP datatype of a config's TYPE_* (TYPE_STRING is BYTES)."""
+    from tritonclient.grpc import model_config_pb2
+
+    name = model_config_pb2.DataType.Name(data_type).removeprefix("TYPE_")
+    return "BYTES" if name == "STRING" else name
 
 
 def alive(proc: psutil.Process) -> bool:
