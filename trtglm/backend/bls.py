@@ -29,9 +29,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from trtglm.backend import triton_io
-from trtglm.backend.contract import (ACCUMULATE_TOKENS, BLS, CONTRACT, ENSEMBLE, LLM_MODEL_NAME, PREPROCESSING,
-                                     REPLY_FORM_INPUTS, TENSORRT_LLM, client_outputs_from, feeds,
-                                     for_backend, names)
+from trtglm.backend.contract import (ACCUMULATE_TOKENS, BLS, BLS_ONLY_INPUTS, CONTRACT, ENSEMBLE, FLAGGED_OUTPUTS,
+                                     LLM_MODEL_NAME,
+                                     PREPROCESSING, REPLY_FORM_INPUTS, TENSORRT_LLM, client_outputs_from, feeds,
+                                     flag_set, for_backend, names, refusal)
 from trtglm.backend.postprocessing import flat_texts, reply_prefixes
 from trtglm.backend.preprocessing import Limits, preprocess
 from trtglm.backend.triton_io import pb_utils
@@ -48,7 +49,11 @@ PASSED = {client: llm for client, llm in feeds(ENSEMBLE, TENSORRT_LLM).items()  
           if llm not in REPLY_FORM_INPUTS}
 REPLY_FORM = {llm: client for client, llm in feeds(ENSEMBLE, TENSORRT_LLM).items()  # applied here, not sent on
               if llm in REPLY_FORM_INPUTS}
-ENGINE_OUTPUTS = names(for_backend(CONTRACT[TENSORRT_LLM].outputs, None))  # what either backend sends
+ENGINE_OUTPUTS = names(for_backend(CONTRACT[TENSORRT_LLM].outputs, None))  # what either backend may send
+# ChatGLM3 is decoder-only: these hold one pad id, and v0.7.1's tensorrt_llm does not declare them
+DECODER_IDS = ("DECODER_INPUT_ID", "REQUEST_DECODER_INPUT_LEN")
+# what every version of tensorrt_llm declares; the others are asked for only when the client's flag asks
+ALWAYS_ASKED = ("output_ids", "sequence_length", "cum_log_probs", "output_log_probs")
 LOG_PROBS = tuple(client_outputs_from(TENSORRT_LLM))  # tensorrt_llm outputs the client gets as they are
 WAIT_S = 0.5  # longest wait for an engine response before looking whether the engine still runs
 
@@ -59,13 +64,15 @@ class EngineError(TrtglmError):
 
 def engine_inputs(prepared: dict[str, np.ndarray], client: dict[str, np.ndarray | None]) -> dict[str, np.ndarray]:
     """tensorrt_llm's input arrays: the preprocessed ones, then the client's sampling options."""
-    arrays = {PREPROCESSED[name]: array for name, array in prepared.items() if name in PREPROCESSED}
+    arrays = {PREPROCESSED[name]: array for name, array in prepared.items()
+              if name in PREPROCESSED and name not in DECODER_IDS}
     if arrays["embedding_bias"].shape[1] == 0:
         del arrays["embedding_bias"]
     batch = len(arrays["input_ids"])
     for name, engine_name in PASSED.items():
         if client.get(name) is not None:
-            arrays[engine_name] = np.asarray(client[name]).reshape(batch, -1)
+            array = np.asarray(client[name])
+            arrays[engine_name] = array if array.ndim > 2 else array.reshape(batch, -1)  # tables keep their shape
     return arrays
 
 
@@ -207,7 +214,12 @@ class TritonPythonModel:
     # --- one request ----------------------------------------------------------------------------
 
     def _prepare(self, request) -> tuple[dict, dict]:
-        client = triton_io.input_arrays(request, (*TO_PREPROCESSING, *PASSED, *REPLY_FORM.values()))
+        client = triton_io.input_arrays(request, (*TO_PREPROCESSING, *PASSED, *REPLY_FORM.values(),
+                                                  *names(BLS_ONLY_INPUTS)))
+        for tensor in BLS_ONLY_INPUTS:
+            why = refusal(tensor, client.pop(tensor.name))
+            if why:
+                raise UsageError(why)
         prepared = preprocess(self.tokenizer, self.limits,
                               {TO_PREPROCESSING[name]: client[name] for name in TO_PREPROCESSING})
         return client, engine_inputs(prepared, client)
@@ -258,7 +270,7 @@ class TritonPythonModel:
         or while it generates)."""
         stubs = self.engine_processes.running()
         engine_request = pb_utils.InferenceRequest(
-            model_name=self.engine, requested_output_names=list(ENGINE_OUTPUTS),
+            model_name=self.engine, requested_output_names=asked_outputs(inputs),
             inputs=[pb_utils.Tensor(name, np.ascontiguousarray(array)) for name, array in inputs.items()])
         responses = EngineCall(engine_request, self.decoupled, lambda: self.engine_processes.check(stubs))
         for batch in responses:
@@ -306,6 +318,12 @@ def _joined_log_probs(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarra
         joined["output_log_probs"] = np.concatenate([p["output_log_probs"] for p in parts if "output_log_probs" in p],
                                                     axis=-1)
     return joined
+
+
+def asked_outputs(inputs: dict[str, np.ndarray]) -> list[str]:
+    """tensorrt_llm's outputs to ask for: those every version declares, and those the request's flags ask for."""
+    return [*ALWAYS_ASKED, *(name for flag, outputs in FLAGGED_OUTPUTS.items() if flag_set(inputs.get(flag))
+                             for name in outputs)]
 
 
 def _wants_log_probs(client: dict) -> bool:

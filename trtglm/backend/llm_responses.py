@@ -3,8 +3,8 @@
 Outputs, as the repository's config declares them (`[batch, beam, …]`, the input never
 included): output_ids and output_log_probs hold the response's tokens, sequence_length how
 many there are, cum_log_probs the sum of the log probabilities so far (zeros unless
-return_log_probs), generated_ids every token so far and is_final whether this is the last
-response. Not streaming: one response with every token of every sequence, sent once the last
+return_log_probs), generated_ids every token so far, num_output_tokens their count and is_final
+whether this is the last response. Not streaming: one response with every token of every sequence, sent once the last
 one finishes (`Gathered`: rows shorter than the longest padded with -1; sequence_length tells
 each row's count); the first sequence to fail fails the request and stops the others.
 Streaming (`Reply`, one sequence per request): one response per output, the last one flagged
@@ -34,6 +34,7 @@ def response_arrays(new_ids: list[int], new_log_probs: list[float], all_ids: lis
         "output_log_probs": np.array(log_probs, dtype=np.float32).reshape(1, 1, count),
         "generated_ids": np.array(all_ids, dtype=np.int32).reshape(1, 1, len(all_ids)),
         "is_final": np.array([[final]], dtype=bool),
+        "num_output_tokens": np.array([[len(all_ids)]], dtype=np.int32),
     }
 
 

@@ -44,10 +44,12 @@ import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from trtglm.backend.contract import ENGINE_DIR, TENSORRT_LLM
 from trtglm.backend.engine import log_to_stderr
 from trtglm.backend.engine_process import EngineProcess
-from trtglm.backend.llm_requests import INPUTS, engine_requests
+from trtglm.backend.llm_requests import INPUTS, engine_requests, unasked_outputs
 from trtglm.backend.llm_responses import Gathered, Reply
 from trtglm.backend.outbox import Outbox
 from trtglm.backend.postprocessing import reply_prefixes
@@ -112,16 +114,16 @@ class TritonPythonModel:
 
     # --- requests ---------------------------------------------------------------------------------------
 
-    def _parse(self, request) -> tuple[list[Request], bool, dict]:
-        """The request's sequences, whether to stream, and what every response of it carries besides."""
+    def _parse(self, request) -> tuple[list[Request], bool, dict, set[str]]:
+        """The request's sequences, whether to stream, what every response of it carries besides, and the
+        outputs it wants."""
         arrays = self.io.input_arrays(request, INPUTS)
         sequences, streaming = engine_requests(arrays)
         prefixes = reply_prefixes(arrays["input_text"], arrays["exclude_input_in_output"], streaming, len(sequences))
-        return sequences, streaming, {"reply_prefix": prefixes}
-
-    def _wanted(self, request) -> set[str]:
-        names = set(request.requested_output_names())
-        return names or set(self.dtypes)
+        extra = {"reply_prefix": prefixes,
+                 "num_input_tokens": np.array([[len(s.prompt)] for s in sequences], dtype=np.int32)}
+        wanted = (set(request.requested_output_names()) or set(self.dtypes)) - unasked_outputs(arrays)
+        return sequences, streaming, extra, wanted
 
     def _response(self, arrays: dict, wanted: set[str]):
         chosen = {name: array for name, array in arrays.items() if name in wanted}
@@ -131,8 +133,7 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         try:
-            sequences, streaming, extra = self._parse(request)
-            wanted = self._wanted(request)
+            sequences, streaming, extra, wanted = self._parse(request)
         except Exception as e:
             self._send_alone(request, self._error(e))
             return
@@ -181,10 +182,9 @@ class TritonPythonModel:
         waiting, responses = [], [None] * len(requests)
         for index, request in enumerate(requests):
             try:
-                sequences, streaming, extra = self._parse(request)
+                sequences, streaming, extra, wanted = self._parse(request)
                 if streaming:
                     raise UsageError("streaming needs a decoupled tensorrt_llm (decoupled_mode true)")
-                wanted = self._wanted(request)
             except Exception as e:
                 responses[index] = self._error(e)
                 continue
