@@ -1,24 +1,32 @@
-"""NVIDIA's own v0.19.0 client, end_to_end_grpc_client.py, run unchanged against repositories rendered
-from trtglm's template and patched from NVIDIA's v0.19.0 (the fixture engine, served by `trtglm launch`
-as in test_serving): the reply of `ensemble` and `tensorrt_llm_bls`, streamed and not, with and without
---exclude-input-in-output, checked by the client's own --check-outputs against the fixture's exact answer
-(the client adds the prompt itself where NVIDIA's output holds it: not streamed and not excluded)."""
+"""NVIDIA's own v0.19.0 clients, run unchanged against repositories rendered from trtglm's template and
+patched from NVIDIA's v0.19.0 (the fixture engine, served by `trtglm launch` as in test_serving):
+end_to_end_grpc_client.py on the reply of `ensemble` and `tensorrt_llm_bls`, streamed and not, with and
+without --exclude-input-in-output, checked by the client's own --check-outputs against the fixture's exact
+answer (the client adds the prompt itself where NVIDIA's output holds it: not streamed and not excluded);
+inflight_batcher_llm_client.py on the `tensorrt_llm` model with token ids, its own --check-output against
+the fixture's answer ids, and --return-log-probs against transformers' GlmForCausalLM."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from conftest import SHARED
 from support.engines import build_tiny_engine
+from trtglm.chatglm.chat import chat_ids
+from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from support.servers import Server
 from trtglm.repo import patch_repo
 
 UPSTREAM = SHARED / "upstream/tensorrtllm_backend-v0.19.0"
 CLIENT = UPSTREAM / "clients/inflight_batcher_llm/client/end_to_end_grpc_client.py"
+IDS_CLIENT = UPSTREAM / "clients/inflight_batcher_llm/client/inflight_batcher_llm_client.py"
+USER = 518  # <|user|>: the fixture's answers end there (ChatGLM3's stop token)
 TEMPLATES = {"trtglm": None, "nvidia-v0.19.0": UPSTREAM / "inflight_batcher_llm"}  # None: trtglm's own
 
 
@@ -71,3 +79,116 @@ def test_http_generate_gives_the_prompt_before_the_reply_only_when_asked(server,
             body["exclude_input_in_output"] = exclude
         status, reply = server.generate(model, body)
         assert (status, reply.get("text_output")) == (200, expected), (exclude, reply)
+
+
+def answer_ids(fixture_dir, conversation) -> tuple[list[int], list[int]]:
+    """The chat prompt's ids and the fixture's exact answer ids (ChatGLM3's "\\n" metadata line, then the
+    answer; the <|user|> that ends it is the end id below, so not returned)."""
+    tok = ChatGLMTokenizer(fixture_dir)
+    return chat_ids(tok, conversation["messages"]), tok.sp.encode("\n") + tok.sp.encode(conversation["answer"])
+
+
+def csv(path: Path, ids: list[int]) -> Path:
+    path.write_text(",".join(map(str, ids)) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def whole_server(tmp_path_factory):
+    """trtglm's template with decoupled_mode false: Triton answers a plain (not streamed) gRPC infer only there."""
+    root = tmp_path_factory.mktemp("nvidia-clients-whole")
+    engine = build_tiny_engine(root / "engine", tp=1, **{"serve.decoupled": False})
+    server = Server(patch_repo(engine, None, root / "repo"), 1, root / "state")
+    yield server
+    server.stop()
+
+
+STREAMED = {"streamed": ["--streaming", "--exclude-input-in-output"]}
+WHOLE = {"whole": [], "whole-excluded": ["--exclude-input-in-output"]}
+OPEN_QUESTION = [{"role": "user", "content": "Write a poem about the moon."}]  # not one the fixture learnt
+
+
+def run_ids_client(server, prompt: list[int], tmp_path, flags, answer: list[int] | None = None):
+    """NVIDIA's token-level client against the tensorrt_llm model: `prompt` in; with `answer`, its own
+    --check-output against it."""
+    check = ["--output-tokens-csv", str(csv(tmp_path / "out.csv", answer)), "--check-output"] if answer else []
+    run = subprocess.run([sys.executable, str(IDS_CLIENT), "-u", f"127.0.0.1:{server.grpc_port}",
+                          "--input-tokens-csv", str(csv(tmp_path / "in.csv", prompt)), *check,
+                          "--end-id", str(USER), "--pad-id", "0", "--request-output-len", "24", *flags],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert ("PASS!" in run.stdout) == bool(answer), run.stdout
+    return run.stdout
+
+
+# The input is never part of output_ids: the repositories' exclude_input_in_output parameter is true (the client
+# adds the prompt itself when streaming without --exclude-input-in-output, which NVIDIA's backend does not pass
+# either). Streamed requests go to the decoupled repositories, whole ones to a repository with decoupled_mode
+# false: Triton refuses a plain infer of a decoupled model.
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", STREAMED.values(), ids=STREAMED)
+def test_inflight_batcher_llm_client_streams_the_fixtures_answer_ids(server, conversation, fixture_dir, tmp_path,
+                                                                      flags):
+    run_ids_client(server, *answer_ids(fixture_dir, conversation)[:1], tmp_path, flags,
+                   answer_ids(fixture_dir, conversation)[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", WHOLE.values(), ids=WHOLE)
+def test_inflight_batcher_llm_client_gets_the_fixtures_answer_ids_whole(whole_server, conversation, fixture_dir,
+                                                                         tmp_path, flags):
+    prompt, answer = answer_ids(fixture_dir, conversation)
+    run_ids_client(whole_server, prompt, tmp_path, flags, answer)
+
+
+@pytest.mark.slow
+def test_inflight_batcher_llm_client_log_probs_are_transformers_whole(whole_server, fixture_dir, tmp_path):
+    """--return-log-probs on a question the fixture never learnt (so the log probabilities are far from 0): the
+    ids are transformers' greedy ones, output_log_probs each one's log probability under transformers'
+    GlmForCausalLM and cum_log_probs their sum."""
+    log_probs, stdout = check_log_probs(whole_server, fixture_dir, tmp_path, [])
+    assert printed(stdout, "output_log_probs") == pytest.approx(log_probs, abs=1e-3)
+
+
+@pytest.mark.slow
+def test_inflight_batcher_llm_client_log_probs_are_transformers_streamed(server, fixture_dir, tmp_path):
+    """The same streamed (the client keeps each response's output_log_probs over the last, so only
+    cum_log_probs covers the whole reply)."""
+    check_log_probs(server, fixture_dir, tmp_path, ["--streaming"])
+
+
+def check_log_probs(server, fixture_dir, tmp_path, flags) -> tuple[list[float], str]:
+    prompt = chat_ids(ChatGLMTokenizer(fixture_dir), OPEN_QUESTION)
+    stdout = run_ids_client(server, prompt, tmp_path, ["--exclude-input-in-output", "--return-log-probs", *flags])
+    ids, log_probs = reference_reply(fixture_dir, prompt, 24)
+    assert [int(x) for x in printed(stdout, "Output sequence", "[", "]")] == ids
+    assert min(log_probs) < -0.05  # a check that zeros would fail
+    assert printed(stdout, "cum_log_probs") == pytest.approx([sum(log_probs)], abs=1e-3)
+    return log_probs, stdout
+
+
+def reference_reply(fixture_dir, prompt: list[int], limit: int) -> tuple[list[int], list[float]]:
+    """transformers' GlmForCausalLM with the fixture's weights: the greedy ids up to <|user|> (not included) or
+    `limit`, and each one's log probability."""
+    import torch
+
+    from trtglm.chatglm.config import ChatGLMConfig
+    from trtglm.chatglm.reference import load_reference
+    from trtglm.chatglm.weights import HFWeights
+
+    model = load_reference(ChatGLMConfig.from_model_dir(fixture_dir), HFWeights(fixture_dir).get, torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=limit, do_sample=False, eos_token_id=USER,
+                             pad_token_id=0)
+        ids = [t for t in out[0, len(prompt):].tolist()]
+        ids = ids[:ids.index(USER)] if USER in ids else ids
+        logits = model(torch.tensor([prompt + ids])).logits[0].float()
+    log_probs = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    return ids, [log_probs[i, token].item() for i, token in enumerate(ids)]
+
+
+def printed(stdout: str, name: str, opening: str = "[[", closing: str = "]]") -> list[float]:
+    """The numbers of the array the client printed as `name: [[...]]`."""
+    match = re.search(rf"^{name}:\s*({re.escape(opening)}.*?{re.escape(closing)})", stdout, re.M | re.S)
+    assert match, stdout
+    return [float(x) for x in re.findall(r"-?\d+(?:\.\d*)?(?:e[-+]?\d+)?", match.group(1))]
