@@ -9,6 +9,7 @@ the fixture's answer ids, and --return-log-probs against transformers' GlmForCau
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 from conftest import SHARED
 from support.engines import build_tiny_engine
 from trtglm.chatglm.chat import chat_ids
+from trtglm.chatglm.fast_tokenizer import write_fast_tokenizer
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from support.servers import Server
 from trtglm.repo import patch_repo
@@ -26,6 +28,7 @@ from trtglm.repo import patch_repo
 UPSTREAM = SHARED / "upstream/tensorrtllm_backend-v0.19.0"
 CLIENT = UPSTREAM / "clients/inflight_batcher_llm/client/end_to_end_grpc_client.py"
 IDS_CLIENT = UPSTREAM / "clients/inflight_batcher_llm/client/inflight_batcher_llm_client.py"
+TOOLS = UPSTREAM / "clients/tools"  # its scripts import `utils` from here
 USER = 518  # <|user|>: the fixture's answers end there (ChatGLM3's stop token)
 TEMPLATES = {"trtglm": None, "nvidia-v0.19.0": UPSTREAM / "inflight_batcher_llm"}  # None: trtglm's own
 
@@ -167,8 +170,8 @@ def check_log_probs(server, fixture_dir, tmp_path, flags) -> tuple[list[float], 
     return log_probs, stdout
 
 
-def reference_reply(fixture_dir, prompt: list[int], limit: int) -> tuple[list[int], list[float]]:
-    """transformers' GlmForCausalLM with the fixture's weights: the greedy ids up to <|user|> (not included) or
+def reference_reply(fixture_dir, prompt: list[int], limit: int, end_id: int = USER) -> tuple[list[int], list[float]]:
+    """transformers' GlmForCausalLM with the fixture's weights: the greedy ids up to `end_id` (not included) or
     `limit`, and each one's log probability."""
     import torch
 
@@ -178,10 +181,10 @@ def reference_reply(fixture_dir, prompt: list[int], limit: int) -> tuple[list[in
 
     model = load_reference(ChatGLMConfig.from_model_dir(fixture_dir), HFWeights(fixture_dir).get, torch.float32).eval()
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=limit, do_sample=False, eos_token_id=USER,
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=limit, do_sample=False, eos_token_id=end_id,
                              pad_token_id=0)
-        ids = [t for t in out[0, len(prompt):].tolist()]
-        ids = ids[:ids.index(USER)] if USER in ids else ids
+        ids = out[0, len(prompt):].tolist()
+        ids = ids[:ids.index(end_id)] if end_id in ids else ids
         logits = model(torch.tensor([prompt + ids])).logits[0].float()
     log_probs = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
     return ids, [log_probs[i, token].item() for i, token in enumerate(ids)]
@@ -192,3 +195,67 @@ def printed(stdout: str, name: str, opening: str = "[[", closing: str = "]]") ->
     match = re.search(rf"^{name}:\s*({re.escape(opening)}.*?{re.escape(closing)})", stdout, re.M | re.S)
     assert match, stdout
     return [float(x) for x in re.findall(r"-?\d+(?:\.\d*)?(?:e[-+]?\d+)?", match.group(1))]
+
+
+def run_tool(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(TOOLS / "inflight_batcher_llm" / script), *args], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(TOOLS)})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_end_to_end_test_chains_the_models_as_the_ensemble_and_bls_do(whole_server, dataset, protocol):
+    """tools/inflight_batcher_llm/end_to_end_test.py: each fixture question through preprocessing, tensorrt_llm and
+    postprocessing by hand gives the ensemble's and the BLS model's text_output, log probabilities included; then
+    its timed run of every question."""
+    port = whole_server.grpc_port if protocol == "grpc" else whole_server.http_port
+    run = run_tool("end_to_end_test.py", "--protocol", protocol, "-u", f"127.0.0.1:{port}", "--dataset",
+                   str(dataset), "--max-input-len", "300", "--test-bls", "--return-log-probs",
+                   "--concurrency", "4")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "[INFO] Functionality test succeed." in run.stdout and "Total Latency" in run.stdout, run.stdout
+
+
+@pytest.fixture(scope="module")
+def fast_tokenizer(fixture_dir, tmp_path_factory) -> Path:
+    """The fixture's tokenizer as AutoTokenizer loads it without trust_remote_code (test_fast_tokenizer.py)."""
+    return write_fast_tokenizer(fixture_dir, tmp_path_factory.mktemp("fast-tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def dataset(fixture_dir, tmp_path_factory) -> Path:
+    """The fixture's one-message questions in the tools' dataset format."""
+    lines = (fixture_dir / "conversations.jsonl").read_text(encoding="utf-8").splitlines()
+    path = tmp_path_factory.mktemp("dataset") / "dataset.json"
+    path.write_text(json.dumps([{"input": "", "instruction": c["messages"][-1]["content"], "output": c["answer"]}
+                                for c in map(json.loads, lines) if len(c["messages"]) == 1]))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_benchmark_core_model_runs_the_dataset_on_tensorrt_llm(whole_server, fast_tokenizer, dataset, protocol):
+    """tools/inflight_batcher_llm/benchmark_core_model.py's dataset workload: the questions tokenized by
+    transformers' AutoTokenizer (the fixture's fast tokenizer), sent to tensorrt_llm as ids. (Its
+    token-norm-dist workload draws ids up to 2**31, which trtglm refuses as outside the vocabulary.)"""
+    port = whole_server.grpc_port if protocol == "grpc" else whole_server.http_port
+    run = run_tool("benchmark_core_model.py", "--protocol", protocol, "-u", f"127.0.0.1:{port}",
+                   "--max-input-len", "300", "--num-requests", "16", "--concurrency", "4", "dataset",
+                   "--dataset", str(dataset), "--tokenizer-dir", str(fast_tokenizer))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "Total Latency" in run.stdout, run.stdout
+
+
+@pytest.mark.slow
+def test_inflight_batcher_llm_client_tokenizes_with_the_fast_tokenizer(server, fixture_dir, fast_tokenizer):
+    """inflight_batcher_llm_client.py with --text and --tokenizer-dir: its end id (`</s>`) and the prompt's ids
+    come from AutoTokenizer; the reply is transformers' greedy one for those ids."""
+    text = "What color is the sky?"
+    run = subprocess.run([sys.executable, str(IDS_CLIENT), "-u", f"127.0.0.1:{server.grpc_port}", "--streaming",
+                          "--exclude-input-in-output", "--text", text, "--tokenizer-dir", str(fast_tokenizer),
+                          "--request-output-len", "24"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    prompt = ChatGLMTokenizer(fixture_dir).encode(text)
+    assert [int(x) for x in printed(run.stdout, "Input sequence", "[", "]")] == prompt
+    ids, _ = reference_reply(fixture_dir, prompt, 24, end_id=2)
+    assert [int(x) for x in printed(run.stdout, "Output sequence", "[", "]")] == ids
