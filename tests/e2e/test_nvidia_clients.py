@@ -15,10 +15,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import SHARED
 from support.engines import build_tiny_engine
+from support.nvidia import v1_2_1_copy
 from trtglm.chatglm.chat import chat_ids
 from trtglm.chatglm.fast_tokenizer import write_fast_tokenizer
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
@@ -30,7 +32,9 @@ CLIENT = UPSTREAM / "clients/inflight_batcher_llm/client/end_to_end_grpc_client.
 IDS_CLIENT = UPSTREAM / "clients/inflight_batcher_llm/client/inflight_batcher_llm_client.py"
 TOOLS = UPSTREAM / "clients/tools"  # its scripts import `utils` from here
 USER = 518  # <|user|>: the fixture's answers end there (ChatGLM3's stop token)
-TEMPLATES = {"trtglm": None, "nvidia-v0.19.0": UPSTREAM / "inflight_batcher_llm"}  # None: trtglm's own
+TEMPLATES = {"trtglm": lambda root: None,  # trtglm's own
+             "nvidia-v0.19.0": lambda root: UPSTREAM / "inflight_batcher_llm",
+             "nvidia-v1.2.1": v1_2_1_copy}  # root -> the template
 
 
 @pytest.fixture(scope="module", params=TEMPLATES, ids=list(TEMPLATES))
@@ -40,7 +44,8 @@ def server(request, tmp_path_factory):
     pytest.importorskip("tritonclient.grpc")
     root = tmp_path_factory.mktemp("nvidia-clients")
     engine = build_tiny_engine(root / "engine", tp=1)
-    server = Server(patch_repo(engine, None, root / "repo", TEMPLATES[request.param]), 1, root / "state")
+    server = Server(patch_repo(engine, None, root / "repo", TEMPLATES[request.param](root)), 1, root / "state")
+    server.layout = request.param
     yield server
     server.stop()
 
@@ -259,3 +264,60 @@ def test_inflight_batcher_llm_client_tokenizes_with_the_fast_tokenizer(server, f
     assert [int(x) for x in printed(run.stdout, "Input sequence", "[", "]")] == prompt
     ids, _ = reference_reply(fixture_dir, prompt, 24, end_id=2)
     assert [int(x) for x in printed(run.stdout, "Output sequence", "[", "]")] == ids
+
+
+UNHONOURED = {"lora_task_id": (3, 0), "guided_decoding_guide": ('{"type": "object"}', ""), "prompt_vocab_size": (4, 0),
+              "num_return_sequences": (2, 1), "return_context_logits": (True, False)}  # input -> (refused, neutral)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_inputs_trtglm_cannot_honour_are_refused_by_name_and_taken_when_neutral(server, conversation, model):
+    question, answer = conversation["messages"][0]["content"], conversation["answer"]
+    for name, (refused, neutral) in UNHONOURED.items():
+        status, reply = server.generate(model, {"text_input": question, "max_tokens": 64, name: refused})
+        assert status == 400 and f"{name}: trtglm's runtime has no " in reply.get("error", ""), (name, reply)
+        status, reply = server.generate(model, {"text_input": question, "max_tokens": 64, name: neutral})
+        assert (status, reply.get("text_output")) == (200, answer), (name, reply)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_the_token_counts_are_the_prompts_and_the_replys(server, conversation, fixture_dir, model):
+    """return_num_input_tokens / return_num_output_tokens (the newest templates' outputs): the chat prompt's ids and
+    the reply's, its closing <|user|> stop word included (TensorRT-LLM returns a stop word)."""
+    if server.layout == "nvidia-v0.19.0":
+        pytest.skip("NVIDIA's v0.19.0 layout has no token-count inputs or outputs")
+    prompt, answer = answer_ids(fixture_dir, conversation)
+    body = {"text_input": conversation["messages"][0]["content"], "max_tokens": 64,
+            "return_num_input_tokens": True, "return_num_output_tokens": True}
+    status, reply = server.generate(model, body)
+    assert status == 200, reply
+    assert (reply["num_input_tokens"], reply["num_output_tokens"]) == (len(prompt), len(answer) + 1)
+    status, plain = server.generate(model, {k: v for k, v in body.items() if not k.startswith("return_")})
+    assert status == 200 and "num_input_tokens" not in plain and "num_output_tokens" not in plain, plain
+
+
+MIN_TOKENS_NAMES = {"trtglm": ("min_tokens", "min_length"), "nvidia-v0.19.0": ("min_length",),
+                    "nvidia-v1.2.1": ("min_tokens",)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["min_tokens", "min_length"])
+def test_min_tokens_keeps_the_end_id_away_under_either_name(server, conversation, fixture_dir, name):
+    """The newest templates' min_tokens is v0.19.0's min_length: with <|user|> as the end id the fixture's answer
+    ends after its ids, unless the request asks for more tokens first."""
+    if name not in MIN_TOKENS_NAMES[server.layout]:
+        pytest.skip(f"the {server.layout} layout has no {name}")
+    prompt, answer = answer_ids(fixture_dir, conversation)
+    inputs = {"input_ids": np.array([prompt], np.int32), "input_lengths": np.array([[len(prompt)]], np.int32),
+              "request_output_len": np.array([[32]], np.int32), "end_id": np.array([[USER]], np.int32),
+              "streaming": np.array([[True]])}
+
+    def reply(**extra) -> list[int]:
+        responses = server.grpc_stream("tensorrt_llm", {**inputs, **extra})
+        return [int(i) for r in responses if r.as_numpy("output_ids") is not None for i in r.as_numpy("output_ids")[0][0]]
+
+    assert reply() == answer
+    longer = reply(**{name: np.array([[len(answer) + 5]], np.int32)})
+    assert longer[:len(answer)] == answer and len(longer) >= len(answer) + 5
