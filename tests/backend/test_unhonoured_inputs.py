@@ -39,7 +39,6 @@ ENGINE_INPUTS = {
     "num_return_sequences": (np.array([[2]], np.int32), np.array([[1]], np.int32)),
     "return_context_logits": (np.array([[True]]), np.array([[False]])),
     "return_generation_logits": (np.array([[True]]), np.array([[False]])),
-    "return_perf_metrics": (np.array([[True]]), np.array([[False]])),
     "runtime_top_p_decay": (np.array([[0.5]], np.float32), np.array([[1.0]], np.float32)),
     "lookahead_window_size": (np.array([[4]], np.int32), np.array([[0]], np.int32)),
     "stop": (np.array([[True]]), np.array([[False]])),

@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -321,3 +322,32 @@ def test_min_tokens_keeps_the_end_id_away_under_either_name(server, conversation
     assert reply() == answer
     longer = reply(**{name: np.array([[len(answer) + 5]], np.int32)})
     assert longer[:len(answer)] == answer and len(longer) >= len(answer) + 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_perf_metrics_time_the_request_in_order(server, conversation, model):
+    """return_perf_metrics: arrival, slot, first and last token in that order within the request's wall-clock
+    time; one block per sequence (its cache slot), none reused; no draft tokens."""
+    body = {"text_input": conversation["messages"][0]["content"], "max_tokens": 64}
+    before = time.time_ns()
+    status, reply = server.generate(model, {**body, "return_perf_metrics": True})
+    after = time.time_ns()
+    assert status == 200 and reply["text_output"] == conversation["answer"], reply
+    times = [reply[f"{name}_time_ns"] for name in ("arrival", "first_scheduled", "first_token", "last_token")]
+    assert before <= times[0] <= times[1] <= times[2] < times[3] <= after, times
+    assert [reply[name] for name in ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks",
+                                     "kv_cache_alloc_total_blocks", "total_accepted_draft_tokens",
+                                     "total_draft_tokens", "acceptance_rate")] == [1, 0, 1, 0, 0, 0]
+    status, plain = server.generate(model, body)
+    assert status == 200 and "arrival_time_ns" not in plain, plain
+
+
+@pytest.mark.slow
+def test_inflight_batcher_llm_client_prints_the_perf_metrics(server, conversation, fixture_dir, tmp_path):
+    prompt, answer = answer_ids(fixture_dir, conversation)
+    stdout = run_ids_client(server, prompt, tmp_path, ["--streaming", "--exclude-input-in-output",
+                                                       "--return-perf-metrics"], answer)
+    times = [int(re.search(rf"^{name}_time_ns: (\d+)$", stdout, re.M).group(1))
+             for name in ("arrival", "first_scheduled", "first_token", "last_token")]
+    assert 0 < times[0] <= times[1] <= times[2] < times[3], stdout

@@ -145,7 +145,7 @@ ENGINE_INPUTS = (  # tensorrt_llm's (NVIDIA's v0.19.0 and v1.2.1 names); `lacks`
     _opt("return_log_probs", "BOOL", 1),
     _opt("return_context_logits", "BOOL", 1, lacks="context logits output"),
     _opt("return_generation_logits", "BOOL", 1, lacks="generation logits output"),
-    _opt("return_perf_metrics", "BOOL", 1, lacks="performance metrics output"),
+    _opt("return_perf_metrics", "BOOL", 1),
     _opt("exclude_input_in_output", "BOOL", 1),
     _opt("stop", "BOOL", 1, lacks="stop requests (cancel the request instead: close its stream)"),
     _opt("streaming", "BOOL", 1),

@@ -131,7 +131,7 @@ class TritonPythonModel:
 
     def _start_streamed(self, request) -> None:
         sender = request.get_response_sender()
-        final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        final, arrival = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, time.time_ns()
         try:
             sequences, streaming, extra, wanted = self._parse(request)
         except Exception as e:
@@ -143,13 +143,14 @@ class TritonPythonModel:
 
         if streaming:  # one sequence (engine_requests refuses more)
             reply = Reply(True, send, lambda message: sender.send(self.io.error_response(TrtglmError(message)),
-                                                                  flags=final))
+                                                                  flags=final), arrival)
             try:
                 self.executor.submit(sequences[0], self.outbox.mailbox(reply), request.is_cancelled)
             except Exception as e:
                 self._send_alone(request, self._error(e))
             return
-        gathered = Gathered(len(sequences), send, lambda error: self._send_alone(request, self._error(error)))
+        gathered = Gathered(len(sequences), send, lambda error: self._send_alone(request, self._error(error)),
+                            arrival)
         self._submit(sequences, gathered, lambda: request.is_cancelled() or gathered.failed(), self.outbox.mailbox)
 
     def _submit(self, sequences: list[Request], gathered: Gathered, is_cancelled: Callable[[], bool],
@@ -180,6 +181,7 @@ class TritonPythonModel:
     def _answer_all(self, requests: list) -> list:
         """Non-decoupled: every sequence of every request runs together; one response per request."""
         waiting, responses = [], [None] * len(requests)
+        arrival = time.time_ns()
         for index, request in enumerate(requests):
             try:
                 sequences, streaming, extra, wanted = self._parse(request)
@@ -195,7 +197,7 @@ class TritonPythonModel:
             def fail(error: Exception, index=index) -> None:
                 responses[index] = self._error(error)
 
-            gathered = Gathered(len(sequences), send, fail)
+            gathered = Gathered(len(sequences), send, fail, arrival)
             waiting += self._submit(sequences, gathered, gathered.failed)
         for handle in waiting:
             handle.done.wait()

@@ -62,6 +62,7 @@ class _Sequence:
         self.prefilled = 0  # prompt tokens in the slot's cache so far
         self.generated = 0
         self.slot: int | None = None
+        self.scheduled_ns: int | None = None  # when it got its slot, until its first Output carries it
         self.sampler = Sampler(request.temperature, request.top_k, request.top_p, request.seed, device)
         self.penalties = Penalties(request.repetition_penalty, request.presence_penalty, request.frequency_penalty,
                                    request.temperature)
@@ -254,7 +255,7 @@ class Executor:
         with self._lock:
             while self._queue and free and budget > 0:
                 sequence = self._queue.popleft()
-                sequence.slot = free.pop(0)
+                sequence.slot, sequence.scheduled_ns = free.pop(0), time.time_ns()
                 self._active[sequence.slot] = sequence
                 admitted.append(sequence)
                 budget -= len(sequence.request.prompt)
@@ -348,6 +349,7 @@ class Executor:
     @staticmethod
     def _deliver(sequence: _Sequence, output: Output) -> bool:
         """Hand `output` to the request's callback; False when that fails (the client is gone)."""
+        output.scheduled_ns, sequence.scheduled_ns = sequence.scheduled_ns, None
         try:
             sequence.on_output(output)
             return True

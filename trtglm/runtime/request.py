@@ -56,6 +56,8 @@ class Output:
     finished: bool = False
     reason: str | None = None  # end_id | stop_word | length | cancelled | error
     error: str | None = None
+    # on a request's first Output: when it got its slot (time.time_ns()); timing, not content, so not compared
+    scheduled_ns: int | None = field(default=None, compare=False)
 
 
 OutputCallback = Callable[[Output], None]
