@@ -1,6 +1,7 @@
 """NVIDIA's inputs that trtglm's runtime cannot honour (LoRA, prompt tables, guided decoding, draft tokens,
 encoder and multimodal inputs, ...) are accepted left out or at their neutral value and refused, naming
-the input, when set; the newer names of two inputs (min_tokens, seed) mean what the older ones do."""
+the input, when set; the newer names of two inputs (min_tokens, seed) mean what the older ones do;
+num_return_sequences makes that many sequences, seeded as TensorRT-LLM seeds its child requests."""
 
 from __future__ import annotations
 
@@ -36,7 +37,6 @@ ENGINE_INPUTS = {
     "draft_input_ids": (np.array([[9, 10]], np.int32), np.zeros((1, 0), np.int32)),
     "draft_logits": (np.ones((1, 2, 8), np.float32), np.zeros((1, 0, 8), np.float32)),
     "encoder_input_features": (np.ones((1, 2, 4), np.float16), np.zeros((1, 0, 4), np.float16)),
-    "num_return_sequences": (np.array([[2]], np.int32), np.array([[1]], np.int32)),
     "return_context_logits": (np.array([[True]]), np.array([[False]])),
     "return_generation_logits": (np.array([[True]]), np.array([[False]])),
     "runtime_top_p_decay": (np.array([[0.5]], np.float32), np.array([[1.0]], np.float32)),
@@ -84,3 +84,20 @@ def test_preprocessing_refuses_decoder_queries_prompt_tables_and_images(fixture_
     # a decoder-only model's decoder ids: one pad id, as NVIDIA's preprocessing gives without a decoder query
     assert out["DECODER_INPUT_ID"].tolist() == out["OUT_PAD_ID"].tolist()
     assert out["REQUEST_DECODER_INPUT_LEN"].tolist() == [[1]]
+
+
+def test_num_return_sequences_makes_sequences_seeded_one_apart():
+    from trtglm.backend.llm_requests import engine_requests
+
+    sampled = {"runtime_top_k": np.array([[8]], np.int32), "num_return_sequences": np.array([[3]], np.int32)}
+    requests, _ = engine_requests(arrays(**sampled, random_seed=np.array([[40]], np.uint64)))
+    assert [r.seed for r in requests] == [40, 41, 42] and all(list(r.prompt) == [5, 6, 7] for r in requests)
+    unseeded, _ = engine_requests(arrays(**sampled))
+    assert [r.seed for r in unseeded] == [0, 1, 2]  # TensorRT-LLM's seed when unset is 0
+    with pytest.raises(UsageError, match="^num_return_sequences must be between 1 and"):
+        engine_requests(arrays(num_return_sequences=np.array([[0]], np.int32)))
+    two_prompts = {"input_ids": np.array([[5, 6], [7, 8]], np.int32), "input_lengths": np.array([[2], [2]], np.int32),
+                   "request_output_len": np.array([[4], [4]], np.int32),
+                   "num_return_sequences": np.array([[2], [2]], np.int32)}
+    with pytest.raises(UsageError, match="^num_return_sequences 2 takes one prompt per request; this one has 2$"):
+        engine_requests(two_prompts)

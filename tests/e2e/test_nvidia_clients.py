@@ -268,7 +268,7 @@ def test_inflight_batcher_llm_client_tokenizes_with_the_fast_tokenizer(server, f
 
 
 UNHONOURED = {"lora_task_id": (3, 0), "guided_decoding_guide": ('{"type": "object"}', ""), "prompt_vocab_size": (4, 0),
-              "num_return_sequences": (2, 1), "return_context_logits": (True, False)}  # input -> (refused, neutral)
+              "return_context_logits": (True, False)}  # input -> (refused, neutral)
 
 
 @pytest.mark.slow
@@ -351,3 +351,20 @@ def test_inflight_batcher_llm_client_prints_the_perf_metrics(server, conversatio
     times = [int(re.search(rf"^{name}_time_ns: (\d+)$", stdout, re.M).group(1))
              for name in ("arrival", "first_scheduled", "first_token", "last_token")]
     assert 0 < times[0] <= times[1] <= times[2] < times[3], stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+@pytest.mark.parametrize("streaming", [False, True], ids=["whole", "streamed"])
+def test_end_to_end_grpc_client_gets_each_of_several_return_sequences(server, conversation, model, streaming):
+    """--num-return-sequences 3: each sequence in responses of its own, told apart by sequence_index; greedy, so
+    every one is the fixture's answer (the client's own check), with its perf metrics."""
+    question = conversation["messages"][0]["content"]
+    run = subprocess.run([sys.executable, str(CLIENT), "-u", f"127.0.0.1:{server.grpc_port}", "--model-name", model,
+                          "-p", question, "-o", "64", "--num-return-sequences", "3", "--return-perf-metrics",
+                          "--exclude-input-in-output", "--check-outputs",
+                          "--expected-outputs", json.dumps([conversation["answer"]]), *["--streaming"] * streaming],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "Received an error" not in run.stdout, run.stdout
+    assert all(f"0 [{index}]: {conversation['answer']}" in run.stdout for index in range(3)) or streaming, run.stdout

@@ -127,7 +127,7 @@ ENGINE_INPUTS = (  # tensorrt_llm's (NVIDIA's v0.19.0 and v1.2.1 names); `lacks`
     _opt("input_ids", "INT32", -1), _opt("encoder_input_features", "FP16", -1, -1, lacks=ENCODER),
     _opt("encoder_output_lengths", "INT32", 1, lacks=ENCODER),
     _t("input_lengths", "INT32", 1), _t("request_output_len", "INT32", 1),
-    _opt("num_return_sequences", "INT32", 1, lacks="several sequences per request", neutral=1),
+    _opt("num_return_sequences", "INT32", 1),
     _opt("draft_input_ids", "INT32", -1, lacks=DRAFTS),
     _opt("decoder_input_ids", "INT32", -1), _opt("decoder_input_lengths", "INT32", 1),  # one pad id when unused
     _opt("draft_logits", "FP32", -1, -1, lacks=DRAFTS), _opt("draft_acceptance_threshold", "FP32", 1, lacks=DRAFTS),

@@ -9,7 +9,9 @@ len_penalty, early_stopping and beam_search_diversity_rate (beam search only), r
 and runtime_top_p_reset_ids (top-p decay only) and decoder_input_ids of one id (what NVIDIA's
 preprocessing sends a decoder-only model) are accepted and unused. Every other input of NVIDIA's
 (LoRA, prompt tables, guided decoding, draft tokens, encoder inputs, ...) is accepted absent or at
-its neutral value and refused otherwise, with an error naming it (contract.Tensor.lacks). Sampling follows TensorRT-LLM: with
+its neutral value and refused otherwise, with an error naming it (contract.Tensor.lacks).
+num_return_sequences n (one prompt per request) makes n sequences, sequence k sampling with seed
+(the request's, 0 when unset) + k, as TensorRT-LLM's child requests do. Sampling follows TensorRT-LLM: with
 neither runtime_top_k nor runtime_top_p above 0 the choice is greedy; otherwise temperature
 (default 1), then top-k, then top-p; repetition_penalty, presence_penalty and
 frequency_penalty as TensorRT-LLM applies them (runtime/sampling.py). beam_width above 1 is
@@ -18,6 +20,7 @@ refused with an error naming it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import numpy as np
@@ -65,7 +68,26 @@ def engine_requests(arrays: Mapping[str, np.ndarray | None]) -> tuple[list[Reque
     if batch > 1 and True in streaming:
         raise UsageError(f"streaming takes one sequence per request; this one has {batch}: stream each as its own "
                          "request, or leave streaming off to have every reply in one response")
-    return [request for request, _ in parsed], streaming.pop()
+    count = return_sequences(arrays)
+    requests = [request for request, _ in parsed]
+    return (sampled_copies(requests[0], count) if count > 1 else requests), streaming.pop()
+
+
+def return_sequences(arrays: Mapping[str, np.ndarray | None]) -> int:
+    """num_return_sequences (1 when absent): how many sequences one prompt gets (a request of one prompt)."""
+    array = arrays.get("num_return_sequences")
+    count = 1 if array is None or array.size == 0 else int(np.asarray(array).reshape(-1)[0])
+    if count < 1:
+        raise int32_range_error("num_return_sequences", count, 1)
+    if count > 1 and len(arrays["input_ids"]) > 1:
+        raise UsageError(f"num_return_sequences {count} takes one prompt per request; this one has "
+                         f"{len(arrays['input_ids'])}")
+    return count
+
+
+def sampled_copies(request: Request, count: int) -> list[Request]:
+    """TensorRT-LLM's child requests: sequence k samples with the request's seed (0 when unset) + k."""
+    return [dataclasses.replace(request, seed=(request.seed or 0) + k) for k in range(count)]
 
 
 def _row_request(arrays: Mapping[str, np.ndarray | None], row: int, batch: int) -> tuple[Request, bool]:
