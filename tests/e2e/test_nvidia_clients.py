@@ -112,7 +112,10 @@ def whole_server(tmp_path_factory):
     server.stop()
 
 
-STREAMED = {"streamed": ["--streaming", "--exclude-input-in-output"]}
+# The client sends num_return_sequences over its streaming API, so those go to decoupled repositories too.
+STREAMED = {"streamed": ["--streaming", "--exclude-input-in-output"],
+            "streamed-2-sequences": ["--streaming", "--exclude-input-in-output", "--num-return-sequences", "2"],
+            "whole-2-sequences": ["--exclude-input-in-output", "--num-return-sequences", "2"]}
 WHOLE = {"whole": [], "whole-excluded": ["--exclude-input-in-output"]}
 OPEN_QUESTION = [{"role": "user", "content": "Write a poem about the moon."}]  # not one the fixture learnt
 
