@@ -71,21 +71,23 @@ def joined(configs, source: str, target: str) -> dict[str, str]:
 def test_the_bls_model_runs_the_ensembles_steps(rendered):
     backend, configs = rendered
     # The BLS model streams with either backend, so it always sends `stream` to tensorrt_llm, as the
-    # ensemble does with trtglm's runtime; with NVIDIA's the ensemble sends it to preprocessing instead.
-    moved = {} if backend == PYTHON else {"stream": "STREAM"}
+    # ensemble does with trtglm's runtime; with NVIDIA's the ensemble sends it to preprocessing instead, and
+    # exclude_input_in_output there too (which refuses false).
+    moved = {} if backend == PYTHON else {"stream": "STREAM", "exclude_input_in_output": "EXCLUDE_INPUT_IN_OUTPUT"}
     assert {**bls.TO_PREPROCESSING, **moved} == joined(configs, ENSEMBLE, PREPROCESSING)
     assert bls.PREPROCESSED == joined(configs, PREPROCESSING, TENSORRT_LLM)
-    # the inputs that put the prompt before the reply the BLS model applies itself; the ensemble passes them to
-    # trtglm's runtime, and with NVIDIA's backend lacks them
-    reply_form = {client: llm for llm, client in bls.REPLY_FORM.items()} if backend == PYTHON else {}
-    assert {k: v for k, v in bls.PASSED.items() if k not in moved} | reply_form == joined(configs, ENSEMBLE,
-                                                                                          TENSORRT_LLM)
-    # every client input goes somewhere, and both models take the same client tensors
-    assert set(bls.TO_PREPROCESSING) | set(bls.PASSED) | set(bls.REPLY_FORM.values()) == {
+    # the inputs that put the prompt before the reply the BLS model applies itself; the ensemble passes the flag
+    # to tensorrt_llm, and the text only to trtglm's runtime
+    reply_form = {client: llm for llm, client in bls.REPLY_FORM.items()
+                  if backend == PYTHON or llm == "exclude_input_in_output"}
+    assert {k: v for k, v in bls.PASSED.items() if k != "stream" or backend == PYTHON} | reply_form == joined(
+        configs, ENSEMBLE, TENSORRT_LLM)
+    # every client input goes somewhere (or is refused when set: NVIDIA's BLS-only image and draft inputs), and
+    # both models take the same client tensors besides those
+    bls_only = {t.name for t in contract.BLS_ONLY_INPUTS}
+    assert set(bls.TO_PREPROCESSING) | set(bls.PASSED) | set(bls.REPLY_FORM.values()) | bls_only == {
         t.name for t in configs[BLS].input}
-    bls_inputs = declared(configs[BLS].input)
-    if backend != PYTHON:
-        assert bls_inputs.pop("exclude_input_in_output") == ("TYPE_BOOL", (1,), True)
+    bls_inputs = {k: v for k, v in declared(configs[BLS].input).items() if k not in bls_only}
     assert bls_inputs == declared(configs[ENSEMBLE].input)
     assert declared(configs[BLS].output) == declared(configs[ENSEMBLE].output)
 

@@ -30,6 +30,8 @@ def test_merge_keeps_order_and_takes_the_last_end():
     outputs = [Output([1], [-0.5]), Output([2, 3], [-0.25, -0.125]), Output([], [], True, "end_id")]
     assert merge(outputs) == Output([1, 2, 3], [-0.5, -0.25, -0.125], True, "end_id", None)
     assert merge([Output([4], [], True, "error", "boom")]).error == "boom"
+    # when the request got its slot (its first output says) survives the merge: the perf metrics report it
+    assert merge([Output([1], scheduled_ns=123), Output([2])]).scheduled_ns == 123
 
 
 def test_outputs_arriving_during_a_send_go_out_together_in_order(outbox):

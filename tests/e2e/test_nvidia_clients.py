@@ -1,25 +1,41 @@
-"""NVIDIA's own v0.19.0 client, end_to_end_grpc_client.py, run unchanged against repositories rendered
-from trtglm's template and patched from NVIDIA's v0.19.0 (the fixture engine, served by `trtglm launch`
-as in test_serving): the reply of `ensemble` and `tensorrt_llm_bls`, streamed and not, with and without
---exclude-input-in-output, checked by the client's own --check-outputs against the fixture's exact answer
-(the client adds the prompt itself where NVIDIA's output holds it: not streamed and not excluded)."""
+"""NVIDIA's own v0.19.0 clients, run unchanged against repositories rendered from trtglm's template and
+patched from NVIDIA's v0.19.0 (the fixture engine, served by `trtglm launch` as in test_serving):
+end_to_end_grpc_client.py on the reply of `ensemble` and `tensorrt_llm_bls`, streamed and not, with and
+without --exclude-input-in-output, checked by the client's own --check-outputs against the fixture's exact
+answer (the client adds the prompt itself where NVIDIA's output holds it: not streamed and not excluded);
+inflight_batcher_llm_client.py on the `tensorrt_llm` model with token ids, its own --check-output against
+the fixture's answer ids, and --return-log-probs against transformers' GlmForCausalLM."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
+import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import SHARED
 from support.engines import build_tiny_engine
+from support.nvidia import v1_2_1_copy
+from trtglm.chatglm.chat import chat_ids
+from trtglm.chatglm.fast_tokenizer import write_fast_tokenizer
+from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from support.servers import Server
 from trtglm.repo import patch_repo
 
 UPSTREAM = SHARED / "upstream/tensorrtllm_backend-v0.19.0"
 CLIENT = UPSTREAM / "clients/inflight_batcher_llm/client/end_to_end_grpc_client.py"
-TEMPLATES = {"trtglm": None, "nvidia-v0.19.0": UPSTREAM / "inflight_batcher_llm"}  # None: trtglm's own
+IDS_CLIENT = UPSTREAM / "clients/inflight_batcher_llm/client/inflight_batcher_llm_client.py"
+TOOLS = UPSTREAM / "clients/tools"  # its scripts import `utils` from here
+USER = 518  # <|user|>: the fixture's answers end there (ChatGLM3's stop token)
+TEMPLATES = {"trtglm": lambda root: None,  # trtglm's own
+             "nvidia-v0.19.0": lambda root: UPSTREAM / "inflight_batcher_llm",
+             "nvidia-v1.2.1": v1_2_1_copy}  # root -> the template
 
 
 @pytest.fixture(scope="module", params=TEMPLATES, ids=list(TEMPLATES))
@@ -29,7 +45,8 @@ def server(request, tmp_path_factory):
     pytest.importorskip("tritonclient.grpc")
     root = tmp_path_factory.mktemp("nvidia-clients")
     engine = build_tiny_engine(root / "engine", tp=1)
-    server = Server(patch_repo(engine, None, root / "repo", TEMPLATES[request.param]), 1, root / "state")
+    server = Server(patch_repo(engine, None, root / "repo", TEMPLATES[request.param](root)), 1, root / "state")
+    server.layout = request.param
     yield server
     server.stop()
 
@@ -71,3 +88,286 @@ def test_http_generate_gives_the_prompt_before_the_reply_only_when_asked(server,
             body["exclude_input_in_output"] = exclude
         status, reply = server.generate(model, body)
         assert (status, reply.get("text_output")) == (200, expected), (exclude, reply)
+
+
+def answer_ids(fixture_dir, conversation) -> tuple[list[int], list[int]]:
+    """The chat prompt's ids and the fixture's exact answer ids (ChatGLM3's "\\n" metadata line, then the
+    answer; the <|user|> that ends it is the end id below, so not returned)."""
+    tok = ChatGLMTokenizer(fixture_dir)
+    return chat_ids(tok, conversation["messages"]), tok.sp.encode("\n") + tok.sp.encode(conversation["answer"])
+
+
+def csv(path: Path, ids: list[int]) -> Path:
+    path.write_text(",".join(map(str, ids)) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def whole_server(tmp_path_factory):
+    """trtglm's template with decoupled_mode false: Triton answers a plain (not streamed) gRPC infer only there."""
+    root = tmp_path_factory.mktemp("nvidia-clients-whole")
+    engine = build_tiny_engine(root / "engine", tp=1, **{"serve.decoupled": False})
+    server = Server(patch_repo(engine, None, root / "repo"), 1, root / "state")
+    yield server
+    server.stop()
+
+
+# The client sends num_return_sequences over its streaming API, so those go to decoupled repositories too.
+STREAMED = {"streamed": ["--streaming", "--exclude-input-in-output"],
+            "streamed-2-sequences": ["--streaming", "--exclude-input-in-output", "--num-return-sequences", "2"],
+            "whole-2-sequences": ["--exclude-input-in-output", "--num-return-sequences", "2"]}
+WHOLE = {"whole": [], "whole-excluded": ["--exclude-input-in-output"]}
+OPEN_QUESTION = [{"role": "user", "content": "Write a poem about the moon."}]  # not one the fixture learnt
+
+
+def run_ids_client(server, prompt: list[int], tmp_path, flags, answer: list[int] | None = None):
+    """NVIDIA's token-level client against the tensorrt_llm model: `prompt` in; with `answer`, its own
+    --check-output against it."""
+    check = ["--output-tokens-csv", str(csv(tmp_path / "out.csv", answer)), "--check-output"] if answer else []
+    run = subprocess.run([sys.executable, str(IDS_CLIENT), "-u", f"127.0.0.1:{server.grpc_port}",
+                          "--input-tokens-csv", str(csv(tmp_path / "in.csv", prompt)), *check,
+                          "--end-id", str(USER), "--pad-id", "0", "--request-output-len", "24", *flags],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert ("PASS!" in run.stdout) == bool(answer), run.stdout
+    return run.stdout
+
+
+# The input is never part of output_ids: the repositories' exclude_input_in_output parameter is true (the client
+# adds the prompt itself when streaming without --exclude-input-in-output, which NVIDIA's backend does not pass
+# either). Streamed requests go to the decoupled repositories, whole ones to a repository with decoupled_mode
+# false: Triton refuses a plain infer of a decoupled model.
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", STREAMED.values(), ids=STREAMED)
+def test_inflight_batcher_llm_client_streams_the_fixtures_answer_ids(server, conversation, fixture_dir, tmp_path,
+                                                                      flags):
+    run_ids_client(server, *answer_ids(fixture_dir, conversation)[:1], tmp_path, flags,
+                   answer_ids(fixture_dir, conversation)[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", WHOLE.values(), ids=WHOLE)
+def test_inflight_batcher_llm_client_gets_the_fixtures_answer_ids_whole(whole_server, conversation, fixture_dir,
+                                                                         tmp_path, flags):
+    prompt, answer = answer_ids(fixture_dir, conversation)
+    run_ids_client(whole_server, prompt, tmp_path, flags, answer)
+
+
+@pytest.mark.slow
+def test_inflight_batcher_llm_client_log_probs_are_transformers_whole(whole_server, fixture_dir, tmp_path):
+    """--return-log-probs on a question the fixture never learnt (so the log probabilities are far from 0): the
+    ids are transformers' greedy ones, output_log_probs each one's log probability under transformers'
+    GlmForCausalLM and cum_log_probs their sum."""
+    log_probs, stdout = check_log_probs(whole_server, fixture_dir, tmp_path, [])
+    assert printed(stdout, "output_log_probs") == pytest.approx(log_probs, abs=1e-3)
+
+
+@pytest.mark.slow
+def test_inflight_batcher_llm_client_log_probs_are_transformers_streamed(server, fixture_dir, tmp_path):
+    """The same streamed (the client keeps each response's output_log_probs over the last, so only
+    cum_log_probs covers the whole reply)."""
+    check_log_probs(server, fixture_dir, tmp_path, ["--streaming"])
+
+
+def check_log_probs(server, fixture_dir, tmp_path, flags) -> tuple[list[float], str]:
+    prompt = chat_ids(ChatGLMTokenizer(fixture_dir), OPEN_QUESTION)
+    stdout = run_ids_client(server, prompt, tmp_path, ["--exclude-input-in-output", "--return-log-probs", *flags])
+    ids, log_probs = reference_reply(fixture_dir, prompt, 24)
+    assert [int(x) for x in printed(stdout, "Output sequence", "[", "]")] == ids
+    assert min(log_probs) < -0.05  # a check that zeros would fail
+    assert printed(stdout, "cum_log_probs") == pytest.approx([sum(log_probs)], abs=1e-3)
+    return log_probs, stdout
+
+
+def reference_reply(fixture_dir, prompt: list[int], limit: int, end_id: int = USER) -> tuple[list[int], list[float]]:
+    """transformers' GlmForCausalLM with the fixture's weights: the greedy ids up to `end_id` (not included) or
+    `limit`, and each one's log probability."""
+    import torch
+
+    from trtglm.chatglm.config import ChatGLMConfig
+    from trtglm.chatglm.reference import load_reference
+    from trtglm.chatglm.weights import HFWeights
+
+    model = load_reference(ChatGLMConfig.from_model_dir(fixture_dir), HFWeights(fixture_dir).get, torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=limit, do_sample=False, eos_token_id=end_id,
+                             pad_token_id=0)
+        ids = out[0, len(prompt):].tolist()
+        ids = ids[:ids.index(end_id)] if end_id in ids else ids
+        logits = model(torch.tensor([prompt + ids])).logits[0].float()
+    log_probs = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    return ids, [log_probs[i, token].item() for i, token in enumerate(ids)]
+
+
+def printed(stdout: str, name: str, opening: str = "[[", closing: str = "]]") -> list[float]:
+    """The numbers of the array the client printed as `name: [[...]]`."""
+    match = re.search(rf"^{name}:\s*({re.escape(opening)}.*?{re.escape(closing)})", stdout, re.M | re.S)
+    assert match, stdout
+    return [float(x) for x in re.findall(r"-?\d+(?:\.\d*)?(?:e[-+]?\d+)?", match.group(1))]
+
+
+def run_tool(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(TOOLS / "inflight_batcher_llm" / script), *args], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(TOOLS)})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_end_to_end_test_chains_the_models_as_the_ensemble_and_bls_do(whole_server, dataset, protocol):
+    """tools/inflight_batcher_llm/end_to_end_test.py: each fixture question through preprocessing, tensorrt_llm and
+    postprocessing by hand gives the ensemble's and the BLS model's text_output, log probabilities included; then
+    its timed run of every question."""
+    port = whole_server.grpc_port if protocol == "grpc" else whole_server.http_port
+    run = run_tool("end_to_end_test.py", "--protocol", protocol, "-u", f"127.0.0.1:{port}", "--dataset",
+                   str(dataset), "--max-input-len", "300", "--test-bls", "--return-log-probs",
+                   "--concurrency", "4")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "[INFO] Functionality test succeed." in run.stdout and "Total Latency" in run.stdout, run.stdout
+
+
+@pytest.fixture(scope="module")
+def fast_tokenizer(fixture_dir, tmp_path_factory) -> Path:
+    """The fixture's tokenizer as AutoTokenizer loads it without trust_remote_code (test_fast_tokenizer.py)."""
+    return write_fast_tokenizer(fixture_dir, tmp_path_factory.mktemp("fast-tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def dataset(fixture_dir, tmp_path_factory) -> Path:
+    """The fixture's one-message questions in the tools' dataset format."""
+    lines = (fixture_dir / "conversations.jsonl").read_text(encoding="utf-8").splitlines()
+    path = tmp_path_factory.mktemp("dataset") / "dataset.json"
+    path.write_text(json.dumps([{"input": "", "instruction": c["messages"][-1]["content"], "output": c["answer"]}
+                                for c in map(json.loads, lines) if len(c["messages"]) == 1]))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_benchmark_core_model_runs_the_dataset_on_tensorrt_llm(whole_server, fast_tokenizer, dataset, protocol):
+    """tools/inflight_batcher_llm/benchmark_core_model.py's dataset workload: the questions tokenized by
+    transformers' AutoTokenizer (the fixture's fast tokenizer), sent to tensorrt_llm as ids. (Its
+    token-norm-dist workload draws ids up to 2**31, which trtglm refuses as outside the vocabulary.)"""
+    port = whole_server.grpc_port if protocol == "grpc" else whole_server.http_port
+    run = run_tool("benchmark_core_model.py", "--protocol", protocol, "-u", f"127.0.0.1:{port}",
+                   "--max-input-len", "300", "--num-requests", "16", "--concurrency", "4", "dataset",
+                   "--dataset", str(dataset), "--tokenizer-dir", str(fast_tokenizer))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "Total Latency" in run.stdout, run.stdout
+
+
+@pytest.mark.slow
+def test_inflight_batcher_llm_client_tokenizes_with_the_fast_tokenizer(server, fixture_dir, fast_tokenizer):
+    """inflight_batcher_llm_client.py with --text and --tokenizer-dir: its end id (`</s>`) and the prompt's ids
+    come from AutoTokenizer; the reply is transformers' greedy one for those ids."""
+    text = "What color is the sky?"
+    run = subprocess.run([sys.executable, str(IDS_CLIENT), "-u", f"127.0.0.1:{server.grpc_port}", "--streaming",
+                          "--exclude-input-in-output", "--text", text, "--tokenizer-dir", str(fast_tokenizer),
+                          "--request-output-len", "24"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    prompt = ChatGLMTokenizer(fixture_dir).encode(text)
+    assert [int(x) for x in printed(run.stdout, "Input sequence", "[", "]")] == prompt
+    ids, _ = reference_reply(fixture_dir, prompt, 24, end_id=2)
+    assert [int(x) for x in printed(run.stdout, "Output sequence", "[", "]")] == ids
+
+
+UNHONOURED = {"lora_task_id": (3, 0), "guided_decoding_guide": ('{"type": "object"}', ""), "prompt_vocab_size": (4, 0),
+              "return_context_logits": (True, False)}  # input -> (refused, neutral)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_inputs_trtglm_cannot_honour_are_refused_by_name_and_taken_when_neutral(server, conversation, model):
+    question, answer = conversation["messages"][0]["content"], conversation["answer"]
+    for name, (refused, neutral) in UNHONOURED.items():
+        status, reply = server.generate(model, {"text_input": question, "max_tokens": 64, name: refused})
+        assert status == 400 and f"{name}: trtglm's runtime has no " in reply.get("error", ""), (name, reply)
+        status, reply = server.generate(model, {"text_input": question, "max_tokens": 64, name: neutral})
+        assert (status, reply.get("text_output")) == (200, answer), (name, reply)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_the_token_counts_are_the_prompts_and_the_replys(server, conversation, fixture_dir, model):
+    """return_num_input_tokens / return_num_output_tokens (the newest templates' outputs): the chat prompt's ids and
+    the reply's, its closing <|user|> stop word included (TensorRT-LLM returns a stop word)."""
+    if server.layout == "nvidia-v0.19.0":
+        pytest.skip("NVIDIA's v0.19.0 layout has no token-count inputs or outputs")
+    prompt, answer = answer_ids(fixture_dir, conversation)
+    body = {"text_input": conversation["messages"][0]["content"], "max_tokens": 64,
+            "return_num_input_tokens": True, "return_num_output_tokens": True}
+    status, reply = server.generate(model, body)
+    assert status == 200, reply
+    assert (reply["num_input_tokens"], reply["num_output_tokens"]) == (len(prompt), len(answer) + 1)
+    status, plain = server.generate(model, {k: v for k, v in body.items() if not k.startswith("return_")})
+    assert status == 200 and "num_input_tokens" not in plain and "num_output_tokens" not in plain, plain
+
+
+MIN_TOKENS_NAMES = {"trtglm": ("min_tokens", "min_length"), "nvidia-v0.19.0": ("min_length",),
+                    "nvidia-v1.2.1": ("min_tokens",)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["min_tokens", "min_length"])
+def test_min_tokens_keeps_the_end_id_away_under_either_name(server, conversation, fixture_dir, name):
+    """The newest templates' min_tokens is v0.19.0's min_length: with <|user|> as the end id the fixture's answer
+    ends after its ids, unless the request asks for more tokens first."""
+    if name not in MIN_TOKENS_NAMES[server.layout]:
+        pytest.skip(f"the {server.layout} layout has no {name}")
+    prompt, answer = answer_ids(fixture_dir, conversation)
+    inputs = {"input_ids": np.array([prompt], np.int32), "input_lengths": np.array([[len(prompt)]], np.int32),
+              "request_output_len": np.array([[32]], np.int32), "end_id": np.array([[USER]], np.int32),
+              "streaming": np.array([[True]])}
+
+    def reply(**extra) -> list[int]:
+        responses = server.grpc_stream("tensorrt_llm", {**inputs, **extra})
+        return [int(i) for r in responses if r.as_numpy("output_ids") is not None for i in r.as_numpy("output_ids")[0][0]]
+
+    assert reply() == answer
+    longer = reply(**{name: np.array([[len(answer) + 5]], np.int32)})
+    assert longer[:len(answer)] == answer and len(longer) >= len(answer) + 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_perf_metrics_time_the_request_in_order(server, conversation, model):
+    """return_perf_metrics: arrival, slot, first and last token in that order within the request's wall-clock
+    time; one block per sequence (its cache slot), none reused; no draft tokens."""
+    body = {"text_input": conversation["messages"][0]["content"], "max_tokens": 64}
+    before = time.time_ns()
+    status, reply = server.generate(model, {**body, "return_perf_metrics": True})
+    after = time.time_ns()
+    assert status == 200 and reply["text_output"] == conversation["answer"], reply
+    times = [reply[f"{name}_time_ns"] for name in ("arrival", "first_scheduled", "first_token", "last_token")]
+    assert before <= times[0] <= times[1] <= times[2] < times[3] <= after, times
+    assert [reply[name] for name in ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks",
+                                     "kv_cache_alloc_total_blocks", "total_accepted_draft_tokens",
+                                     "total_draft_tokens", "acceptance_rate")] == [1, 0, 1, 0, 0, 0]
+    status, plain = server.generate(model, body)
+    assert status == 200 and "arrival_time_ns" not in plain, plain
+
+
+@pytest.mark.slow
+def test_inflight_batcher_llm_client_prints_the_perf_metrics(server, conversation, fixture_dir, tmp_path):
+    prompt, answer = answer_ids(fixture_dir, conversation)
+    stdout = run_ids_client(server, prompt, tmp_path, ["--streaming", "--exclude-input-in-output",
+                                                       "--return-perf-metrics"], answer)
+    times = [int(re.search(rf"^{name}_time_ns: (\d+)$", stdout, re.M).group(1))
+             for name in ("arrival", "first_scheduled", "first_token", "last_token")]
+    assert 0 < times[0] <= times[1] <= times[2] < times[3], stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+@pytest.mark.parametrize("streaming", [False, True], ids=["whole", "streamed"])
+def test_end_to_end_grpc_client_gets_each_of_several_return_sequences(server, conversation, model, streaming):
+    """--num-return-sequences 3: each sequence in responses of its own, told apart by sequence_index; greedy, so
+    every one is the fixture's answer (the client's own check), with its perf metrics."""
+    question = conversation["messages"][0]["content"]
+    run = subprocess.run([sys.executable, str(CLIENT), "-u", f"127.0.0.1:{server.grpc_port}", "--model-name", model,
+                          "-p", question, "-o", "64", "--num-return-sequences", "3", "--return-perf-metrics",
+                          "--exclude-input-in-output", "--check-outputs",
+                          "--expected-outputs", json.dumps([conversation["answer"]]), *["--streaming"] * streaming],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "Received an error" not in run.stdout, run.stdout
+    assert all(f"0 [{index}]: {conversation['answer']}" in run.stdout for index in range(3)) or streaming, run.stdout

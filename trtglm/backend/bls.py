@@ -7,7 +7,8 @@ called through Triton (`pb_utils.InferenceRequest` to the model named by the
 tensorrt_llm_model_name parameter); the reply is decoded here. Since this model sees the
 whole stream of a request, streamed pieces come from one `ReplyStream` per request and beam,
 with no state shared between requests. With accumulate_tokens true, each streamed
-text_output is the whole text so far instead of the new piece.
+text_output is the whole text so far instead of the new piece. With num_return_sequences each
+sequence comes in responses of its own, with its sequence_index, as from tensorrt_llm.
 
 In a decoupled repository each request runs in a worker thread, so requests overlap and the
 engine can batch them in flight; otherwise requests are answered in order, one response each.
@@ -29,9 +30,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from trtglm.backend import triton_io
-from trtglm.backend.contract import (ACCUMULATE_TOKENS, BLS, CONTRACT, ENSEMBLE, LLM_MODEL_NAME, PREPROCESSING,
-                                     REPLY_FORM_INPUTS, TENSORRT_LLM, client_outputs_from, feeds,
-                                     for_backend, names)
+from trtglm.backend.contract import (ACCUMULATE_TOKENS, BLS, BLS_ONLY_INPUTS, CONTRACT, ENSEMBLE, FLAGGED_OUTPUTS,
+                                     LLM_MODEL_NAME,
+                                     PREPROCESSING, REPLY_FORM_INPUTS, TENSORRT_LLM, client_outputs_from, feeds,
+                                     flag_set, for_backend, names, refusal)
 from trtglm.backend.postprocessing import flat_texts, reply_prefixes
 from trtglm.backend.preprocessing import Limits, preprocess
 from trtglm.backend.triton_io import pb_utils
@@ -48,7 +50,11 @@ PASSED = {client: llm for client, llm in feeds(ENSEMBLE, TENSORRT_LLM).items()  
           if llm not in REPLY_FORM_INPUTS}
 REPLY_FORM = {llm: client for client, llm in feeds(ENSEMBLE, TENSORRT_LLM).items()  # applied here, not sent on
               if llm in REPLY_FORM_INPUTS}
-ENGINE_OUTPUTS = names(for_backend(CONTRACT[TENSORRT_LLM].outputs, None))  # what either backend sends
+ENGINE_OUTPUTS = names(for_backend(CONTRACT[TENSORRT_LLM].outputs, None))  # what either backend may send
+# ChatGLM3 is decoder-only: these hold one pad id, and v0.7.1's tensorrt_llm does not declare them
+DECODER_IDS = ("DECODER_INPUT_ID", "REQUEST_DECODER_INPUT_LEN")
+# what every version of tensorrt_llm declares; the others are asked for only when the client's flag asks
+ALWAYS_ASKED = ("output_ids", "sequence_length", "cum_log_probs", "output_log_probs")
 LOG_PROBS = tuple(client_outputs_from(TENSORRT_LLM))  # tensorrt_llm outputs the client gets as they are
 WAIT_S = 0.5  # longest wait for an engine response before looking whether the engine still runs
 
@@ -59,13 +65,15 @@ class EngineError(TrtglmError):
 
 def engine_inputs(prepared: dict[str, np.ndarray], client: dict[str, np.ndarray | None]) -> dict[str, np.ndarray]:
     """tensorrt_llm's input arrays: the preprocessed ones, then the client's sampling options."""
-    arrays = {PREPROCESSED[name]: array for name, array in prepared.items() if name in PREPROCESSED}
+    arrays = {PREPROCESSED[name]: array for name, array in prepared.items()
+              if name in PREPROCESSED and name not in DECODER_IDS}
     if arrays["embedding_bias"].shape[1] == 0:
         del arrays["embedding_bias"]
     batch = len(arrays["input_ids"])
     for name, engine_name in PASSED.items():
         if client.get(name) is not None:
-            arrays[engine_name] = np.asarray(client[name]).reshape(batch, -1)
+            array = np.asarray(client[name])
+            arrays[engine_name] = array if array.ndim > 2 else array.reshape(batch, -1)  # tables keep their shape
     return arrays
 
 
@@ -140,10 +148,10 @@ class Reply:
         self.texts: dict[tuple[int, int], str] = {}
         self.ids: dict[tuple[int, int], list[int]] = {}
 
-    def add(self, output_ids: np.ndarray, lengths: np.ndarray) -> list[list[str]]:
-        """Streamed: the new piece (or the text so far) per row and beam."""
+    def add(self, output_ids: np.ndarray, lengths: np.ndarray, sequence: int | None = None) -> list[list[str]]:
+        """Streamed: the new piece (or the text so far) per row and beam (one of several sequences: `sequence`)."""
         out = []
-        for row, beam, ids in _sequences(output_ids, lengths):
+        for row, beam, ids in _sequences(output_ids, lengths, sequence):
             stream = self.streams.setdefault((row, beam), ReplyStream(self.tokenizer))
             out.append((row, beam, self._shown((row, beam), stream.add(ids))))
         return _grid(out)
@@ -153,9 +161,9 @@ class Reply:
         return _grid([(row, beam, self._shown((row, beam), stream.finish()))
                       for (row, beam), stream in sorted(self.streams.items())])
 
-    def collect(self, output_ids: np.ndarray, lengths: np.ndarray) -> None:
+    def collect(self, output_ids: np.ndarray, lengths: np.ndarray, sequence: int | None = None) -> None:
         """Not streamed: remember ids (a response may carry all ids or the next part of them)."""
-        for row, beam, ids in _sequences(output_ids, lengths):
+        for row, beam, ids in _sequences(output_ids, lengths, sequence):
             self.ids.setdefault((row, beam), []).extend(int(i) for i in ids)
 
     def whole(self) -> list[list[str]]:
@@ -166,10 +174,22 @@ class Reply:
         return self.texts[key] if self.accumulate and piece else piece
 
 
-def _sequences(output_ids: np.ndarray, lengths: np.ndarray):
+def _sequences(output_ids: np.ndarray, lengths: np.ndarray, sequence: int | None = None):
+    """(row, beam, ids) of an engine response; a response of one of several sequences holds that sequence
+    alone, kept in the beam's place."""
     for row in range(output_ids.shape[0]):
         for beam in range(output_ids.shape[1]):
-            yield row, beam, output_ids[row, beam, :min(int(lengths[row, beam]), output_ids.shape[2])]
+            yield (row, beam if sequence is None else sequence,
+                   output_ids[row, beam, :min(int(lengths[row, beam]), output_ids.shape[2])])
+
+
+def _by_sequence(batch: list[dict[str, np.ndarray]]) -> list[tuple[int | None, list[dict[str, np.ndarray]]]]:
+    """Engine responses grouped by their sequence_index (None without one), in order of arrival."""
+    groups: dict[int | None, list] = {}
+    for outputs in batch:
+        index = outputs.get("sequence_index")
+        groups.setdefault(None if index is None else int(index.reshape(-1)[0]), []).append(outputs)
+    return list(groups.items())
 
 
 def _grid(cells: list[tuple[int, int, str]]) -> list[list[str]]:
@@ -208,7 +228,12 @@ class TritonPythonModel:
     # --- one request ----------------------------------------------------------------------------
 
     def _prepare(self, request) -> tuple[dict, dict]:
-        client = triton_io.input_arrays(request, (*TO_PREPROCESSING, *PASSED, *REPLY_FORM.values()))
+        client = triton_io.input_arrays(request, (*TO_PREPROCESSING, *PASSED, *REPLY_FORM.values(),
+                                                  *names(BLS_ONLY_INPUTS)))
+        for tensor in BLS_ONLY_INPUTS:
+            why = refusal(tensor, client.pop(tensor.name))
+            if why:
+                raise UsageError(why)
         prepared = preprocess(self.tokenizer, self.limits,
                               {TO_PREPROCESSING[name]: client[name] for name in TO_PREPROCESSING})
         return client, engine_inputs(prepared, client)
@@ -229,7 +254,8 @@ class TritonPythonModel:
             return triton_io.error_response(e)
 
     def _stream(self, request) -> None:
-        """Decoupled: pieces as they come (or the whole reply when not streamed), then the final flag."""
+        """Decoupled: pieces as they come (or the whole reply when not streamed), then the final flag. With
+        num_return_sequences each sequence has responses of its own, told apart by sequence_index."""
         sender = request.get_response_sender()
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         try:
@@ -237,21 +263,35 @@ class TritonPythonModel:
             stream = streaming(client)
             reply, log_probs = Reply(self.tokenizer, self.accumulate), {}
             for batch in self._generate(inputs, request):
-                log_probs = _joined_log_probs([{k: o[k] for k in LOG_PROBS if k in o} for o in batch])
-                if not stream:
-                    for outputs in batch:
-                        reply.collect(outputs["output_ids"], outputs["sequence_length"])
-                    continue
-                texts = _joined([reply.add(o["output_ids"], o["sequence_length"]) for o in batch], self.accumulate)
-                if texts and (any(any(row) for row in texts) or _wants_log_probs(client)):
-                    sender.send(self._response(texts, log_probs, client))
-            if stream:
-                tail = reply.finish()
-                sender.send(self._response(tail, {}, client) if any(any(row) for row in tail) else None, flags=final)
-            else:
-                sender.send(self._response(reply.whole(), log_probs, client), flags=final)
+                for index, outputs in _by_sequence(batch):
+                    log_probs[index] = _joined_log_probs([{k: o[k] for k in LOG_PROBS if k in o} for o in outputs])
+                    if not stream:
+                        for o in outputs:
+                            reply.collect(o["output_ids"], o["sequence_length"], index)
+                        continue
+                    texts = _joined([reply.add(o["output_ids"], o["sequence_length"], index) for o in outputs],
+                                    self.accumulate)
+                    if texts and (any(any(row) for row in texts) or _wants_log_probs(client)):
+                        sender.send(self._response(texts, log_probs[index], client, index))
+            self._send_ends(sender, reply.finish() if stream else reply.whole(), {} if stream else log_probs,
+                            client, stream)
         except Exception as e:
             sender.send(triton_io.error_response(e), flags=final)
+
+    def _send_ends(self, sender, texts: list[list[str]], log_probs: dict, client: dict, stream: bool) -> None:
+        """The end of the reply (the held-back streamed text, or the whole text), then the final flag: one
+        response, or with several sequences (log_probs keyed by sequence_index) one for each."""
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if None in log_probs or not log_probs:
+            has_text = any(any(row) for row in texts)
+            sender.send(self._response(texts, log_probs.get(None, {}), client) if has_text or not stream else None,
+                        flags=final)
+            return
+        for index in sorted(log_probs):
+            text = texts[0][index] if texts and index < len(texts[0]) else ""
+            if text or not stream:
+                sender.send(self._response([[text]], log_probs[index], client, index))
+        sender.send(None, flags=final)
 
     def _generate(self, inputs: dict[str, np.ndarray], request):
         """tensorrt_llm's responses as lists of {output name: array} (those that arrived while the caller
@@ -259,7 +299,7 @@ class TritonPythonModel:
         or while it generates)."""
         stubs = self.engine_processes.running()
         engine_request = pb_utils.InferenceRequest(
-            model_name=self.engine, requested_output_names=list(ENGINE_OUTPUTS),
+            model_name=self.engine, requested_output_names=asked_outputs(inputs),
             inputs=[pb_utils.Tensor(name, np.ascontiguousarray(array)) for name, array in inputs.items()])
         responses = EngineCall(engine_request, self.engine_decoupled, lambda: self.engine_processes.check(stubs))
         for batch in responses:
@@ -281,10 +321,13 @@ class TritonPythonModel:
                 outputs[name] = tensor.as_numpy()
         return outputs
 
-    def _response(self, texts: list[list[str]], log_probs: dict[str, np.ndarray], client: dict):
+    def _response(self, texts: list[list[str]], log_probs: dict[str, np.ndarray], client: dict,
+                  sequence_index: int | None = None):
         prefixes = reply_prefixes(client.get(REPLY_FORM["input_text"]),
                                   client.get(REPLY_FORM["exclude_input_in_output"]), streaming(client), len(texts))
         arrays = {"text_output": flat_texts(texts, prefixes), **log_probs}
+        if sequence_index is not None:
+            arrays["sequence_index"] = np.array([[sequence_index]], dtype=np.int32)
         return pb_utils.InferenceResponse(output_tensors=triton_io.output_tensors(arrays, self.dtypes))
 
 
@@ -307,6 +350,13 @@ def _joined_log_probs(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarra
         joined["output_log_probs"] = np.concatenate([p["output_log_probs"] for p in parts if "output_log_probs" in p],
                                                     axis=-1)
     return joined
+
+
+def asked_outputs(inputs: dict[str, np.ndarray]) -> list[str]:
+    """tensorrt_llm's outputs to ask for: those every version declares, and those the request's flags ask for."""
+    several = inputs.get("num_return_sequences") is not None and int(inputs["num_return_sequences"].reshape(-1)[0]) > 1
+    return [*ALWAYS_ASKED, *(name for flag, outputs in FLAGGED_OUTPUTS.items() if flag_set(inputs.get(flag))
+                             for name in outputs), *["sequence_index"] * several]
 
 
 def _wants_log_probs(client: dict) -> bool:

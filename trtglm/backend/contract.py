@@ -12,7 +12,7 @@ against this table, and the python models take their tensor and parameter names 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 ENSEMBLE, PREPROCESSING, TENSORRT_LLM, POSTPROCESSING, BLS = (
     "ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
@@ -47,6 +47,8 @@ class Tensor:
     dims: tuple[int, ...]  # without the batch dimension
     optional: bool = False
     backend: str | None = None  # declared only when tensorrt_llm runs on this backend
+    lacks: str = ""  # what trtglm's runtime lacks to honour the input: accepted only absent or neutral
+    neutral: float = 0.0  # besides zeros, false and empty strings
 
 
 @dataclass(frozen=True)
@@ -55,65 +57,153 @@ class Model:
     outputs: tuple[Tensor, ...]
 
 
-def _t(name: str, data_type: str, *dims: int, optional: bool = False, backend: str | None = None) -> Tensor:
-    return Tensor(name, f"TYPE_{data_type}", dims, optional, backend)
+def _t(name: str, data_type: str, *dims: int, optional: bool = False, backend: str | None = None,
+       lacks: str = "", neutral: float = 0.0) -> Tensor:
+    return Tensor(name, f"TYPE_{data_type}", dims, optional, backend, lacks, neutral)
 
 
+def _opt(name: str, data_type: str, *dims: int, lacks: str = "", neutral: float = 0.0) -> Tensor:
+    return _t(name, data_type, *dims, optional=True, lacks=lacks, neutral=neutral)
+
+
+def _flags(*names: str) -> tuple[Tensor, ...]:
+    return tuple(_opt(name, "BOOL", 1) for name in names)
+
+
+def _outputs(spec: str) -> tuple[Tensor, ...]:
+    """Outputs from "name:TYPE:dims" words (dims comma-separated)."""
+    return tuple(_t(name, data_type, *map(int, dims.split(","))) for name, data_type, dims in
+                 (word.split(":") for word in spec.split()))
+
+
+LORA, PROMPT_TABLE, GUIDED = "LoRA adapters", "prompt tables (p-tuning)", "guided decoding"
+DRAFTS, ENCODER = "speculative decoding (draft tokens)", "encoder or multimodal inputs (ChatGLM3 is decoder-only)"
+# NVIDIA's names at v0.19.0 first; the newest templates (v1.2.1) rename min_length and random_seed to min_tokens
+# and seed and add the return_num_*_tokens flags: trtglm takes both.
 CLIENT_INPUTS = (  # the ensemble's and the BLS model's
-    _t("text_input", "STRING", 1), _t("max_tokens", "INT32", 1),
-    _t("bad_words", "STRING", -1, optional=True), _t("stop_words", "STRING", -1, optional=True),
-    _t("end_id", "INT32", 1, optional=True), _t("pad_id", "INT32", 1, optional=True),
-    _t("top_k", "INT32", 1, optional=True), _t("top_p", "FP32", 1, optional=True),
-    _t("temperature", "FP32", 1, optional=True), _t("length_penalty", "FP32", 1, optional=True),
-    _t("repetition_penalty", "FP32", 1, optional=True), _t("min_length", "INT32", 1, optional=True),
-    _t("presence_penalty", "FP32", 1, optional=True), _t("frequency_penalty", "FP32", 1, optional=True),
-    _t("random_seed", "UINT64", 1, optional=True), _t("return_log_probs", "BOOL", 1, optional=True),
-    _t("beam_width", "INT32", 1, optional=True), _t("stream", "BOOL", 1, optional=True),
-    _t("embedding_bias_words", "STRING", -1, optional=True), _t("embedding_bias_weights", "FP32", -1, optional=True),
+    _t("text_input", "STRING", 1), _opt("decoder_text_input", "STRING", 1), _t("max_tokens", "INT32", 1),
+    _opt("num_return_sequences", "INT32", 1),
+    _opt("bad_words", "STRING", -1), _opt("stop_words", "STRING", -1),
+    _opt("end_id", "INT32", 1), _opt("pad_id", "INT32", 1),
+    _opt("top_k", "INT32", 1), _opt("top_p", "FP32", 1),
+    _opt("temperature", "FP32", 1), _opt("length_penalty", "FP32", 1),
+    _opt("repetition_penalty", "FP32", 1), _opt("min_length", "INT32", 1),
+    _opt("presence_penalty", "FP32", 1), _opt("frequency_penalty", "FP32", 1),
+    _opt("random_seed", "UINT64", 1),
+    *_flags("return_log_probs", "return_context_logits", "return_generation_logits", "return_perf_metrics"),
+    _opt("beam_width", "INT32", 1), _opt("stream", "BOOL", 1),
+    _opt("prompt_embedding_table", "FP16", -1, -1), _opt("prompt_table_extra_id", "UINT64", 1),
+    _opt("prompt_vocab_size", "INT32", 1),
+    _opt("embedding_bias_words", "STRING", -1), _opt("embedding_bias_weights", "FP32", -1),
+    _opt("lora_task_id", "UINT64", 1), _opt("lora_weights", "FP16", -1, -1), _opt("lora_config", "INT32", -1, 3),
+    _opt("guided_decoding_guide_type", "STRING", 1), _opt("guided_decoding_guide", "STRING", 1),
+    _opt("min_tokens", "INT32", 1), _opt("seed", "UINT64", 1),
+    *_flags("return_num_input_tokens", "return_num_output_tokens"),
 )
-CLIENT_OUTPUTS = (_t("text_output", "STRING", -1), _t("cum_log_probs", "FP32", -1),
-                  _t("output_log_probs", "FP32", -1, -1))
+BLS_ONLY_INPUTS = (  # NVIDIA's BLS model also takes images and draft-model options
+    _opt("image_input", "FP16", -1, 3, -1, -1, lacks=ENCODER), _opt("image_bytes_input", "UINT8", -1, -1, -1, -1,
+                                                                    lacks=ENCODER),
+    _opt("image_url_input", "STRING", 1, lacks=ENCODER), _opt("video_bytes_input", "UINT8", -1, -1, -1, -1,
+                                                            lacks=ENCODER),
+    _opt("num_draft_tokens", "INT32", 1, lacks=DRAFTS), _opt("use_draft_logits", "BOOL", 1, lacks=DRAFTS),
+)
+PERF_OUTPUTS = _outputs(  # return_perf_metrics
+    "kv_cache_alloc_new_blocks:INT32:1 kv_cache_reused_blocks:INT32:1 kv_cache_alloc_total_blocks:INT32:1 "
+    "arrival_time_ns:INT64:1 first_scheduled_time_ns:INT64:1 first_token_time_ns:INT64:1 "
+    "last_token_time_ns:INT64:1 acceptance_rate:FP32:1 total_accepted_draft_tokens:INT32:1 "
+    "total_draft_tokens:INT32:1")
+ENGINE_OUTPUTS = _outputs(  # tensorrt_llm's, which the client gets as they are
+    "cum_log_probs:FP32:-1 output_log_probs:FP32:-1,-1 context_logits:FP32:-1,-1 generation_logits:FP32:-1,-1,-1 "
+    "batch_index:INT32:1 sequence_index:INT32:1") + PERF_OUTPUTS + _outputs(
+    "num_input_tokens:INT32:1 num_output_tokens:INT32:1")
+CLIENT_OUTPUTS = (_t("text_output", "STRING", -1),) + ENGINE_OUTPUTS
+# outputs sent only when the request's flag of that name is true (NVIDIA's rule); the others always
+FLAGGED_OUTPUTS = {"return_context_logits": ("context_logits",), "return_generation_logits": ("generation_logits",),
+                   "return_perf_metrics": tuple(t.name for t in PERF_OUTPUTS),
+                   "return_num_input_tokens": ("num_input_tokens",),
+                   "return_num_output_tokens": ("num_output_tokens",)}
 
 # exclude_input_in_output false: a whole reply starts with the request's text, as NVIDIA's, whose output then
 # decodes the prompt's ids too (streamed pieces never do). In a decoupled ensemble Triton refuses a step reading
 # both the request and tensorrt_llm's outputs, so trtglm's runtime takes the text (input_text) and the flag, and
-# gives postprocessing the prefix (reply_prefix); NVIDIA's C++ backend cannot, so its ensemble lacks the input.
-# The BLS model applies them itself: it sends tensorrt_llm none of REPLY_FORM_INPUTS.
-EXCLUDE_INPUT = _t("exclude_input_in_output", "BOOL", 1, optional=True)
+# gives postprocessing the prefix (reply_prefix); NVIDIA's C++ backend cannot, so with it the ensemble routes the
+# flag to preprocessing, which refuses false. The BLS model applies them itself: it sends tensorrt_llm none of
+# REPLY_FORM_INPUTS.
+EXCLUDE_INPUT = _opt("exclude_input_in_output", "BOOL", 1)
 REPLY_FORM_INPUTS = ("input_text", "exclude_input_in_output")  # tensorrt_llm's
 
+ENGINE_INPUTS = (  # tensorrt_llm's (NVIDIA's v0.19.0 and v1.2.1 names); `lacks`: refused unless absent or neutral
+    _opt("input_ids", "INT32", -1), _opt("encoder_input_features", "FP16", -1, -1, lacks=ENCODER),
+    _opt("encoder_output_lengths", "INT32", 1, lacks=ENCODER),
+    _t("input_lengths", "INT32", 1), _t("request_output_len", "INT32", 1),
+    _opt("num_return_sequences", "INT32", 1),
+    _opt("draft_input_ids", "INT32", -1, lacks=DRAFTS),
+    _opt("decoder_input_ids", "INT32", -1), _opt("decoder_input_lengths", "INT32", 1),  # one pad id when unused
+    _opt("draft_logits", "FP32", -1, -1, lacks=DRAFTS), _opt("draft_acceptance_threshold", "FP32", 1, lacks=DRAFTS),
+    _opt("end_id", "INT32", 1), _opt("pad_id", "INT32", 1),
+    _opt("stop_words_list", "INT32", 2, -1), _opt("bad_words_list", "INT32", 2, -1),
+    _opt("embedding_bias", "FP32", -1), _opt("beam_width", "INT32", 1),
+    _opt("temperature", "FP32", 1), _opt("runtime_top_k", "INT32", 1), _opt("runtime_top_p", "FP32", 1),
+    _opt("runtime_top_p_min", "FP32", 1), _opt("runtime_top_p_decay", "FP32", 1, lacks="top-p decay", neutral=1.0),
+    _opt("runtime_top_p_reset_ids", "INT32", 1),
+    _opt("len_penalty", "FP32", 1), _opt("early_stopping", "BOOL", 1),
+    _opt("repetition_penalty", "FP32", 1), _opt("min_length", "INT32", 1),
+    _opt("beam_search_diversity_rate", "FP32", 1),
+    _opt("presence_penalty", "FP32", 1), _opt("frequency_penalty", "FP32", 1),
+    _opt("random_seed", "UINT64", 1),
+    _opt("return_log_probs", "BOOL", 1),
+    _opt("return_context_logits", "BOOL", 1, lacks="context logits output"),
+    _opt("return_generation_logits", "BOOL", 1, lacks="generation logits output"),
+    _opt("return_perf_metrics", "BOOL", 1),
+    _opt("exclude_input_in_output", "BOOL", 1),
+    _opt("stop", "BOOL", 1, lacks="stop requests (cancel the request instead: close its stream)"),
+    _opt("streaming", "BOOL", 1),
+    _opt("prompt_embedding_table", "FP16", -1, -1, lacks=PROMPT_TABLE),
+    _opt("prompt_table_extra_ids", "UINT64", -1, lacks=PROMPT_TABLE),
+    _opt("prompt_vocab_size", "INT32", 1, lacks=PROMPT_TABLE),
+    _opt("cross_attention_mask", "BOOL", -1, -1, lacks=ENCODER), _opt("mrope_rotary_cos_sin", "FP32", -1, lacks=ENCODER),
+    _opt("mrope_position_deltas", "INT64", 1, lacks=ENCODER),
+    _opt("lora_task_id", "UINT64", 1, lacks=LORA), _opt("lora_weights", "FP16", -1, -1, lacks=LORA),
+    _opt("lora_config", "INT32", -1, 3, lacks=LORA),
+    _opt("context_phase_params", "UINT8", -1, lacks="disaggregated serving"),
+    _opt("skip_cross_attn_blocks", "BOOL", 1, lacks=ENCODER),
+    *(_opt(f"retention_{name}", "INT32", *dims, lacks="KV cache retention priorities") for name, dims in (
+        ("token_range_starts", (-1,)), ("token_range_ends", (-1,)), ("token_range_priorities", (-1,)),
+        ("token_range_durations_ms", (-1,)), ("decode_priority", (1,)), ("decode_duration_ms", (1,)))),
+    _opt("guided_decoding_guide_type", "STRING", 1, lacks=GUIDED), _opt("guided_decoding_guide", "STRING", 1,
+                                                                        lacks=GUIDED),
+    *(_opt(f"lookahead_{name}", "INT32", 1, lacks="lookahead decoding")
+      for name in ("window_size", "ngram_size", "verification_set_size")),
+    _opt("min_tokens", "INT32", 1), _opt("seed", "UINT64", 1),
+    *_flags("return_num_input_tokens", "return_num_output_tokens"),
+)
+
 CONTRACT: dict[str, Model] = {
-    ENSEMBLE: Model(CLIENT_INPUTS + (replace(EXCLUDE_INPUT, backend=PYTHON),), CLIENT_OUTPUTS),
-    BLS: Model(CLIENT_INPUTS + (EXCLUDE_INPUT,), CLIENT_OUTPUTS),
+    ENSEMBLE: Model(CLIENT_INPUTS + (EXCLUDE_INPUT,), CLIENT_OUTPUTS),
+    BLS: Model(CLIENT_INPUTS + BLS_ONLY_INPUTS + (EXCLUDE_INPUT,), CLIENT_OUTPUTS),
     PREPROCESSING: Model(
-        inputs=(_t("QUERY", "STRING", 1), _t("REQUEST_OUTPUT_LEN", "INT32", 1),
-                _t("BAD_WORDS_DICT", "STRING", -1, optional=True), _t("STOP_WORDS_DICT", "STRING", -1, optional=True),
-                _t("EMBEDDING_BIAS_WORDS", "STRING", -1, optional=True),
-                _t("EMBEDDING_BIAS_WEIGHTS", "FP32", -1, optional=True),
-                _t("END_ID", "INT32", 1, optional=True), _t("PAD_ID", "INT32", 1, optional=True),
-                _t("STREAM", "BOOL", 1, optional=True)),
-        outputs=(_t("INPUT_ID", "INT32", -1), _t("REQUEST_INPUT_LEN", "INT32", 1),
-                 _t("REQUEST_OUTPUT_LEN", "INT32", 1), _t("BAD_WORDS_IDS", "INT32", 2, -1),
-                 _t("STOP_WORDS_IDS", "INT32", 2, -1), _t("EMBEDDING_BIAS", "FP32", -1),
-                 _t("OUT_END_ID", "INT32", 1), _t("OUT_PAD_ID", "INT32", 1))),
+        inputs=(_t("QUERY", "STRING", 1), _opt("DECODER_QUERY", "STRING", 1, lacks=ENCODER),
+                _opt("IMAGE_BYTES", "UINT8", -1, -1, -1, -1, lacks=ENCODER), _opt("IMAGE_URL", "STRING", 1,
+                                                                                  lacks=ENCODER),
+                _opt("VIDEO_BYTES", "UINT8", -1, -1, -1, -1, lacks=ENCODER),
+                _t("REQUEST_OUTPUT_LEN", "INT32", 1),
+                _opt("BAD_WORDS_DICT", "STRING", -1), _opt("STOP_WORDS_DICT", "STRING", -1),
+                _opt("EMBEDDING_BIAS_WORDS", "STRING", -1), _opt("EMBEDDING_BIAS_WEIGHTS", "FP32", -1),
+                _opt("END_ID", "INT32", 1), _opt("PAD_ID", "INT32", 1),
+                _opt("PROMPT_TABLE_EXTRA_ID", "UINT64", 1, lacks=PROMPT_TABLE),
+                _opt("IMAGES", "STRING", -1, lacks=ENCODER),
+                _opt("STREAM", "BOOL", 1),
+                _opt("EXCLUDE_INPUT_IN_OUTPUT", "BOOL", 1)),
+        outputs=_outputs("INPUT_ID:INT32:-1 REQUEST_INPUT_LEN:INT32:1 DECODER_INPUT_ID:INT32:-1 "
+                         "REQUEST_DECODER_INPUT_LEN:INT32:1 REQUEST_OUTPUT_LEN:INT32:-1 BAD_WORDS_IDS:INT32:2,-1 "
+                         "STOP_WORDS_IDS:INT32:2,-1 EMBEDDING_BIAS:FP32:-1 OUT_END_ID:INT32:1 OUT_PAD_ID:INT32:1 "
+                         "OUT_PROMPT_TABLE_EXTRA_IDS:UINT64:-1")),
     TENSORRT_LLM: Model(
-        inputs=(_t("input_ids", "INT32", -1), _t("input_lengths", "INT32", 1), _t("request_output_len", "INT32", 1),
-                _t("end_id", "INT32", 1, optional=True), _t("pad_id", "INT32", 1, optional=True),
-                _t("stop_words_list", "INT32", 2, -1, optional=True),
-                _t("bad_words_list", "INT32", 2, -1, optional=True),
-                _t("embedding_bias", "FP32", -1, optional=True), _t("beam_width", "INT32", 1, optional=True),
-                _t("temperature", "FP32", 1, optional=True), _t("runtime_top_k", "INT32", 1, optional=True),
-                _t("runtime_top_p", "FP32", 1, optional=True), _t("len_penalty", "FP32", 1, optional=True),
-                _t("repetition_penalty", "FP32", 1, optional=True), _t("min_length", "INT32", 1, optional=True),
-                _t("presence_penalty", "FP32", 1, optional=True), _t("frequency_penalty", "FP32", 1, optional=True),
-                _t("random_seed", "UINT64", 1, optional=True), _t("return_log_probs", "BOOL", 1, optional=True),
-                _t("streaming", "BOOL", 1, optional=True),
-                _t("exclude_input_in_output", "BOOL", 1, optional=True, backend=PYTHON),
-                _t("input_text", "STRING", 1, optional=True, backend=PYTHON)),
-        outputs=(_t("output_ids", "INT32", -1, -1), _t("sequence_length", "INT32", -1),
-                 _t("cum_log_probs", "FP32", -1), _t("output_log_probs", "FP32", -1, -1),
-                 _t("generated_ids", "INT32", -1, -1, backend=PYTHON), _t("is_final", "BOOL", 1, backend=PYTHON),
-                 _t("reply_prefix", "STRING", 1, backend=PYTHON))),
+        inputs=ENGINE_INPUTS + (_t("input_text", "STRING", 1, optional=True, backend=PYTHON),),
+        outputs=_outputs("output_ids:INT32:-1,-1 sequence_length:INT32:-1") + ENGINE_OUTPUTS + (
+            _t("context_phase_params", "UINT8", -1),
+            _t("generated_ids", "INT32", -1, -1, backend=PYTHON), _t("is_final", "BOOL", 1, backend=PYTHON),
+            _t("reply_prefix", "STRING", 1, backend=PYTHON))),
     POSTPROCESSING: Model(
         inputs=(_t("TOKENS_BATCH", "INT32", -1, -1), _t("SEQUENCE_LENGTH", "INT32", -1),
                 _t("GENERATED_IDS", "INT32", -1, -1, optional=True), _t("IS_FINAL", "BOOL", 1, optional=True),
@@ -146,34 +236,51 @@ def _out(step: str, tensor: str, ensemble_tensor: str, backend: str | None = Non
     return Wire(step, False, tensor, ensemble_tensor, backend)
 
 
+def _same_name(step: str, *tensors: str) -> tuple[Wire, ...]:
+    return tuple(_in(step, tensor, tensor) for tensor in tensors)
+
+
+# client inputs tensorrt_llm takes under their own names
+PASSED_AS_THEY_ARE = (
+    "temperature", "repetition_penalty", "min_length", "presence_penalty", "frequency_penalty", "random_seed",
+    "return_log_probs", "return_context_logits", "return_generation_logits", "return_perf_metrics",
+    "num_return_sequences", "beam_width", "prompt_embedding_table", "prompt_vocab_size", "lora_task_id",
+    "lora_weights", "lora_config", "guided_decoding_guide_type", "guided_decoding_guide", "min_tokens", "seed",
+    "return_num_input_tokens", "return_num_output_tokens")
 ENSEMBLE_WIRING = (
-    _in(PREPROCESSING, "QUERY", "text_input"), _in(PREPROCESSING, "REQUEST_OUTPUT_LEN", "max_tokens"),
+    _in(PREPROCESSING, "QUERY", "text_input"), _in(PREPROCESSING, "DECODER_QUERY", "decoder_text_input"),
+    _in(PREPROCESSING, "REQUEST_OUTPUT_LEN", "max_tokens"),
     _in(PREPROCESSING, "BAD_WORDS_DICT", "bad_words"), _in(PREPROCESSING, "STOP_WORDS_DICT", "stop_words"),
     _in(PREPROCESSING, "EMBEDDING_BIAS_WORDS", "embedding_bias_words"),
     _in(PREPROCESSING, "EMBEDDING_BIAS_WEIGHTS", "embedding_bias_weights"),
     _in(PREPROCESSING, "END_ID", "end_id"), _in(PREPROCESSING, "PAD_ID", "pad_id"),
+    _in(PREPROCESSING, "PROMPT_TABLE_EXTRA_ID", "prompt_table_extra_id"),
     _in(PREPROCESSING, "STREAM", "stream", TENSORRTLLM),  # refused there
+    _in(PREPROCESSING, "EXCLUDE_INPUT_IN_OUTPUT", "exclude_input_in_output", TENSORRTLLM),  # false refused there
     _out(PREPROCESSING, "INPUT_ID", "_INPUT_ID"), _out(PREPROCESSING, "REQUEST_INPUT_LEN", "_REQUEST_INPUT_LEN"),
+    _out(PREPROCESSING, "DECODER_INPUT_ID", "_DECODER_INPUT_ID"),
+    _out(PREPROCESSING, "REQUEST_DECODER_INPUT_LEN", "_REQUEST_DECODER_INPUT_LEN"),
     _out(PREPROCESSING, "REQUEST_OUTPUT_LEN", "_REQUEST_OUTPUT_LEN"),
     _out(PREPROCESSING, "BAD_WORDS_IDS", "_BAD_WORDS_IDS"), _out(PREPROCESSING, "STOP_WORDS_IDS", "_STOP_WORDS_IDS"),
     _out(PREPROCESSING, "EMBEDDING_BIAS", "_EMBEDDING_BIAS"),
     _out(PREPROCESSING, "OUT_END_ID", "_END_ID"), _out(PREPROCESSING, "OUT_PAD_ID", "_PAD_ID"),
+    _out(PREPROCESSING, "OUT_PROMPT_TABLE_EXTRA_IDS", "_OUT_PROMPT_TABLE_EXTRA_IDS"),
     _in(TENSORRT_LLM, "input_ids", "_INPUT_ID"), _in(TENSORRT_LLM, "input_lengths", "_REQUEST_INPUT_LEN"),
+    _in(TENSORRT_LLM, "decoder_input_ids", "_DECODER_INPUT_ID"),
+    _in(TENSORRT_LLM, "decoder_input_lengths", "_REQUEST_DECODER_INPUT_LEN"),
     _in(TENSORRT_LLM, "request_output_len", "_REQUEST_OUTPUT_LEN"),
     _in(TENSORRT_LLM, "end_id", "_END_ID"), _in(TENSORRT_LLM, "pad_id", "_PAD_ID"),
     _in(TENSORRT_LLM, "stop_words_list", "_STOP_WORDS_IDS"), _in(TENSORRT_LLM, "bad_words_list", "_BAD_WORDS_IDS"),
     _in(TENSORRT_LLM, "embedding_bias", "_EMBEDDING_BIAS"),
+    _in(TENSORRT_LLM, "prompt_table_extra_ids", "_OUT_PROMPT_TABLE_EXTRA_IDS"),
     _in(TENSORRT_LLM, "runtime_top_k", "top_k"), _in(TENSORRT_LLM, "runtime_top_p", "top_p"),
-    _in(TENSORRT_LLM, "temperature", "temperature"), _in(TENSORRT_LLM, "len_penalty", "length_penalty"),
-    _in(TENSORRT_LLM, "repetition_penalty", "repetition_penalty"), _in(TENSORRT_LLM, "min_length", "min_length"),
-    _in(TENSORRT_LLM, "presence_penalty", "presence_penalty"),
-    _in(TENSORRT_LLM, "frequency_penalty", "frequency_penalty"), _in(TENSORRT_LLM, "random_seed", "random_seed"),
-    _in(TENSORRT_LLM, "return_log_probs", "return_log_probs"), _in(TENSORRT_LLM, "beam_width", "beam_width"),
+    _in(TENSORRT_LLM, "len_penalty", "length_penalty"),
+    *_same_name(TENSORRT_LLM, *PASSED_AS_THEY_ARE),
     _in(TENSORRT_LLM, "streaming", "stream", PYTHON),
-    _in(TENSORRT_LLM, "exclude_input_in_output", "exclude_input_in_output", PYTHON),
+    _in(TENSORRT_LLM, "exclude_input_in_output", "exclude_input_in_output"),
     _in(TENSORRT_LLM, "input_text", "text_input", PYTHON),
     _out(TENSORRT_LLM, "output_ids", "_TOKENS_BATCH"), _out(TENSORRT_LLM, "sequence_length", "_SEQUENCE_LENGTH"),
-    _out(TENSORRT_LLM, "cum_log_probs", "cum_log_probs"), _out(TENSORRT_LLM, "output_log_probs", "output_log_probs"),
+    *(_out(TENSORRT_LLM, tensor.name, tensor.name) for tensor in ENGINE_OUTPUTS),
     _out(TENSORRT_LLM, "generated_ids", "_GENERATED_IDS", PYTHON), _out(TENSORRT_LLM, "is_final", "_IS_FINAL", PYTHON),
     _out(TENSORRT_LLM, "reply_prefix", "_REPLY_PREFIX", PYTHON),
     _in(POSTPROCESSING, "TOKENS_BATCH", "_TOKENS_BATCH"), _in(POSTPROCESSING, "SEQUENCE_LENGTH", "_SEQUENCE_LENGTH"),
@@ -229,3 +336,22 @@ def client_outputs_from(step: str, backend: str | None = BLS_VIEW) -> dict[str, 
     """`step`'s output -> the ensemble output it is (what passes straight through to the client)."""
     outputs = set(names(CONTRACT[ENSEMBLE].outputs))
     return {k: v for k, v in step_writes(step, backend).items() if v in outputs}
+
+
+def refusal(tensor: Tensor, array, shown: str | None = None) -> str | None:
+    """Why `array`, given for an input that trtglm's runtime cannot honour, is refused (None: it is absent or
+    neutral, or the input is honoured); `shown` is the input's name in the message (the client's)."""
+    shown = shown or tensor.name
+    if not tensor.lacks or array is None or array.size == 0:
+        return None
+    values = array.reshape(-1)
+    if values.dtype == object or values.dtype.kind in "SU":
+        neutral = all(not v for v in values)
+    else:
+        neutral = bool(((values == 0) | (values == tensor.neutral)).all())
+    return None if neutral else f"{shown}: trtglm's runtime has no {tensor.lacks}; leave {shown} out"
+
+
+def flag_set(array) -> bool:
+    """Whether a request's BOOL input is given and true (a batch's first value)."""
+    return array is not None and array.size > 0 and bool(array.reshape(-1)[0])

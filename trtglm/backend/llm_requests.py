@@ -3,11 +3,17 @@
 Inputs (batch first; each sequence of a request is a request of its own to the in-flight batcher,
 as in NVIDIA's backend):
 input_ids, input_lengths, request_output_len, end_id, stop_words_list and bad_words_list
-(TensorRT-LLM's [2, n] ids/offsets layout), embedding_bias, min_length, temperature,
-runtime_top_k, runtime_top_p, random_seed, return_log_probs, streaming, beam_width,
-len_penalty and early_stopping (beam search). pad_id is accepted and unused. Sampling follows
-TensorRT-LLM: with neither runtime_top_k nor runtime_top_p above 0 the choice is greedy;
-otherwise temperature (default 1), then top-k, then top-p; repetition_penalty,
+(TensorRT-LLM's [2, n] ids/offsets layout), embedding_bias, min_length (or min_tokens), temperature,
+runtime_top_k, runtime_top_p, random_seed (or seed), return_log_probs, streaming, beam_width,
+len_penalty and early_stopping (beam search). pad_id, beam_search_diversity_rate (beam search
+only), runtime_top_p_min and runtime_top_p_reset_ids (top-p decay only) and decoder_input_ids of
+one id (what NVIDIA's preprocessing sends a decoder-only model) are accepted and unused. Every
+other input of NVIDIA's (LoRA, prompt tables, guided decoding, draft tokens, encoder inputs, ...) is
+accepted absent or at its neutral value and refused otherwise, with an error naming it
+(contract.Tensor.lacks). num_return_sequences n (one prompt per request) makes n sequences,
+sequence k sampling with seed (the request's, 0 when unset) + k, as TensorRT-LLM's child requests
+do. Sampling follows TensorRT-LLM: with neither runtime_top_k nor runtime_top_p above 0 the choice
+is greedy; otherwise temperature (default 1), then top-k, then top-p; repetition_penalty,
 presence_penalty and frequency_penalty as TensorRT-LLM applies them (runtime/sampling.py).
 beam_width above 1 searches beams (runtime/beams.py; up to the engine's max_beam_width, which
 the executor checks) and is not streamed: TensorRT-LLM's backend refuses "Streaming mode is only
@@ -16,17 +22,19 @@ supported with beam width of 1", and so does this one.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import numpy as np
 import torch
 
-from trtglm.backend.contract import CONTRACT, TENSORRT_LLM, names
+from trtglm.backend.contract import CONTRACT, FLAGGED_OUTPUTS, TENSORRT_LLM, flag_set, names, refusal
 from trtglm.chatglm.chat import word_sequences
 from trtglm.errors import UsageError, int32_range_error
 from trtglm.runtime.executor import Request
 
 INPUTS = names(CONTRACT[TENSORRT_LLM].inputs)
+MIN_TOKENS, SEED = ("min_length", "min_tokens"), ("random_seed", "seed")  # NVIDIA's v0.19.0 and v1.2.1 names
 
 
 def _one(arrays: Mapping[str, np.ndarray | None], name: str, default=None):
@@ -64,7 +72,26 @@ def engine_requests(arrays: Mapping[str, np.ndarray | None]) -> tuple[list[Reque
                          "request, or leave streaming off to have every reply in one response")
     if len({request.beam_width for request, _ in parsed}) > 1:
         raise UsageError("beam_width must be the same for every sequence of a request")
-    return [request for request, _ in parsed], streaming.pop()
+    count = return_sequences(arrays)
+    requests = [request for request, _ in parsed]
+    return (sampled_copies(requests[0], count) if count > 1 else requests), streaming.pop()
+
+
+def return_sequences(arrays: Mapping[str, np.ndarray | None]) -> int:
+    """num_return_sequences (1 when absent): how many sequences one prompt gets (a request of one prompt)."""
+    array = arrays.get("num_return_sequences")
+    count = 1 if array is None or array.size == 0 else int(np.asarray(array).reshape(-1)[0])
+    if count < 1:
+        raise int32_range_error("num_return_sequences", count, 1)
+    if count > 1 and len(arrays["input_ids"]) > 1:
+        raise UsageError(f"num_return_sequences {count} takes one prompt per request; this one has "
+                         f"{len(arrays['input_ids'])}")
+    return count
+
+
+def sampled_copies(request: Request, count: int) -> list[Request]:
+    """TensorRT-LLM's child requests: sequence k samples with the request's seed (0 when unset) + k."""
+    return [dataclasses.replace(request, seed=(request.seed or 0) + k) for k in range(count)]
 
 
 def _row_request(arrays: Mapping[str, np.ndarray | None], row: int, batch: int) -> tuple[Request, bool]:
@@ -84,6 +111,7 @@ def engine_request(arrays: Mapping[str, np.ndarray | None]) -> tuple[Request, bo
         raise UsageError("input_ids is required")
     if ids.ndim != 2 or ids.shape[0] != 1:
         raise UsageError(f"input_ids must be [1, ids] for one sequence, not {list(ids.shape)}")
+    refuse_unhonoured(arrays)
     length = int(_one(arrays, "input_lengths", ids.shape[1]))
     if not 0 < length <= ids.shape[1]:
         raise UsageError(f"input_lengths {length} must be between 1 and the {ids.shape[1]} ids given")
@@ -94,14 +122,14 @@ def engine_request(arrays: Mapping[str, np.ndarray | None]) -> tuple[Request, bo
         raise UsageError(f"streaming takes beam_width 1, not {beams} (as TensorRT-LLM's backend): leave streaming "
                          "off to have every beam in one response")
     top_k, top_p = int(_one(arrays, "runtime_top_k", 0)), float(_one(arrays, "runtime_top_p", 0.0))
-    output_len, min_length = int(_one(arrays, "request_output_len")), int(_one(arrays, "min_length", 0))
+    output_len, min_length = int(_one(arrays, "request_output_len")), int(_one_of(arrays, MIN_TOKENS, 0))
     for name, value, low in (("request_output_len", output_len, 1), ("runtime_top_k", top_k, 0),
                              ("min_length", min_length, 0)):
         if value < low:
             raise int32_range_error(name, value, low)
     sampled = top_k > 0 or top_p > 0
     end_id = int(_one(arrays, "end_id", -1))
-    bias, seed = arrays.get("embedding_bias"), arrays.get("random_seed")
+    bias, seed = arrays.get("embedding_bias"), _one_of(arrays, SEED, None)
     request = Request(
         prompt=[int(t) for t in ids[0, :length]],
         max_new_tokens=output_len,
@@ -114,7 +142,7 @@ def engine_request(arrays: Mapping[str, np.ndarray | None]) -> tuple[Request, bo
         temperature=float(_one(arrays, "temperature", 1.0)) if sampled else 0.0,
         top_k=top_k,
         top_p=top_p if top_p > 0 else 1.0,
-        seed=int(_one(arrays, "random_seed")) if seed is not None else None,
+        seed=int(seed) if seed is not None else None,
         log_probs=bool(_one(arrays, "return_log_probs", False)),
         repetition_penalty=float(_one(arrays, "repetition_penalty", 1.0)),
         presence_penalty=float(_one(arrays, "presence_penalty", 0.0)),
@@ -124,6 +152,31 @@ def engine_request(arrays: Mapping[str, np.ndarray | None]) -> tuple[Request, bo
         early_stopping=int(_one(arrays, "early_stopping", 1)),
     )
     return request, streaming
+
+
+def unasked_outputs(arrays: Mapping[str, np.ndarray | None]) -> set[str]:
+    """The flagged outputs whose flag the request leaves false (for a batch, the first sequence's flag)."""
+    return {output for flag, outputs in FLAGGED_OUTPUTS.items() if not flag_set(arrays.get(flag))
+            for output in outputs}
+
+
+def _one_of(arrays: Mapping[str, np.ndarray | None], names: tuple[str, str], default):
+    """The value of whichever of an input's two names (NVIDIA's older and newer) the request gives."""
+    given = [name for name in names if arrays.get(name) is not None]
+    if len(given) == 2 and _one(arrays, names[0]) != _one(arrays, names[1]):
+        raise UsageError(f"{names[0]} and {names[1]} are the same input under two names; give one")
+    return _one(arrays, given[0]) if given else default
+
+
+def refuse_unhonoured(arrays: Mapping[str, np.ndarray | None]) -> None:
+    """UsageError naming the first input given a value trtglm's runtime cannot honour (contract.Tensor.lacks)."""
+    for tensor in CONTRACT[TENSORRT_LLM].inputs:
+        why = refusal(tensor, arrays.get(tensor.name))
+        if why:
+            raise UsageError(why)
+    decoder_ids = arrays.get("decoder_input_ids")
+    if decoder_ids is not None and decoder_ids.shape[-1] > 1:
+        raise UsageError("decoder_input_ids: ChatGLM3 is decoder-only; give the prompt as input_ids")
 
 
 def _words(arrays: Mapping[str, np.ndarray | None], name: str) -> list[list[int]]:

@@ -3,9 +3,10 @@
 Outputs, as the repository's config declares them (`[batch, beam, …]`, the input never
 included): output_ids and output_log_probs hold the response's tokens, sequence_length how
 many there are, cum_log_probs the sum of the log probabilities so far (zeros unless
-return_log_probs), generated_ids every token so far and is_final whether this is the last
-response. Not streaming: one response with every token of every sequence, sent once the last
-one finishes (`Gathered`: rows shorter than the longest padded with -1; sequence_length tells
+return_log_probs), generated_ids every token so far, num_output_tokens their count and is_final
+whether this is the last response; the performance metrics (`Timing`) go with every response, and
+the model sends them when return_perf_metrics asks. Not streaming: one response with every token of
+every sequence, sent once the last one finishes (`Gathered`: rows shorter than the longest padded with -1; sequence_length tells
 each row's count); the first sequence to fail fails the request and stops the others.
 Streaming (`Reply`, one sequence per request): one response per output, the last one flagged
 final. A beam search answers once, with every beam (`[1, beams, …]`, best first, shorter beams
@@ -15,6 +16,7 @@ padded with -1 as NVIDIA's backend pads them).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -52,16 +54,43 @@ def beam_arrays(beams: list[Beam], final: bool = True) -> dict[str, np.ndarray]:
             1, len(beams), width),
         "generated_ids": ids,
         "is_final": np.array([[final]], dtype=bool),
+        "num_output_tokens": np.array([[len(all_ids)]], dtype=np.int32),
     }
+
+
+class Timing:
+    """A sequence's performance metrics as NVIDIA's return_perf_metrics outputs give them (time.time_ns()
+    clock). trtglm's cache holds each sequence in one slot of max_seq_len, allocated for it and never reused:
+    one block; there are no draft tokens."""
+
+    def __init__(self, arrival_ns: int):
+        self.arrival_ns = arrival_ns
+        self.scheduled_ns = self.first_token_ns = self.last_token_ns = 0
+
+    def update(self, output: Output) -> None:
+        if output.scheduled_ns is not None:
+            self.scheduled_ns = output.scheduled_ns
+        if output.tokens:
+            self.last_token_ns = time.time_ns()
+            self.first_token_ns = self.first_token_ns or self.last_token_ns
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        values = {"kv_cache_alloc_new_blocks": 1, "kv_cache_reused_blocks": 0, "kv_cache_alloc_total_blocks": 1,
+                  "arrival_time_ns": self.arrival_ns, "first_scheduled_time_ns": self.scheduled_ns,
+                  "first_token_time_ns": self.first_token_ns, "last_token_time_ns": self.last_token_ns,
+                  "acceptance_rate": 0.0, "total_accepted_draft_tokens": 0, "total_draft_tokens": 0}
+        return {name: np.array([[value]]) for name, value in values.items()}
 
 
 class Reply:
     """Turns one request's executor Outputs into responses (`send(arrays, final)` or `fail(message)`)."""
 
-    def __init__(self, streaming: bool, send: Callable[[dict, bool], None], fail: Callable[[str], None]):
+    def __init__(self, streaming: bool, send: Callable[[dict, bool], None], fail: Callable[[str], None],
+                 arrival_ns: int = 0):
         self.streaming, self.send, self.fail = streaming, send, fail
         self.ids: list[int] = []
         self.log_probs: list[float] = []
+        self.timing = Timing(arrival_ns)
         self.gone = False  # a response could not be sent: the client is gone
 
     def __call__(self, output: Output) -> None:
@@ -77,15 +106,17 @@ class Reply:
         before = len(self.ids)
         self.ids += output.tokens
         self.log_probs += output.log_probs
+        self.timing.update(output)
         if output.error or output.reason == "cancelled":
             self.fail(output.error or "the request was cancelled")
         elif output.beams:
             self.send(beam_arrays(output.beams), True)
         elif self.streaming:
-            self.send(response_arrays(self.ids[before:], self.log_probs[before:], self.ids, sum(self.log_probs),
-                                      output.finished), output.finished)
+            self.send({**response_arrays(self.ids[before:], self.log_probs[before:], self.ids, sum(self.log_probs),
+                                         output.finished), **self.timing.arrays()}, output.finished)
         elif output.finished:
-            self.send(response_arrays(self.ids, self.log_probs, self.ids, sum(self.log_probs), True), True)
+            self.send({**response_arrays(self.ids, self.log_probs, self.ids, sum(self.log_probs), True),
+                       **self.timing.arrays()}, True)
 
 
 PADDING = -1  # past a sequence's length in a response of several (NVIDIA's padding of shorter beams)
@@ -108,8 +139,9 @@ class Gathered:
     """A request's sequences answered together in one response once every one has finished (each its whole
     reply); the first error fails the request, and `failed()` then tells the others to stop."""
 
-    def __init__(self, count: int, send: Callable[[dict, bool], None], fail: Callable[[Exception], None]):
-        self.send, self.fail = send, fail
+    def __init__(self, count: int, send: Callable[[dict, bool], None], fail: Callable[[Exception], None],
+                 arrival_ns: int = 0):
+        self.send, self.fail, self.arrival_ns = send, fail, arrival_ns
         self.parts: list[dict | None] = [None] * count
         self._failed = False
         self._lock = threading.Lock()
@@ -117,7 +149,7 @@ class Gathered:
     def reply(self, index: int) -> Reply:
         """The Reply that turns sequence `index`'s outputs into its part."""
         return Reply(False, lambda arrays, _last: self._arrived(index, arrays),
-                     lambda message: self.error(TrtglmError(message)))
+                     lambda message: self.error(TrtglmError(message)), self.arrival_ns)
 
     def error(self, error: Exception) -> None:
         with self._lock:

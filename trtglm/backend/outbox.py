@@ -41,7 +41,8 @@ def merge(outputs: list[Output]) -> Output:
     last = outputs[-1]
     return Output(tokens=[t for o in outputs for t in o.tokens], log_probs=[p for o in outputs for p in o.log_probs],
                   finished=last.finished, reason=last.reason,
-                  error=next((o.error for o in outputs if o.error), None))
+                  error=next((o.error for o in outputs if o.error), None),
+                  scheduled_ns=next((o.scheduled_ns for o in outputs if o.scheduled_ns is not None), None))
 
 
 class Outbox:

@@ -31,7 +31,7 @@ import numpy as np
 
 from trtglm.backend import triton_io
 from trtglm.backend.contract import (CHATGLM_VERSION, CONTRACT, ENSEMBLE, MAX_INPUT_LEN, MAX_SEQ_LEN,
-                                     PREPROCESSING, VOCAB_SIZE, feeds, names)
+                                     PREPROCESSING, VOCAB_SIZE, feeds, names, refusal)
 from trtglm.backend.triton_io import pb_utils
 from trtglm.chatglm.chat import (PROMPT_IDS, bad_sequences, prompt_ids, stack_word_lists, stop_sequences, word_ids,
                                  word_list)
@@ -81,6 +81,7 @@ def preprocess(tokenizer: ChatGLMTokenizer, limits: Limits, inputs: dict[str, np
     """Output arrays by name for one request (any batch size); UsageError for a bad request."""
     if inputs.get("QUERY") is None or inputs.get("REQUEST_OUTPUT_LEN") is None:
         raise UsageError("text_input and max_tokens are required")
+    refuse_unhonoured(inputs)
     rows = [prepare(tokenizer, limits, inputs, row) for row in range(len(inputs["QUERY"]))]
     return assemble(rows)
 
@@ -134,6 +135,9 @@ def assemble(rows: list[Prepared]) -> dict[str, np.ndarray]:
         "STOP_WORDS_IDS": stack_word_lists([r.stop_words for r in rows]),
         "BAD_WORDS_IDS": stack_word_lists([r.bad_words for r in rows]),
         "EMBEDDING_BIAS": bias,
+        # ChatGLM3 is decoder-only: one pad id, as NVIDIA's preprocessing sends without a decoder query
+        "DECODER_INPUT_ID": column([r.pad_id for r in rows]),
+        "REQUEST_DECODER_INPUT_LEN": column([1] * len(rows)),
     }
 
 
@@ -150,6 +154,21 @@ def embedding_bias(tokenizer: ChatGLMTokenizer, words: Sequence[str], weights: S
         ids = sorted({token for seq in word_ids(tokenizer, word) for token in seq})
         bias[ids] += np.float32(weight)
     return bias
+
+
+def refuse_unhonoured(inputs: dict[str, np.ndarray | None]) -> None:
+    """UsageError naming the first input given a value trtglm cannot honour (contract.Tensor.lacks)."""
+    for tensor in CONTRACT[PREPROCESSING].inputs:
+        why = refusal(tensor, inputs.get(tensor.name), CLIENT_NAMES.get(tensor.name, tensor.name))
+        if why:
+            raise UsageError(why)
+
+
+def refuse_included_input(exclude: np.ndarray | None) -> None:
+    """UsageError for exclude_input_in_output false, which the ensemble routes here with NVIDIA's backend."""
+    if exclude is not None and not np.asarray(exclude).astype(bool).all():
+        raise UsageError("exclude_input_in_output false: with NVIDIA's tensorrtllm backend the ensemble returns the "
+                         "reply only; the tensorrt_llm_bls model puts the prompt before it")
 
 
 def refuse_streaming(stream: np.ndarray | None) -> None:
@@ -222,6 +241,7 @@ class TritonPythonModel:
         try:
             inputs = triton_io.input_arrays(request, INPUTS)
             refuse_streaming(inputs.pop("STREAM"))
+            refuse_included_input(inputs.pop("EXCLUDE_INPUT_IN_OUTPUT"))
             arrays = preprocess(self.tokenizer, self.limits, inputs)
         except Exception as e:  # a bad request must not fail the others of its batch
             return triton_io.error_response(e)

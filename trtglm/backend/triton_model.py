@@ -25,7 +25,11 @@ repository also declares `generated_ids` (every token so far) and `is_final` (wh
 which let the ensemble's postprocessing decode a streamed reply exactly, and `reply_prefix`
 (`postprocessing.reply_prefixes` of input_text and exclude_input_in_output: the request's text
 when it asks for its input in the output, which the ensemble's postprocessing cannot read
-itself); they are sent only when requested.
+itself); they are sent only when requested. num_input_tokens / num_output_tokens and the perf
+metrics (`llm_responses.Timing`) go out when their return_* flag asks. num_return_sequences n
+(decoupled only): each of the prompt's n sequences in responses of its own with its
+sequence_index, sent one at a time (an ensemble loses responses of one request sent
+concurrently), then a final flag of its own once every sequence has ended.
 
 Errors a client causes come back as error responses; a full queue is one too ("busy … retry
 later"). A cancelled request (`is_cancelled()`, or a response that cannot be sent) stops at
@@ -48,10 +52,12 @@ import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from trtglm.backend.contract import ENGINE_DIR, KV_CACHE_REUSE, TENSORRT_LLM
 from trtglm.backend.engine import log_to_stderr
 from trtglm.backend.engine_process import EngineProcess
-from trtglm.backend.llm_requests import INPUTS, engine_requests
+from trtglm.backend.llm_requests import INPUTS, engine_requests, return_sequences, unasked_outputs
 from trtglm.backend.llm_responses import Gathered, Reply
 from trtglm.backend.outbox import Outbox
 from trtglm.backend.postprocessing import reply_prefixes
@@ -125,16 +131,18 @@ class TritonPythonModel:
 
     # --- requests ---------------------------------------------------------------------------------------
 
-    def _parse(self, request) -> tuple[list[Request], bool, dict]:
-        """The request's sequences, whether to stream, and what every response of it carries besides."""
+    def _parse(self, request) -> tuple[list[Request], bool, dict, set[str], int]:
+        """The request's sequences, whether to stream, what every response of it carries besides, the outputs
+        it wants, and how many sequences its prompt gets (num_return_sequences)."""
         arrays = self.io.input_arrays(request, INPUTS)
         sequences, streaming = engine_requests(arrays)
-        prefixes = reply_prefixes(arrays["input_text"], arrays["exclude_input_in_output"], streaming, len(sequences))
-        return sequences, streaming, {"reply_prefix": prefixes}
-
-    def _wanted(self, request) -> set[str]:
-        names = set(request.requested_output_names())
-        return names or set(self.dtypes)
+        samples = return_sequences(arrays)
+        rows = sequences[:len(sequences) // samples]  # the prompts; each response is one row's or one sample's
+        prefixes = reply_prefixes(arrays["input_text"], arrays["exclude_input_in_output"], streaming, len(rows))
+        extra = {"reply_prefix": prefixes,
+                 "num_input_tokens": np.array([[len(s.prompt)] for s in rows], dtype=np.int32)}
+        wanted = (set(request.requested_output_names()) or set(self.dtypes)) - unasked_outputs(arrays)
+        return sequences, streaming, extra, wanted, samples
 
     def _response(self, arrays: dict, wanted: set[str]):
         chosen = {name: array for name, array in arrays.items() if name in wanted}
@@ -142,10 +150,9 @@ class TritonPythonModel:
 
     def _start_streamed(self, request) -> None:
         sender = request.get_response_sender()
-        final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        final, arrival = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, time.time_ns()
         try:
-            sequences, streaming, extra = self._parse(request)
-            wanted = self._wanted(request)
+            sequences, streaming, extra, wanted, samples = self._parse(request)
         except Exception as e:
             self._send_alone(request, self._error(e))
             return
@@ -153,16 +160,57 @@ class TritonPythonModel:
         def send(arrays: dict, last: bool) -> None:
             sender.send(self._response({**arrays, **extra}, wanted), flags=final if last else 0)
 
-        if streaming:  # one sequence (engine_requests refuses more)
-            reply = Reply(True, send, lambda message: sender.send(self.io.error_response(TrtglmError(message)),
-                                                                  flags=final))
-            try:
-                self.executor.submit(sequences[0], self.outbox.mailbox(reply), request.is_cancelled)
-            except Exception as e:
-                self._send_alone(request, self._error(e))
+        if streaming or samples > 1:  # one prompt (engine_requests refuses more): each sequence its own responses
+            self._start_sequences(request, sequences, streaming, send, arrival)
             return
-        gathered = Gathered(len(sequences), send, lambda error: self._send_alone(request, self._error(error)))
+        gathered = Gathered(len(sequences), send, lambda error: self._send_alone(request, self._error(error)),
+                            arrival)
         self._submit(sequences, gathered, lambda: request.is_cancelled() or gathered.failed(), self.outbox.mailbox)
+
+    def _start_sequences(self, request, sequences: list[Request], streaming: bool,
+                         send: Callable[[dict, bool], None], arrival: int) -> None:
+        """Each sequence of one prompt in responses of its own (with sequence_index when there are several, as
+        NVIDIA's backend sends num_return_sequences). One sequence's last response is final; several send from
+        different threads, so the final flag follows on its own once every sequence's last send has returned."""
+        sender, final = request.get_response_sender(), self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        several, left, lock = len(sequences) > 1, [len(sequences)], threading.Lock()
+        sending = threading.Lock()  # one send at a time per request: an ensemble loses responses sent concurrently
+
+        def ended() -> None:
+            with lock:
+                left[0] -= 1
+                done = left[0] == 0
+            if done and several:
+                sender.send(None, flags=final)
+
+        def sequence_reply(index: int) -> Reply:
+            tag = {"sequence_index": np.array([[index]], dtype=np.int32)} if several else {}
+
+            def respond(arrays: dict, last: bool) -> None:
+                with sending:
+                    send({**arrays, **tag}, last and not several)
+                if last:
+                    ended()
+
+            def fail(message: str) -> None:
+                with sending:
+                    sender.send(self.io.error_response(TrtglmError(message)), flags=0 if several else final)
+                ended()
+
+            return Reply(streaming, respond, fail, arrival)
+
+        for index, sequence in enumerate(sequences):
+            reply = sequence_reply(index)
+            try:
+                self.executor.submit(sequence, self.outbox.mailbox(reply), request.is_cancelled)
+            except Exception as e:
+                if index == 0:  # nothing runs: the request's one response (a full queue is UNAVAILABLE)
+                    self._send_alone(request, self._error(e))
+                    return
+                with lock:
+                    left[0] -= len(sequences) - index - 1  # those never queued
+                reply.fail(str(e))  # the final flag follows once the queued ones have ended
+                return
 
     def _submit(self, sequences: list[Request], gathered: Gathered, is_cancelled: Callable[[], bool],
                 deliver: Callable[[Reply], Callable[[Output], None]] = lambda reply: reply) -> list:
@@ -192,12 +240,15 @@ class TritonPythonModel:
     def _answer_all(self, requests: list) -> list:
         """Non-decoupled: every sequence of every request runs together; one response per request."""
         waiting, responses = [], [None] * len(requests)
+        arrival = time.time_ns()
         for index, request in enumerate(requests):
             try:
-                sequences, streaming, extra = self._parse(request)
+                sequences, streaming, extra, wanted, samples = self._parse(request)
                 if streaming:
                     raise UsageError("streaming needs a decoupled tensorrt_llm (decoupled_mode true)")
-                wanted = self._wanted(request)
+                if samples > 1:
+                    raise UsageError("num_return_sequences above 1 needs a decoupled tensorrt_llm (decoupled_mode "
+                                     "true): each sequence comes in responses of its own")
             except Exception as e:
                 responses[index] = self._error(e)
                 continue
@@ -208,7 +259,7 @@ class TritonPythonModel:
             def fail(error: Exception, index=index) -> None:
                 responses[index] = self._error(error)
 
-            gathered = Gathered(len(sequences), send, fail)
+            gathered = Gathered(len(sequences), send, fail, arrival)
             waiting += self._submit(sequences, gathered, gathered.failed)
         for handle in waiting:
             handle.done.wait()

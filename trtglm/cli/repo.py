@@ -15,7 +15,7 @@ def patch_repo(engine_dir: str | None = None, tokenizer_dir: str | None = None, 
     """Render the Triton model repository for an engine; `--check REPO` lists an existing one's problems.
 
     --set PLACEHOLDER=VALUE overrides a placeholder (repeat for several).
-    --template DIR patches a copy of NVIDIA's inflight_batcher_llm (v0.7.1 or v0.19.0) instead.
+    --template DIR patches a copy of NVIDIA's inflight_batcher_llm (v0.7.1, v0.19.0 or v1.2.1) instead.
     """
     from trtglm.repo import check_repo
     from trtglm.repo import patch_repo as render

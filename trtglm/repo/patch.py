@@ -1,4 +1,4 @@
-"""Patch a copy of NVIDIA's inflight_batcher_llm (v0.7.1 or v0.19.0) for ChatGLM3.
+"""Patch a copy of NVIDIA's inflight_batcher_llm (v0.7.1, v0.19.0 or v1.2.1) for ChatGLM3.
 
 Each config.pbtxt is filled (`placeholders.fill_text`), parsed with Triton's own model_config
 protobuf, adapted, and written back as protobuf text under its original header comment.
@@ -16,14 +16,17 @@ template wrong) and makes the layout carry what they need:
   runtime (backend python) `stream` stays wired to tensorrt_llm, which also declares
   generated_ids and is_final, and the ensemble routes them to postprocessing (optional inputs
   GENERATED_IDS and IS_FINAL, in order: preserve_ordering), which then streams exactly;
-- exclude_input_in_output: with trtglm's runtime it stays wired to tensorrt_llm, which also
-  takes text_input (input_text) and gives postprocessing the prefix of a whole reply
-  (reply_prefix -> REPLY_PREFIX: the request's text when it is false); NVIDIA's backend would
-  then return the prompt's ids, which postprocessing cannot tell from the reply's, so there it
-  is no longer passed on (and the ensemble no longer takes it; tensorrt_llm_bls does);
-- ensemble tensors nothing uses any more are unmapped (Triton refuses unused tensors), as are
-  preprocessing outputs trtglm does not produce (encoder-decoder, multimodal, prompt-table
-  extras) with whatever read them;
+- exclude_input_in_output: with trtglm's runtime tensorrt_llm also takes text_input
+  (input_text) and gives postprocessing the prefix of a whole reply (reply_prefix ->
+  REPLY_PREFIX: the request's text when it is false); NVIDIA's backend would then return the
+  prompt's ids, which postprocessing cannot tell from the reply's, so there the ensemble also
+  routes it to preprocessing (EXCLUDE_INPUT_IN_OUTPUT), which refuses false (tensorrt_llm_bls
+  takes it);
+- every input NVIDIA's configs declare stays declared and wired; the inputs trtglm's models
+  cannot honour (LoRA, prompt tables, guided decoding, draft tokens, multimodal) are refused by
+  them when set (contract.Tensor.lacks); preprocessing outputs trtglm does not produce
+  (multimodal) are unmapped, with whatever read them, and ensemble tensors nothing uses any
+  more with them (Triton refuses unused tensors);
 - the parameters trtglm's models read (`contract.PYTHON_MODEL_PARAMETERS`) are added where missing;
 - tensorrt_llm's backend follows the engine kind (`python` for trtglm's torch runtime).
 """
@@ -41,7 +44,8 @@ from trtglm.repo.validate import protobuf
 
 # tensors of trtglm's contract that NVIDIA's layouts lack: (model, "input" | "output", name)
 ADDED_TENSORS = ((PREPROCESSING, "input", "END_ID"), (PREPROCESSING, "input", "PAD_ID"),
-                 (PREPROCESSING, "input", "STREAM"), (PREPROCESSING, "output", "OUT_END_ID"),
+                 (PREPROCESSING, "input", "STREAM"), (PREPROCESSING, "input", "EXCLUDE_INPUT_IN_OUTPUT"),
+                 (PREPROCESSING, "output", "OUT_END_ID"),
                  (PREPROCESSING, "output", "OUT_PAD_ID"))
 # those trtglm's runtime adds for exact streaming through the ensemble and the prompt before a whole reply
 # (backend python only)
@@ -69,7 +73,7 @@ def _backend_wiring(backend: str) -> tuple[tuple[str, str, str, str], ...]:
 WHOLE_REPLY_WIRING = _backend_wiring(TENSORRTLLM)  # `stream` to preprocessing, which refuses it
 STREAMING_WIRING = _backend_wiring(PYTHON)
 # (step's model, input)
-WHOLE_REPLY_UNWIRED = ((TENSORRT_LLM, "streaming"), (TENSORRT_LLM, "exclude_input_in_output"))
+WHOLE_REPLY_UNWIRED = ((TENSORRT_LLM, "streaming"),)
 PREPROCESSING_OUTPUTS = frozenset(names(CONTRACT[PREPROCESSING].outputs))  # what trtglm's preprocessing produces
 
 

@@ -2,9 +2,10 @@
 
 A template is recognised by the exact set of placeholders its five config.pbtxt files carry
 outside comments: trtglm's own template (triton_model_repo/) or a copy of NVIDIA's
-`inflight_batcher_llm` at v0.7.1 or v0.19.0. `contract.PYTHON_MODEL_PARAMETERS` lists the
-parameters that trtglm's python models read; patching an upstream copy adds the ones it lacks, each filled
-from the placeholder of the same name, so `--set` accepts them for every version.
+`inflight_batcher_llm` at v0.7.1, v0.19.0 or v1.2.1 (TensorRT-LLM's own triton_backend copy).
+`contract.PYTHON_MODEL_PARAMETERS` lists the parameters that trtglm's python models read; patching
+an upstream copy adds the ones it lacks, each filled from the placeholder of the same name, so
+`--set` accepts them for every version.
 """
 
 from __future__ import annotations
@@ -77,6 +78,13 @@ PLACEHOLDERS: dict[str, dict[str, frozenset[str]]] = {
                                    "multimodal_encoders_name"),
     },
 }
+
+
+# The newest templates (TensorRT-LLM v1.2.1 triton_backend/all_models/inflight_batcher_llm) add two placeholders
+PLACEHOLDERS["v1.2.1"] = {**PLACEHOLDERS["v0.19.0"],
+                          "preprocessing": PLACEHOLDERS["v0.19.0"]["preprocessing"] | {"hf_model_path"},
+                          "tensorrt_llm": PLACEHOLDERS["v0.19.0"]["tensorrt_llm"] | {
+                              "prompt_embedding_table_data_type"}}
 
 
 def known_placeholders(version: str) -> frozenset[str]:

@@ -1,7 +1,7 @@
 """`trtglm patch-repo`: the Triton model repository for an engine, rendered, checked, written atomically.
 
 The template is trtglm's own (triton_model_repo/) or a copy of NVIDIA's inflight_batcher_llm
-(v0.7.1 or v0.19.0; `patch.py`), recognised by its placeholders (`placeholders.py`). Every
+(v0.7.1, v0.19.0 or v1.2.1; `patch.py`), recognised by its placeholders (`placeholders.py`). Every
 placeholder is filled from the engine's trtglm.json, its profile's serve section and `--set`
 (`values.py`); an unknown `--set` key or a placeholder left unfilled is an error naming the
 file and the placeholder. A line of trtglm's template whose comment says `only with backend X`

@@ -33,7 +33,7 @@ BACKEND_DEFAULTS = frozenset("""
     lookahead_window_size lookahead_ngram_size lookahead_verification_set_size medusa_choices eagle_choices
     gpu_weights_percent enable_context_fmha_fp32_acc multi_block_mode cuda_graph_mode cuda_graph_cache_size
     speculative_decoding_fast_logits guided_decoding_backend xgrammar_tokenizer_info_path
-    tensorrt_llm_draft_model_name multimodal_encoders_name
+    tensorrt_llm_draft_model_name multimodal_encoders_name hf_model_path
 """.split())
 
 SERVE_KEYS = {  # placeholder -> key of the profile's serve section
@@ -60,6 +60,7 @@ FIXED = {
     "enable_kv_cache_reuse": False,
     "enable_trt_overlap": False,
     "logits_datatype": "TYPE_FP32",  # the checkpoint's logits_dtype
+    "prompt_embedding_table_data_type": "TYPE_FP16",  # what the ensemble passes on (trtglm refuses prompt tables)
     # read only by NVIDIA's model.py files, which trtglm replaces; filled with what is true
     "tokenizer_type": "chatglm3",
     "add_special_tokens": True,

@@ -84,6 +84,7 @@ class _Sequence:
         self.prefilled = 0  # prompt tokens in the slot's cache so far
         self.generated = 0
         self.slot: int | None = None
+        self.scheduled_ns: int | None = None  # when it got its slot, until its first Output carries it
         self.sampler = Sampler(request.temperature, request.top_k, request.top_p, request.seed, device)
         self.penalties = Penalties(request.repetition_penalty, request.presence_penalty, request.frequency_penalty,
                                    request.temperature)
@@ -342,6 +343,7 @@ class Executor:
                 self._free_kv_blocks -= blocks
                 sequence.kv_blocks = blocks
                 self._place(sequence)
+                sequence.scheduled_ns = time.time_ns()
                 self._hold(sequence)
                 admitted.append(sequence)
                 budget -= sequence.unprefilled
@@ -508,6 +510,7 @@ class Executor:
     @staticmethod
     def _deliver(sequence: _Sequence, output: Output) -> bool:
         """Hand `output` to the request's callback; False when that fails (the client is gone)."""
+        output.scheduled_ns, sequence.scheduled_ns = sequence.scheduled_ns, None
         try:
             sequence.on_output(output)
             return True

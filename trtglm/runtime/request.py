@@ -61,6 +61,8 @@ class Output:
     reason: str | None = None  # end_id | stop_word | length | cancelled | error
     error: str | None = None
     beams: list[Beam] = field(default_factory=list)  # beam search: every beam, best first (only when finished)
+    # on a request's first Output: when it got its slot (time.time_ns()); timing, not content, so not compared
+    scheduled_ns: int | None = field(default=None, compare=False)
 
 
 OutputCallback = Callable[[Output], None]
