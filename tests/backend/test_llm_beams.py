@@ -51,3 +51,31 @@ def test_a_beam_search_answers_every_beam_padded():
     np.testing.assert_allclose(out["cum_log_probs"], [[-0.5, -1.5]])
     np.testing.assert_allclose(out["output_log_probs"], [[[-0.1, -0.1, -0.2], [-0.1, -1.2, -1.0]]])
     assert out["is_final"].tolist() == [[True]]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_plain_and_beam_answers_count_their_output_tokens(streaming):
+    sent = []
+    reply = Reply(streaming, lambda arrays, last: sent.append(arrays), lambda message: sent.append(message))
+    reply(Output(tokens=[4, 5], log_probs=[], finished=False, reason=None))
+    reply(Output(tokens=[6], log_probs=[], finished=True, reason="length"))
+    assert sent[-1]["num_output_tokens"].tolist() == [[3]]
+    beams = []
+    Reply(False, lambda arrays, last: beams.append(arrays), beams.append)(Output(
+        tokens=[], log_probs=[], finished=True, reason="end_id",
+        beams=[Beam([1, 2, 3], -1.0, -0.5, []), Beam([1], -2.0, -2.0, [])]))
+    assert beams[0]["num_output_tokens"].tolist() == [[3]]  # the longest beam's, as output_ids' width
+
+
+def test_a_response_that_cannot_be_made_still_ends_the_request_with_an_error():
+    failures = []
+
+    def send(arrays, last):
+        raise KeyError("no such output")
+
+    reply = Reply(False, send, failures.append)
+    with pytest.raises(KeyError):
+        reply(Output(tokens=[4], log_probs=[], finished=True, reason="length"))
+    assert failures == ["its response could not be made or sent: 'no such output'"]
+    reply(Output(tokens=[5], log_probs=[], finished=True, reason="length"))  # a gone reply takes no more
+    assert len(failures) == 1

@@ -15,6 +15,7 @@ padded with -1 as NVIDIA's backend pads them).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ def response_arrays(new_ids: list[int], new_log_probs: list[float], all_ids: lis
     """Every output tensor of one response ([batch 1, beam 1, …])."""
     arrays = beam_arrays([Beam(new_ids, cum_log_prob, 0.0, new_log_probs)], final)
     arrays["generated_ids"] = np.array(all_ids, dtype=np.int32).reshape(1, 1, len(all_ids))
+    arrays["num_output_tokens"] = np.array([[len(all_ids)]], dtype=np.int32)
     return arrays
 
 
@@ -54,7 +56,7 @@ def beam_arrays(beams: list[Beam], final: bool = True) -> dict[str, np.ndarray]:
             1, len(beams), width),
         "generated_ids": ids,
         "is_final": np.array([[final]], dtype=bool),
-        "num_output_tokens": np.array([[len(all_ids)]], dtype=np.int32),
+        "num_output_tokens": np.array([[width]], dtype=np.int32),
     }
 
 
@@ -98,8 +100,11 @@ class Reply:
             return
         try:
             self._handle(output)
-        except Exception:
+        except Exception as e:
             self.gone = True
+            # A client that is gone takes no error either; anything else must not leave the request unanswered.
+            with contextlib.suppress(Exception):
+                self.fail(f"its response could not be made or sent: {e}")
             raise
 
     def _handle(self, output: Output) -> None:
