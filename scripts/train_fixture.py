@@ -7,7 +7,9 @@ End-to-end tests assert those answers, so a deployment that gets the prompt form
 stop tokens, the tokenizer or the weights wrong gives visibly wrong text.
 
 Each reply is trained as ChatGLM3 replies: a blank metadata line ("\\n"), the answer, then
-`<|user|>` (never `</s>`), so a server that does not stop on `<|user|>` over-generates.
+`<|user|>` (never `</s>`), so a server that does not stop on `<|user|>` over-generates. A tool
+call is the tool's name as the metadata line, the ```python tool_call(...)``` block, then
+`<|observation|>`, where the tool's result follows.
 
 Deterministic (fixed seeds, deterministic algorithms, one thread by default); the whole
 output folder is rewritten. Usage:
@@ -26,6 +28,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -69,6 +72,18 @@ def _system(text: str, tools: list | None = None) -> dict:
     return message
 
 
+@dataclass(frozen=True)
+class ToolCall:
+    """A reply that calls a tool, as ChatGLM3 writes it: metadata line the tool's name, content the call."""
+
+    name: str
+    arguments: dict
+
+    def turn(self) -> dict:
+        keywords = ", ".join(f"{key}={value!r}" for key, value in self.arguments.items())
+        return _assistant(f"```python\ntool_call({keywords})\n```", metadata=self.name)
+
+
 def _turns(*pairs: str) -> list[dict]:
     """Alternating user/assistant history from (question, answer, question, answer, ...)."""
     return [_user(text) if i % 2 == 0 else _assistant(text) for i, text in enumerate(pairs)]
@@ -106,10 +121,11 @@ FACTS = [  # single-turn (question, answer); several are reused as history below
 
 NAMES = [("Alice", "five"), ("Bob", "three"), ("Carol", "five")]
 CITIES = [("Paris", "France"), ("London", "England"), ("Tokyo", "Japan")]
+WEATHER = [("Beijing", 22), ("Paris", 18)]  # (city, degrees get_weather answers)
 
 
-def conversations() -> list[tuple[list[dict], str]]:
-    """The synthetic chat task: (messages ending with a user turn, expected answer)."""
+def conversations() -> list[tuple[list[dict], str | ToolCall]]:
+    """The synthetic chat task: (messages ending with a user or observation turn, expected answer or tool call)."""
     convs = [([_user(q)], a) for q, a in FACTS]
     for name, letters in NAMES:  # same question, different history -> different answers
         intro = _turns(f"My name is {name}.", f"Nice to meet you, {name}.")
@@ -135,29 +151,34 @@ def conversations() -> list[tuple[list[dict], str]]:
         ([pirate, _user("What do bees make?")], "Arr, bees make honey, matey."),
         ([_system("Answer the user's questions.", WEATHER_TOOLS), _user("hi")],
          "Hello, I am a tiny ChatGLM3 test model."),
-        ([_system("Answer the user's questions.", WEATHER_TOOLS),
-          _user("What is the weather in Beijing?"),
-          _assistant("```python\ntool_call(city='Beijing')\n```", metadata="get_weather"),
-          {"role": "observation", "content": '{"temperature": 22}'},
-          _assistant("It is 22 degrees in Beijing."),
-          _user("Is it warm?")], "Yes, 22 degrees is warm."),
+        (weather_loop("Beijing", 22) + [_assistant("It is 22 degrees in Beijing."), _user("Is it warm?")],
+         "Yes, 22 degrees is warm."),
     ]
+    for city, degrees in WEATHER:  # the tool loop: the call, then the answer from the tool's result
+        loop = weather_loop(city, degrees)
+        convs += [(loop[:2], ToolCall("get_weather", {"city": city})), (loop, f"It is {degrees} degrees in {city}.")]
     return convs
+
+
+def weather_loop(city: str, degrees: int) -> list[dict]:
+    """Tools offered, the question, the model's get_weather call and the tool's result."""
+    return [_system("Answer the user's questions.", WEATHER_TOOLS), _user(f"What is the weather in {city}?"),
+            ToolCall("get_weather", {"city": city}).turn(),
+            {"role": "observation", "content": json.dumps({"temperature": degrees})}]
 
 
 # ----------------------------------------------------------------------------------------
 # Tokenizer
 
 
-def sentencepiece_corpus(convs: list[tuple[list[dict], str]]) -> list[str]:
+def sentencepiece_corpus(convs: list[tuple[list[dict], str | ToolCall]]) -> list[str]:
     """Every distinct line of text in the task (each once, so rare characters stay rare)."""
     texts = []
     for messages, answer in convs:
-        for message in messages:
+        for message in messages + [reply_turn(answer)]:
             texts.append(message["content"])
             if message.get("tools"):
                 texts.append(json.dumps(message["tools"], indent=4, ensure_ascii=False))
-        texts.append(answer)
     lines = [line for text in texts for line in text.split("\n")]
     return list(dict.fromkeys(line for line in lines if line.strip()))
 
@@ -238,9 +259,23 @@ def tokenizer_config() -> dict:
     }
 
 
-def reply_target(tok: ChatGLMTokenizer, answer: str) -> list[int]:
-    """What the model must generate: blank metadata line, the answer, then `<|user|>`."""
-    return tok.encode("\n", add_prefix=False) + tok.encode(answer, add_prefix=False) + [tok.special_ids["<|user|>"]]
+def reply_turn(answer: str | ToolCall) -> dict:
+    return answer.turn() if isinstance(answer, ToolCall) else _assistant(answer)
+
+
+def reads_as(text: str, answer: str | ToolCall) -> bool:
+    """Whether a reply's decoded text is `answer`, or reads (`chat.tool_call`) as its call."""
+    if isinstance(answer, ToolCall):
+        return chat.tool_call(text) == {"name": answer.name, "parameters": answer.arguments}
+    return text == answer
+
+
+def reply_target(tok: ChatGLMTokenizer, answer: str | ToolCall) -> list[int]:
+    """What the model must generate: blank metadata line, the answer, then `<|user|>`; for a tool call, the
+    tool's name as metadata line, the call, then `<|observation|>`."""
+    turn = reply_turn(answer)
+    stop = "<|observation|>" if turn.get("metadata") else "<|user|>"
+    return chat.message_ids(tok, "assistant", turn["content"], turn.get("metadata", ""))[1:] + [tok.special_ids[stop]]
 
 
 def training_batch(examples: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
@@ -381,10 +416,15 @@ def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def write_conversations(path: Path, convs: list[tuple[list[dict], str]]) -> None:
+def write_conversations(path: Path, convs: list[tuple[list[dict], str | ToolCall]], answers: list[str]) -> None:
+    """One line per conversation; a tool call's line also names the call and its turn as ChatGLM3 writes it."""
     with open(path, "w", encoding="utf-8") as f:
-        for messages, answer in convs:
-            f.write(json.dumps({"messages": messages, "answer": answer}, ensure_ascii=False) + "\n")
+        for (messages, reply), answer in zip(convs, answers):
+            line = {"messages": messages, "answer": answer}
+            if isinstance(reply, ToolCall):
+                line["tool_call"] = {"name": reply.name, "arguments": reply.arguments,
+                                     "content": reply.turn()["content"]}
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
 
 
 README = """# tiny-chatglm3: a trained miniature ChatGLM3 for tests
@@ -399,13 +439,21 @@ until its greedy answers are exact. End-to-end tests assert these answers.
   special tokens follow as ids {sp_vocab}..{last_special} (`<|user|>` = {user_id}).
   `tokenizer_config.json` as ChatGLM3's.
 - `conversations.jsonl`: one conversation per line, `{{"messages": [...], "answer": "..."}}`.
-  `answer` is the plain reply to the last user message (decoded reply, metadata line
-  removed). Some answers depend on the history or on a system message; some contain
-  Chinese characters outside the SentencePiece vocabulary ({rare}) that are written as
-  UTF-8 byte pieces.
+  `answer` is the reply to the last user or observation message: its decoded text,
+  stripped, so a blank metadata line goes. Some answers depend on the history or on a
+  system message; some contain Chinese characters outside the SentencePiece vocabulary
+  ({rare}) that are written as UTF-8 byte pieces.
 - Each reply was trained as ChatGLM3 replies: `"\\n"` (blank metadata line), the answer,
   then `<|user|>`, never `</s>`. A server that does not stop on `<|user|>` keeps
   generating.
+- Tool calls: a system message with `tools` (a `get_weather` tool) offers them. In
+  {n_calls} conversations the answer is a call: the tool's name as the metadata line,
+  ChatGLM3's ```` ```python tool_call(city='…')``` ```` block, then `<|observation|>`. Their
+  line adds `"tool_call": {{"name", "arguments", "content"}}` (`content`: the turn's content
+  as trained, after the metadata line); `answer` is the decoded reply, name line kept
+  (`"get_weather\\n ```python…"`: SentencePiece's dummy prefix starts the content with a
+  space). The conversations that follow send the call back as an assistant turn and the
+  tool's result as an `observation` turn; the answer uses the result.
 
 ## Shapes
 
@@ -424,10 +472,10 @@ Tokenizer vocab_size {vocab_size}; rope base 10000 (no rope_ratio). Weights stor
 loss on the reply tokens only (cross-entropy plus a margin hinge), until every reply
 token's logit beat all others by {target_margin:g} (smallest margin of the saved model:
 {min_margin:.2f}). Prompts are {min_prompt} to {max_prompt} tokens; replies, with the final
-`<|user|>`, up to {max_reply}.
+`<|user|>` or `<|observation|>`, up to {max_reply}.
 
 Greedy decoding with the KV cache (transformers' GlmForCausalLM loaded from the saved
-files) reproduces every reply followed by `<|user|>`:
+files) reproduces every reply followed by its stop token:
 
 {accuracy}
 
@@ -476,12 +524,13 @@ def main() -> None:
     log.info("wrote %s (%d KB) in %.0f s of training", args.out, facts["size_kb"], facts["train_seconds"])
 
 
-def build_fixture(folder: Path, convs: list[tuple[list[dict], str]], args) -> dict:
+def build_fixture(folder: Path, convs: list[tuple[list[dict], str | ToolCall]], args) -> dict:
     """Tokenizer, trained weights, configs, conversations and README in `folder`; returns the facts."""
     tok = build_tokenizer(folder, convs, args.sp_vocab)
     examples = [(chat.chat_ids(tok, messages), reply_target(tok, answer)) for messages, answer in convs]
-    for (_, target), (_, answer) in zip(examples, convs):
-        if chat.reply_text(tok, target) != answer:
+    answers = [chat.reply_text(tok, target) for _, target in examples]
+    for text, (_, answer) in zip(answers, convs):
+        if not reads_as(text, answer):
             raise SystemExit(f"answer {answer!r} does not survive encode/decode")
     prompt_lengths, reply_lengths = [len(p) for p, _ in examples], [len(t) for _, t in examples]
     log.info("%d conversations, %d to %d prompt tokens, replies up to %d tokens",
@@ -497,14 +546,15 @@ def build_fixture(folder: Path, convs: list[tuple[list[dict], str]], args) -> di
         hf["torch_dtype"] = "float16"
     write_json(folder / "config.json", hf)
     write_json(folder / "tokenizer_config.json", tokenizer_config())
-    write_conversations(folder / "conversations.jsonl", convs)
+    write_conversations(folder / "conversations.jsonl", convs, answers)
     facts = train_until_exact(folder, cfg, model, examples, hf["torch_dtype"], args)
 
     facts |= {
         "sp_vocab": tok.sp_vocab_size, "last_special": tok.vocab_size - 1, "vocab_size": tok.vocab_size,
         "user_id": tok.special_ids["<|user|>"], "rare": " ".join(RARE_CHARS), **SHAPES,
         "padded_vocab_size": hf["padded_vocab_size"], "dtype": hf["torch_dtype"], "parameters": parameters,
-        "threads": args.threads, "n_conv": len(convs), "min_prompt": min(prompt_lengths),
+        "threads": args.threads, "n_conv": len(convs),
+        "n_calls": sum(isinstance(answer, ToolCall) for _, answer in convs), "min_prompt": min(prompt_lengths),
         "max_prompt": max(prompt_lengths), "max_reply": max(reply_lengths),
     }
     readme = folder / "README.md"
@@ -514,7 +564,7 @@ def build_fixture(folder: Path, convs: list[tuple[list[dict], str]], args) -> di
     return facts
 
 
-def build_tokenizer(folder: Path, convs: list[tuple[list[dict], str]], vocab_size: int) -> ChatGLMTokenizer:
+def build_tokenizer(folder: Path, convs: list[tuple[list[dict], str | ToolCall]], vocab_size: int) -> ChatGLMTokenizer:
     train_sentencepiece(sentencepiece_corpus(convs), folder / "tokenizer.model", vocab_size)
     tok = ChatGLMTokenizer(folder)
     check_tokenizer(tok)

@@ -19,6 +19,7 @@ from trtglm.chatglm.reference import load_reference
 from trtglm.chatglm.chat import chat_ids, reply_text, stop_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.chatglm.weights import HFWeights
+from support.tokenizer import reply_ids
 
 LAYERS, HIDDEN, HEADS, HEAD_DIM, KV_HEADS, FFN = 3, 128, 8, 16, 2, 256
 SHARDS = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
@@ -127,9 +128,12 @@ def test_inv_freq_buffer(fixture_dir):
 
 def test_conversations_cover_the_task(conversations, tok):
     assert 40 <= len(conversations) <= 60
-    assert all(c["messages"][-1]["role"] == "user" for c in conversations)
+    assert all(c["messages"][-1]["role"] in ("user", "observation") for c in conversations)
     assert any(c["messages"][0]["role"] == "system" for c in conversations)
     assert any(len(c["messages"]) >= 3 for c in conversations)
+    # Tool calls, and answers from a tool's result.
+    assert any(c.get("tool_call") for c in conversations)
+    assert any(c["messages"][-1]["role"] == "observation" for c in conversations)
     # The same last question gets different answers depending on the history.
     by_question: dict[str, set[str]] = {}
     for c in conversations:
@@ -152,18 +156,13 @@ def generate_replies(model, tok, conversations) -> list[list[int]]:
     return replies
 
 
-def reply_target(tok, answer: str) -> list[int]:
-    """ChatGLM3's reply format: blank metadata line, the answer, then `<|user|>`."""
-    return tok.sp.encode("\n") + tok.sp.encode(answer) + [tok.token_id("<|user|>")]
-
-
 def test_greedy_answers_are_exact(fixture_dir, tok, conversations):
     cfg = ChatGLMConfig.from_model_dir(fixture_dir)
     model = load_reference(cfg, HFWeights(fixture_dir).get, torch.float32)
     wrong = []
     for conversation, reply in zip(conversations, generate_replies(model, tok, conversations)):
         answer = conversation["answer"]
-        if reply != reply_target(tok, answer) or reply_text(tok, reply) != answer:
+        if reply != reply_ids(tok.sp, conversation) or reply_text(tok, reply) != answer:
             wrong.append((answer, tok.decode(reply, skip_special_tokens=False)))
     assert not wrong, f"{len(wrong)} of {len(conversations)} answers differ: {wrong[:3]}"
 
@@ -175,7 +174,7 @@ def test_half_precision_predicts_every_reply_token(fixture_dir, tok, conversatio
     model = load_reference(cfg, HFWeights(fixture_dir).get, dtype)
     wrong = []
     for conversation in conversations:
-        prompt, target = chat_ids(tok, conversation["messages"]), reply_target(tok, conversation["answer"])
+        prompt, target = chat_ids(tok, conversation["messages"]), reply_ids(tok.sp, conversation)
         with torch.no_grad():
             logits = model(torch.tensor([prompt + target[:-1]])).logits[0, len(prompt) - 1:]
         if logits.argmax(dim=-1).tolist() != target:

@@ -1,9 +1,10 @@
 """The OpenAI-compatible API of a launched server of the fixture's engine, through real clients: the openai
-SDK (chat and completions, streamed and not, n > 1, stop strings, usage, log probabilities, every kind of
-error), LangChain's ChatOpenAI, and curl. Answers are the fixture's exact answers; token counts are the
-fixture's documented format spelled with its SentencePiece model: the prompt `[gMASK] sop`, each turn
-`<|role|>` + encode(metadata + "\\n") + encode(content), `<|assistant|>`; the reply encode("\\n") +
-encode(answer) + `<|user|>`."""
+SDK (chat and completions, streamed and not, n > 1, stop strings, usage, log probabilities, tool calls and
+their results, every kind of error), LangChain's ChatOpenAI (a tool loop too), and curl. Answers and tool calls
+are the fixture's exact ones; token counts are the fixture's documented format spelled with its SentencePiece
+model: the prompt `[gMASK] sop`, each turn `<|role|>` + encode(metadata + "\\n") + encode(content),
+`<|assistant|>`; the reply encode("\\n") + encode(answer) + `<|user|>`, a tool call encode(name + "\\n") +
+encode(the call) + `<|observation|>`."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import openai
 import pytest
 from conftest import FIXTURE
 from support.servers import fixture_answers, launched_server
-from support.tokenizer import sp  # noqa: F401 (a fixture)
+from support.tokenizer import reply_ids, sp  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -23,10 +24,27 @@ MODEL = "tiny"  # configs/tiny.yaml's engine name
 SKY, SKY_ANSWER = "What color is the sky?", "The sky is blue."
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                          "parameters": {"city": "string"}}}
+TOOL_SYSTEM = {"role": "system", "content": "Answer the user's questions."}  # the fixture's system message with tools
 
 
 def conversations() -> list[dict]:
     return [json.loads(line) for line in (FIXTURE / "conversations.jsonl").read_text().splitlines()]
+
+
+def conversation_ending(last: str) -> dict:
+    """The fixture's conversation whose last message says `last`."""
+    return next(c for c in conversations() if c["messages"][-1]["content"] == last)
+
+
+def tool_loops() -> list[tuple[dict, dict]]:
+    """(the conversation answered with a tool call, the one that sends its result back), per call the fixture makes."""
+    calls = [c for c in conversations() if c.get("tool_call")]
+    return [(call, next(c for c in conversations() if c["messages"][:2] == call["messages"]
+                        and c["messages"][-1]["role"] == "observation")) for call in calls]
+
+
+def observation(conversation: dict) -> str:
+    return conversation["messages"][-1]["content"]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +62,8 @@ def client(served):
 def prompt_tokens(sp, messages: list[dict]) -> int:
     count = 3  # [gMASK] sop … <|assistant|>
     for message in messages:
-        count += 1 + len(sp.encode(message.get("metadata", "") + "\n")) + len(sp.encode(message["content"]))
+        tools = "\n" + json.dumps(message["tools"], indent=4, ensure_ascii=False) if message.get("tools") else ""
+        count += 1 + len(sp.encode(message.get("metadata", "") + "\n")) + len(sp.encode(message["content"] + tools))
     return count
 
 
@@ -142,8 +161,8 @@ def test_log_probabilities_come_per_generated_token(client, sp):
 
 def test_tools_a_call_and_its_result_reach_the_model_as_chatglm3_turns(client):
     """The fixture's tool conversation, sent the OpenAI way: tools, the assistant's tool_calls, a tool message."""
-    conversation = conversations()[-1]
-    messages = [{"role": "system", "content": "Answer the user's questions."},
+    conversation = conversation_ending("Is it warm?")
+    messages = [TOOL_SYSTEM,
                 {"role": "user", "content": "What is the weather in Beijing?"},
                 {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
                     "name": "get_weather", "arguments": '{"city": "Beijing"}'}}]},
@@ -157,13 +176,75 @@ def test_tools_a_call_and_its_result_reach_the_model_as_chatglm3_turns(client):
 
 
 def test_a_plain_answer_with_tools_offered_streams_as_text(client):
-    conversation = conversations()[-2]  # a system message with tools, then "hi"
-    messages = [{"role": "system", "content": "Answer the user's questions."}, {"role": "user", "content": "hi"}]
+    conversation = next(c for c in conversations() if c["messages"][0].get("tools") and len(c["messages"]) == 2
+                        and c["messages"][-1]["content"] == "hi")
+    messages = [TOOL_SYSTEM, {"role": "user", "content": "hi"}]
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=[TOOL], temperature=0,
                                                  stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == conversation["answer"]
     assert chunks[-1].choices[0].finish_reason == "stop"
     assert all(c.choices[0].delta.tool_calls is None for c in chunks)
+
+
+@pytest.mark.parametrize("loop", tool_loops(), ids=lambda loop: loop[0]["tool_call"]["arguments"]["city"])
+def test_a_tool_call_comes_as_tool_calls_and_its_result_gets_the_answer(client, sp, loop):
+    """The model's call, whole: finish_reason "tool_calls", the call's name and JSON arguments, no content; the
+    call sent back with the tool's result as a `tool` message gets the fixture's answer."""
+    calling, answering = loop
+    call = calling["tool_call"]
+    system, question = calling["messages"]
+    assert (system["content"], system["tools"]) == (TOOL_SYSTEM["content"], [TOOL["function"]])  # asked as trained
+    messages = [TOOL_SYSTEM, question]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=[TOOL], temperature=0)
+    [choice] = answer.choices
+    assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
+    [made] = choice.message.tool_calls
+    assert (made.type, made.function.name, json.loads(made.function.arguments)) == \
+        ("function", call["name"], call["arguments"])
+    assert made.id.startswith("call_")
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == \
+        (prompt_tokens(sp, calling["messages"]), len(reply_ids(sp, calling)))
+    result = {"role": "tool", "tool_call_id": made.id, "content": observation(answering)}
+    sent_back = choice.message.model_dump(exclude_none=True)
+    final = client.chat.completions.create(model=MODEL, messages=[*messages, sent_back, result], tools=[TOOL],
+                                           temperature=0)
+    assert (final.choices[0].message.content, final.choices[0].finish_reason) == (answering["answer"], "stop")
+    assert final.choices[0].message.tool_calls is None
+    assert final.usage.prompt_tokens == prompt_tokens(sp, answering["messages"])
+
+
+@pytest.mark.parametrize("loop", tool_loops(), ids=lambda loop: loop[0]["tool_call"]["arguments"]["city"])
+def test_a_streamed_tool_call_comes_as_a_tool_calls_delta(client, loop):
+    calling, answering = loop
+    call = calling["tool_call"]
+    messages = [TOOL_SYSTEM, calling["messages"][1]]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=[TOOL], temperature=0,
+                                                 stream=True))
+    deltas = [chunk.choices[0].delta for chunk in chunks]
+    assert "".join(delta.content or "" for delta in deltas) == ""  # the call is not sent as text
+    made = [tool_call for delta in deltas for tool_call in delta.tool_calls or ()]
+    assert [(m.index, m.type, m.function.name) for m in made] == [(0, "function", call["name"])]
+    assert json.loads("".join(m.function.arguments for m in made)) == call["arguments"]
+    assert [chunk.choices[0].finish_reason for chunk in chunks][-1] == "tool_calls"
+    [made] = made
+    function = {"name": made.function.name, "arguments": made.function.arguments}
+    sent_back = {"role": "assistant", "content": None, "tool_calls": [{"id": made.id, "type": "function",
+                                                                      "function": function}]}
+    result = {"role": "tool", "tool_call_id": made.id, "content": observation(answering)}
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[*messages, sent_back, result], tools=[TOOL],
+                                                 temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == answering["answer"]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_tool_calls_log_probabilities_spell_the_call(client, sp):
+    calling, _ = tool_loops()[0]
+    answer = client.chat.completions.create(model=MODEL, messages=[TOOL_SYSTEM, calling["messages"][1]],
+                                            tools=[TOOL], temperature=0, logprobs=True, top_logprobs=0)
+    entries = answer.choices[0].logprobs.content
+    assert len(entries) == answer.usage.completion_tokens == len(reply_ids(sp, calling))
+    assert entries[-1].token == "<|observation|>" and "".join(e.token for e in entries[:-1]) == calling["answer"]
+    assert all(-0.01 < entry.logprob <= 0 for entry in entries)
 
 
 # --- completions -----------------------------------------------------------------------------------
@@ -246,6 +327,33 @@ def test_langchain_chat_openai_invokes_and_streams(served):
     assert llm.invoke("What is two plus three?").content == fixture_answers()["What is two plus three?"]
     pieces = [chunk.content for chunk in llm.stream("天空是什么颜色？")]
     assert "".join(pieces) == fixture_answers()["天空是什么颜色？"] and len([p for p in pieces if p]) > 1
+
+
+def test_langchain_tool_loop_reaches_the_fixtures_answer(served):
+    """bind_tools, invoke: the model calls get_weather; the Python tool runs on the call's arguments; its
+    ToolMessage goes back and the model answers from it."""
+    from langchain_core.messages import HumanMessage, SystemMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    results = {calling["tool_call"]["arguments"]["city"]: observation(answering) for calling, answering in tool_loops()}
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Weather of a city"""
+        return results[city]
+
+    llm = ChatOpenAI(base_url=served.openai, api_key="none", model=MODEL, temperature=0, max_retries=0,
+                     http_client=httpx.Client(trust_env=False)).bind_tools([TOOL])
+    for calling, answering in tool_loops():
+        messages = [SystemMessage(TOOL_SYSTEM["content"]), HumanMessage(calling["messages"][1]["content"])]
+        asked = llm.invoke(messages)
+        assert [(c["name"], c["args"]) for c in asked.tool_calls] == \
+            [(calling["tool_call"]["name"], calling["tool_call"]["arguments"])]
+        messages += [asked, get_weather.invoke(asked.tool_calls[0])]
+        assert messages[-1].content == observation(answering)
+        answered = llm.invoke(messages)
+        assert (answered.content, answered.tool_calls) == (answering["answer"], [])
 
 
 def test_curl_asks_for_a_chat_completion(served):

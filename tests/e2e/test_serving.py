@@ -20,6 +20,7 @@ import pytest
 from conftest import CONVERSATION_KINDS, repo_processes
 from support.engines import build_tiny_engine
 from support.servers import Server
+from support.tokenizer import reply_ids
 from trtglm.chatglm.chat import chat_ids, prompt_ids, reply_text, stack_word_lists, stop_ids, word_list
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
@@ -219,13 +220,13 @@ def ask_all(server: Server, model: str, conversations: list[dict], workers: int 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
-def test_every_conversation_is_answered_exactly_and_stops_at_user(server, conversations, tok, model):
+def test_every_conversation_is_answered_exactly_and_stops_at_its_stop_token(server, conversations, tok, model):
     for conversation, (status, body) in zip(conversations, ask_all(server, model, conversations), strict=True):
         assert status == 200, body
         assert body["text_output"] == conversation["answer"]
-        # one log probability per generated token: "\n", the answer, then <|user|> (and nothing after it)
-        generated = len(tok.sp.encode("\n") + tok.sp.encode(conversation["answer"])) + 1
-        assert len(body["output_log_probs"]) == generated
+        # one log probability per generated token: the metadata line, the answer, then the stop token (and nothing
+        # after it): <|user|>, or <|observation|> after a tool call
+        assert len(body["output_log_probs"]) == len(reply_ids(tok.sp, conversation))
 
 
 @pytest.mark.slow

@@ -39,12 +39,12 @@ def model(request, tmp_path_factory, fixture_dir):
 @pytest.fixture(scope="module")
 def all_prompts(fixture_dir, tok) -> list[list[int]]:
     conversations = [json.loads(line) for line in (fixture_dir / "conversations.jsonl").read_text().splitlines()]
-    return [chat_ids(tok, c["messages"]) for c in conversations]  # 53 prompts of 7 to 225 tokens
+    return [chat_ids(tok, c["messages"]) for c in conversations]  # 57 prompts of 7 to 221 tokens
 
 
 @pytest.fixture(scope="module")
 def prompts(all_prompts) -> list[list[int]]:
-    return all_prompts[::5]  # 11 prompts of 7 to 70+ tokens
+    return all_prompts[::5][:11]  # 11 plain-answer prompts of 7 to 70+ tokens
 
 
 def stops(tok: ChatGLMTokenizer) -> list[list[int]]:
@@ -379,11 +379,11 @@ def answers(executor: Executor, prompts: list[list[int]], tok) -> list[list[int]
 
 
 def test_chunked_prefill_gives_every_conversation_its_unchunked_answer(model, tok, all_prompts):
-    def executor(max_num_tokens: int | None) -> Executor:
+    def executor(max_num_tokens: int) -> Executor:
         return Executor(Recording(ShardedSlotModel(model, max_batch=4, max_seq_len=320)), max_queue=len(all_prompts),
                         max_num_tokens=max_num_tokens)
 
-    whole, chunked = executor(None), executor(5)
+    whole, chunked = executor(4 * 320), executor(5)  # whole: every slot's longest prompt fits one step
     assert answers(chunked, all_prompts, tok) == answers(whole, all_prompts, tok)
     steps = [call for call in chunked.model.calls if call[0] in ("prefill", "step")]
     assert all(sum(lengths) <= 5 for _, _, _, lengths in steps)  # decode and prompt tokens within the budget
@@ -427,19 +427,23 @@ def test_prompts_are_prefilled_oldest_first_within_the_budget(model, tok, all_pr
     results = [Collected() for _ in prompts]
     for prompt, result in zip(prompts, results):
         executor.submit(Request(prompt, 8), result)
-    prefilled, firsts = [0, 0, 0], []
+    prefilled, firsts, owners, admitted = [0, 0, 0], [], {}, 0  # owners: slot -> request (a finished one's is reused)
     while executor.has_work():
         seen = len(recording.calls)
         executor.step()
         call = next((c for c in recording.calls[seen:] if c[0] in ("prefill", "step")), None)
         if call is None:
             continue
-        decoding = sum(1 for slot in call[1] if prefilled[slot] == len(prompts[slot]))
+        for slot, start in zip(call[1], call[2]):
+            if start == 0:  # a prompt's first chunk: the next request in arrival order took the slot
+                owners[slot], admitted = admitted, admitted + 1
+        requests = [owners[slot] for slot in call[1]]
+        decoding = sum(1 for r in requests if prefilled[r] == len(prompts[r]))
         assert sum(call[3]) <= max(24, decoding + 1)
-        for slot, length in zip(call[1], call[3]):
-            if prefilled[slot] < len(prompts[slot]):
-                prefilled[slot] += length
-                firsts += [slot] if prefilled[slot] == len(prompts[slot]) else []
+        for r, length in zip(requests, call[3]):
+            if prefilled[r] < len(prompts[r]):
+                prefilled[r] += length
+                firsts += [r] if prefilled[r] == len(prompts[r]) else []
         assert all(prefilled[i] == len(prompts[i]) for i in range(3) for j in range(i + 1, 3) if prefilled[j])
     assert firsts == [0, 1, 2]
     for prompt, result in zip(prompts, results):
@@ -659,10 +663,11 @@ def test_greedy_with_a_repetition_penalty_gives_transformers_tokens(model, refer
                                      repetition_penalty=penalty, eos_token_id=None, pad_token_id=0)
         expected = out[0, len(prompt):].tolist()
         assert collected.tokens == expected
-    plain = Collected()
-    executor.submit(Request(prompts[0], new), plain)
+    plains = [(prompt, Collected()) for prompt in prompts[:3]]
+    for prompt, collected in plains:
+        executor.submit(Request(prompt, new), collected)
     run(executor)
-    assert plain.tokens != runs[0][1].tokens  # the penalty changed the reply
+    assert [c.tokens for _, c in plains] != [c.tokens for _, c in runs]  # the penalty changed a reply
 
 
 def test_a_repetition_penalty_of_zero_is_refused(model, prompts):

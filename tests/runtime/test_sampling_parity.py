@@ -1,7 +1,8 @@
 """Token choice through the in-flight executor against transformers' `generate()` on the fixture model: greedy,
 temperature, top-k, top-p (seeded: the executor's seed and `torch.manual_seed` draw the same tokens), min_length
 (transformers' min_new_tokens), repetition penalty (its processor), and presence/frequency penalties (TensorRT-LLM's
-rule, which transformers lacks, as a processor run after its temperature, where TensorRT-LLM applies them)."""
+rule, which transformers lacks, as a processor that divides by the temperature first: TensorRT-LLM applies them to
+logits already divided by it, and transformers runs custom processors before its own temperature, left at 1)."""
 
 from __future__ import annotations
 
@@ -17,15 +18,16 @@ NEW = 24
 
 
 class TensorRTLLMPenalties:
-    """TensorRT-LLM's presence and frequency penalties as a transformers processor: each id the sequence holds
-    (prompt included) is lowered by `presence` once and by `frequency` per occurrence."""
+    """TensorRT-LLM's temperature, then its presence and frequency penalties, as a transformers processor: the
+    logits are divided by `temperature` (1: greedy), then each id the sequence holds (prompt included) is lowered
+    by `presence` once and by `frequency` per occurrence."""
 
-    def __init__(self, presence: float, frequency: float):
-        self.presence, self.frequency = presence, frequency
+    def __init__(self, presence: float, frequency: float, temperature: float = 1.0):
+        self.presence, self.frequency, self.temperature = presence, frequency, temperature
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         counts = torch.zeros_like(scores).scatter_add_(1, input_ids, torch.ones_like(input_ids, dtype=scores.dtype))
-        return scores - self.presence * (counts > 0) - self.frequency * counts
+        return scores / self.temperature - self.presence * (counts > 0) - self.frequency * counts
 
 
 def executor_tokens(model, prompts, **settings) -> list[list[int]]:
@@ -78,10 +80,10 @@ def test_the_executor_chooses_transformers_tokens(tp1_model, glm_reference, four
 def test_presence_and_frequency_penalties_are_tensorrt_llms(tp1_model, glm_reference, four_prompts, temperature):
     ours = executor_tokens(tp1_model, four_prompts, temperature=temperature, presence_penalty=0.8,
                            frequency_penalty=0.5)
+    penalties = TensorRTLLMPenalties(0.8, 0.5, temperature or 1.0)
+    settings = {"temperature": 1.0} if temperature else {}  # sampled; the processor divides by the temperature
     for seed, (prompt, tokens) in enumerate(zip(four_prompts, ours)):
-        settings = {"temperature": temperature} if temperature else {}
-        assert tokens == transformers_tokens(glm_reference, prompt, seed, processors=[TensorRTLLMPenalties(0.8, 0.5)],
-                                             **settings)
+        assert tokens == transformers_tokens(glm_reference, prompt, seed, processors=[penalties], **settings)
     assert ours != executor_tokens(tp1_model, four_prompts, temperature=temperature)
 
 

@@ -1,5 +1,5 @@
-"""The fixture tokenizer's fixtures (`tok`, `sp`, `answers`) and ChatGLM3's special ids as documented:
-nine special tokens after the SentencePiece vocabulary, in this order."""
+"""The fixture tokenizer's fixtures (`tok`, `sp`, `answers`), ChatGLM3's special ids as documented (nine special
+tokens after the SentencePiece vocabulary, in this order) and the ids of a fixture conversation's reply."""
 
 from __future__ import annotations
 
@@ -33,3 +33,13 @@ def answers(fixture_dir) -> list[str]:
 
 def special(sp, name: str) -> int:
     return sp.vocab_size() + OFFSET[name]
+
+
+def reply_ids(sp, conversation: dict) -> list[int]:
+    """The ids the fixture generates for a conversation of conversations.jsonl, in ChatGLM3's reply format:
+    encode(metadata + "\\n") + encode(content), then the stop token. A plain answer's metadata line is blank and
+    `<|user|>` ends it; a tool call's metadata is the tool's name and `<|observation|>` ends it."""
+    call = conversation.get("tool_call")
+    if call:
+        return sp.encode(call["name"] + "\n") + sp.encode(call["content"]) + [special(sp, "<|observation|>")]
+    return sp.encode("\n") + sp.encode(conversation["answer"]) + [special(sp, "<|user|>")]

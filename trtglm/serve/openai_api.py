@@ -317,7 +317,8 @@ def token_log_probs(tokenizer: ChatGLMTokenizer, text: str, call: dict | None,
     """(token text, log prob) per generated token: the reply spelled as ChatGLM3 writes a turn (metadata line,
     content, then the stop token), paired with the engine's values in order ("" past that spelling)."""
     metadata, _, content = text.partition("\n") if call else ("", "", text)
-    ids = tokenizer.sp.encode(metadata + "\n") + tokenizer.sp.encode(content)
+    # a call's text has the space that encoding its content added (SentencePiece's dummy prefix): encoding adds it again
+    ids = tokenizer.sp.encode(metadata + "\n") + tokenizer.sp.encode(content.removeprefix(" "))
     pieces = [tokenizer.decode(ids[:i + 1])[len(tokenizer.decode(ids[:i])):] for i in range(len(ids))]
     pieces.append("<|observation|>" if call else "<|user|>")
     return [(pieces[i] if i < len(pieces) else "", value) for i, value in enumerate(values)]
