@@ -181,7 +181,8 @@ def check_log_probs(server, fixture_dir, tmp_path, flags) -> tuple[list[float], 
 
 def reference_reply(fixture_dir, prompt: list[int], limit: int, end_id: int = USER) -> tuple[list[int], list[float]]:
     """transformers' GlmForCausalLM with the fixture's weights: the greedy ids up to `end_id` (not included) or
-    `limit`, and each one's log probability."""
+    `limit`, and each one's log probability among the ids the tokenizer has (the engine never chooses the padded
+    ones past them, so they hold no probability)."""
     import torch
 
     from trtglm.chatglm.config import ChatGLMConfig
@@ -195,7 +196,7 @@ def reference_reply(fixture_dir, prompt: list[int], limit: int, end_id: int = US
         ids = out[0, len(prompt):].tolist()
         ids = ids[:ids.index(end_id)] if end_id in ids else ids
         logits = model(torch.tensor([prompt + ids])).logits[0].float()
-    log_probs = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    log_probs = torch.log_softmax(logits[len(prompt) - 1:-1, :ChatGLMTokenizer(fixture_dir).vocab_size], dim=-1)
     return ids, [log_probs[i, token].item() for i, token in enumerate(ids)]
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from support.repos import MODELS, UPSTREAM
+from support.repos import PIPELINE, UPSTREAM
 
 # what NVIDIA's fill_template examples put in the data-type placeholders
 DATA_TYPES = {"logits_datatype": "TYPE_FP32", "encoder_input_features_data_type": "TYPE_FP16",
@@ -32,7 +32,7 @@ def nvidia_configs(template: Path, data_types: dict[str, str] | None = None) -> 
     `data_types` (default DATA_TYPES), the others with stand-ins."""
     data_types = {**DATA_TYPES, **(data_types or {})}
     configs = {}
-    for model in MODELS:
+    for model in PIPELINE:  # NVIDIA's layouts have no history model
         text = (template / model / "config.pbtxt").read_text()
         text = re.sub(r"\$\{(\w+)\}", lambda m: data_types.get(m.group(1), "1"), text)
         configs[model] = text_format.Parse(text, model_config_pb2.ModelConfig())

@@ -134,11 +134,11 @@ def run_http(url: str, model: str, workload: Workload, timeout: float = 600.0) -
 def _stream_http(server, path: str, body: bytes, timeout: float, model: str, trace: Trace) -> None:
     with server.request("POST", path, body, timeout) as response:
         if response.status != 200:
-            raise ServerError(http_client._error_message(model, response.status,
-                                                         http_client._read(server, response)))
-        for data in http_client.sse_data(http_client._lines(server, response)):
+            raise ServerError(http_client.error_message(model, response.status,
+                                                         http_client.read_body(server, response)))
+        for data in http_client.sse_data(http_client.event_lines(server, response)):
             now = time.perf_counter()
-            event = http_client._json_object(model, data.encode("utf-8"))
+            event = http_client.json_object(model, data.encode("utf-8"))
             if "error" in event:
                 raise ServerError(one_line(event["error"]))
             text = event.get("text_output")

@@ -72,7 +72,7 @@ class Server:
         with self.request("GET", path, None, timeout) as response:
             body = read_body(self, response)
         if response.status != 200:
-            raise ServerError(_error_message(f"GET {path}", response.status, body))
+            raise ServerError(error_message(f"GET {path}", response.status, body))
         return json_object(f"GET {path}", body)
 
     def unreachable(self, error: OSError) -> ServerError:
@@ -88,7 +88,7 @@ def generate(url: str, model: str, request: GenerateRequest, timeout: float = 60
     with server.request("POST", path, _body(request), timeout) as response:
         body = read_body(server, response)
     if response.status != 200:
-        raise ServerError(_error_message(model, response.status, body))
+        raise ServerError(error_message(model, response.status, body))
     return reply_text(json_object(model, body))
 
 
@@ -98,7 +98,7 @@ def generate_stream(url: str, model: str, request: GenerateRequest, timeout: flo
     log.debug("POST %s%s", server.url, path)
     with server.request("POST", path, _body(request), timeout) as response:
         if response.status != 200:
-            raise ServerError(_error_message(model, response.status, read_body(server, response)))
+            raise ServerError(error_message(model, response.status, read_body(server, response)))
         for data in sse_data(event_lines(server, response)):
             piece = reply_text(json_object(model, data.encode("utf-8")), streamed=True)
             if piece:
@@ -113,7 +113,7 @@ def infer(url: str, model: str, inputs: list[dict], timeout: float = 600.0) -> d
     with server.request("POST", path, json.dumps({"inputs": inputs}, ensure_ascii=False).encode(), timeout) as response:
         body = read_body(server, response)
     if response.status != 200:
-        raise ServerError(_error_message(model, response.status, body))
+        raise ServerError(error_message(model, response.status, body))
     outputs = json_object(model, body).get("outputs")
     if not isinstance(outputs, list) or not all(isinstance(output, dict) and "name" in output for output in outputs):
         raise ServerError(f"{model}: the answer has no list of named outputs: {body[:200]!r}")
@@ -197,7 +197,7 @@ def json_object(model: str, body: bytes) -> dict:
     return value
 
 
-def _error_message(model: str, status: int, body: bytes) -> str:
+def error_message(model: str, status: int, body: bytes) -> str:
     """Triton's `{"error": …}` text (a JSON body, or the first event of a stream), else the body's first line."""
     message = None
     for candidate in (body, *_events(body)):
