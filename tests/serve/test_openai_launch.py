@@ -51,12 +51,12 @@ def test_the_api_is_part_of_the_launch_until_stop(launched):
     [line] = launched.run("status").stdout.splitlines()
     assert f"openai={launched.ports['openai']}" in line and line.endswith("\tready")
 
-    unloaded = launched.run("models", "unload", "tensorrt_llm_bls", "--url", launched.url)
+    unloaded = launched.run("models", "unload", "ensemble", "--url", launched.url)
     assert unloaded.returncode == 0, unloaded.stderr
     failed = chat(launched)
     error = failed.json()["error"]
-    assert failed.status_code == 500 and error["type"] == "server_error" and "tensorrt_llm_bls" in error["message"]
-    assert launched.run("models", "load", "tensorrt_llm_bls", "--url", launched.url).returncode == 0
+    assert failed.status_code == 500 and error["type"] == "server_error" and "ensemble" in error["message"]
+    assert launched.run("models", "load", "ensemble", "--url", launched.url).returncode == 0
     assert chat(launched).json()["choices"][0]["message"]["content"] == "Grass is green."
 
     api = api_process(launched)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from trtglm.serve.openai_api import ChoiceText, Piece, validation_error
+from trtglm.serve.openai_api import ChoiceText, Piece, client_model, validation_error
 from trtglm.serve.openai_protocol import (ApiError, ChatRequest, CompletionRequest, chatglm_messages,
                                           refuse_unsupported)
 
@@ -122,3 +122,18 @@ def test_a_reply_that_only_starts_like_a_tool_name_is_sent_as_text():
     unknown = ChoiceText(stops=(), tool_names=("get_weather",), limit=50)
     pieces(unknown, "get_weather\n", "It is sunny.")
     assert unknown.finish() == ("get_weather\nIt is sunny.", None)
+
+
+@pytest.mark.parametrize("backend, models, expected", [
+    ("python", ("ensemble", "tensorrt_llm_bls"), "ensemble"),  # exact streaming, and no BLS stub under gRPC load
+    ("tensorrtllm", ("ensemble", "tensorrt_llm_bls"), "tensorrt_llm_bls"),  # only BLS streams exact text there
+    ("tensorrtllm", ("ensemble",), "ensemble"),
+    ("python", ("tensorrt_llm_bls",), "tensorrt_llm_bls"),
+    ("python", (), None),
+])
+def test_the_api_answers_through_the_model_that_streams_exact_text(tmp_path, backend, models, expected):
+    for name, text in [("tensorrt_llm", f'name: "tensorrt_llm"\nbackend: "{backend}"\n'),
+                       *((m, f'name: "{m}"\n') for m in models)]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.pbtxt").write_text(text)
+    assert client_model(tmp_path) == expected

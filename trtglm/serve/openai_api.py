@@ -5,9 +5,10 @@
 events, `data: {json}` then `data: [DONE]`), with FastAPI under uvicorn.
 
 Every answer comes from Triton over gRPC streaming (tritonclient's asyncio client), from
-`tensorrt_llm_bls` when the repository has it, else from `ensemble`: the BLS model streams exact
-text whichever backend serves tensorrt_llm (with NVIDIA's, the ensemble's streamed pieces are not),
-and it refuses nothing the ensemble takes. The request's messages go as a JSON chat in
+`ensemble` when trtglm's python backend serves tensorrt_llm (its postprocessing then streams exact
+text, and the ensemble stays up under streaming load over gRPC, where Triton 2.51's python backend
+can kill the BLS model's stub: docs/troubleshooting.md), else from `tensorrt_llm_bls` (with
+NVIDIA's backend only the BLS model streams exact text), else from `ensemble`. The request's messages go as a JSON chat in
 `text_input` (openai_protocol.py builds it; the served preprocessing applies ChatGLM3's template
 with trtglm.chatglm.chat, which counts the prompt's tokens here too); a completion's prompt is one
 user turn. `n` choices are `n` requests (seed + i each when a seed is given). Every request asks
@@ -43,7 +44,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trtglm.backend.contract import BLS, ENSEMBLE, MAX_INPUT_LEN, MAX_SEQ_LEN, PREPROCESSING, TOKENIZER_DIR
+from trtglm.backend.contract import (BLS, ENSEMBLE, MAX_INPUT_LEN, MAX_SEQ_LEN, PREPROCESSING, PYTHON,
+                                     TENSORRT_LLM, TOKENIZER_DIR)
 from trtglm.chatglm.chat import chat_ids, may_call_tool, tool_call
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
@@ -76,7 +78,7 @@ class Served:
 
 def served_model(repo: Path) -> Served | None:
     """What `repo` serves to the API; None when it has no client-facing model (no BLS, no ensemble)."""
-    triton_model = next((m for m in (BLS, ENSEMBLE) if (repo / m / "config.pbtxt").is_file()), None)
+    triton_model = client_model(repo)
     if triton_model is None or not (repo / PREPROCESSING / "config.pbtxt").is_file():
         return None
     params = {key: value.string_value
@@ -84,6 +86,15 @@ def served_model(repo: Path) -> Served | None:
     return Served(model_id=model_id(repo), triton_model=triton_model,
                   tokenizer_dir=params[TOKENIZER_DIR], max_input_len=int(params[MAX_INPUT_LEN]),
                   max_seq_len=int(params[MAX_SEQ_LEN]))
+
+
+def client_model(repo: Path) -> str | None:
+    """The Triton model that answers the API (see the module's doc); None when there is none."""
+    present = [m for m in (ENSEMBLE, BLS) if (repo / m / "config.pbtxt").is_file()]
+    engine_config = repo / TENSORRT_LLM / "config.pbtxt"
+    if ENSEMBLE in present and engine_config.is_file() and model_config(engine_config).backend == PYTHON:
+        return ENSEMBLE
+    return BLS if BLS in present else next(iter(present), None)
 
 
 def model_id(repo: Path) -> str:
