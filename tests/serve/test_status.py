@@ -42,7 +42,7 @@ def test_logs_show_the_tail_of_rank_0_and_the_supervisor(launched):
     assert ["/".join(path.split("/")[-2:]) for path in files] == ["rank.0/stderr", "rank.0/stdout",
                                                                   "logs/supervisor.log", "logs/openai.log"]
     assert "Started HTTPService at" in done.stdout
-    assert f"OpenAI API for tiny (tensorrt_llm_bls over 127.0.0.1:{launched.ports['grpc']})" in done.stdout
+    assert f"OpenAI API for tiny (ensemble over 127.0.0.1:{launched.ports['grpc']})" in done.stdout
     short = launched.run("logs", "--lines", "2")
     sections = short.stdout.split("==> ")[1:]
     assert all(len(section.strip().splitlines()) <= 3 for section in sections)  # header + at most 2 lines
