@@ -32,6 +32,7 @@ UPSTREAM = SHARED / "upstream/tensorrtllm_backend-v0.19.0"
 CLIENT = UPSTREAM / "clients/inflight_batcher_llm/client/end_to_end_grpc_client.py"
 IDS_CLIENT = UPSTREAM / "clients/inflight_batcher_llm/client/inflight_batcher_llm_client.py"
 TOOLS = UPSTREAM / "clients/tools"  # its scripts import `utils` from here
+pytestmark = pytest.mark.skipif(not CLIENT.is_file(), reason=f"NVIDIA's clients are not here: {UPSTREAM}")
 USER = 518  # <|user|>: the fixture's answers end there (ChatGLM3's stop token)
 TEMPLATES = {"trtglm": lambda root: None,  # trtglm's own
              "nvidia-v0.19.0": lambda root: UPSTREAM / "inflight_batcher_llm",

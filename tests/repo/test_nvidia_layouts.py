@@ -12,6 +12,9 @@ from support.nvidia import nvidia_configs, v1_2_1_copy
 from support.repos import UPSTREAM, make_engine, read_configs
 from trtglm.repo import patch_repo
 
+pytestmark = pytest.mark.skipif(not all(path.is_dir() for path in UPSTREAM.values()),
+                                reason="NVIDIA's layouts are not here (../shared/upstream)")
+
 MULTIMODAL = {"PIXEL_VALUES", "ASPECT_RATIO_IDS", "ASPECT_RATIO_MASK", "CROSS_ATTENTION_MASK", "IMAGE_SIZES",
               "IS_VIDEO_INPUT", "ATTENTION_MASK", "IMAGE_GRID_THW", "VISION_INPUT_ID"}  # preprocessing outputs
 LAYOUTS = {"trtglm": ("v0.19.0", "v1.2.1"), "v0.7.1": ("v0.7.1",), "v0.19.0": ("v0.19.0",),
