@@ -33,8 +33,8 @@ LOAD_TIMEOUT_S = 600.0  # the engine's model reloads its weights (and on a GPU i
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def stub_models(server: psutil.Process) -> dict[int, str]:
-    """pid → model of the live python-backend stubs that `server` (a tritonserver) started."""
+def stub_instances(server: psutil.Process) -> dict[int, tuple[str, str]]:
+    """pid → (model, instance) of the live python-backend stubs that `server` (a tritonserver) started."""
     found = {}
     try:
         children = server.children()
@@ -43,22 +43,27 @@ def stub_models(server: psutil.Process) -> dict[int, str]:
     for child in children:
         try:
             args = child.cmdline()
-            if len(args) > 1 and os.path.basename(args[0]) == STUB and child.status() != psutil.STATUS_ZOMBIE:
-                found[child.pid] = Path(args[1]).parent.parent.name  # REPO/MODEL/VERSION/model.py
+            if len(args) > 8 and os.path.basename(args[0]) == STUB and child.status() != psutil.STATUS_ZOMBIE:
+                # argv: model.py (REPO/MODEL/VERSION/model.py), shm region, sizes, parent, lib dir, ipc, instance
+                found[child.pid] = (Path(args[1]).parent.parent.name, args[8])
         except psutil.Error:
             continue
     return found
 
 
 class StubWatch:
-    """The models whose stubs died since the last look."""
+    """The models whose stubs died since the last look. A stub whose instance runs again under a new
+    stub did not die: Triton reloading a model (its own `load`, or an ensemble's load reloading the
+    models it is made of) starts the new stubs before the old ones exit."""
 
     def __init__(self):
-        self.known: dict[int, str] = {}
+        self.known: dict[int, tuple[str, str]] = {}
 
     def died(self, server: psutil.Process) -> set[str]:
-        now = stub_models(server)
-        dead = {model for pid, model in self.known.items() if pid not in now}
+        now = stub_instances(server)
+        running = set(now.values())
+        dead = {model for pid, (model, instance) in self.known.items()
+                if pid not in now and (model, instance) not in running}
         self.known = now
         return dead
 
