@@ -206,6 +206,9 @@ class Script:
     def step(self, slots, pieces, starts):
         self.calls.append(("step", list(slots), [list(p) for p in pieces], list(starts)))
 
+    def prefill_all(self, slot, chunk, start=0):
+        self.calls.append(("prefill_all", slot, list(chunk), start))
+
     def reuse(self, slot, source, length):
         self.calls.append(("reuse", slot, source, length))
 
@@ -233,10 +236,15 @@ def test_the_leader_sends_a_copy_before_making_it():
     assert sent == [Step(COPY, [0, 1], [2, 2])] and script.calls == [("copy", [2, 2], [0, 1])]
 
 
-def test_a_follower_makes_rank_0s_mixed_steps_and_prefix_copies():
+def test_a_follower_makes_rank_0s_mixed_steps_prefix_copies_and_prefills_keeping_every_logit():
     script = Script([Step(REUSE, [1], [0, 4]), Step.prefill([0, 1], [[7], [4, 5]], [6, 4], op=MIXED)])
+    sent = []
+    leader = LeaderSlotModel(script, type("Channel", (), {"send": lambda self, step: sent.append(step)})())
+    leader.prefill_all(0, [8, 9], 3)
+    script.steps += sent
     follow(script, script)
-    assert script.calls == [("reuse", 1, 0, 4), ("step", [0, 1], [[7], [4, 5]], [6, 4])]
+    assert script.calls == [("prefill_all", 0, [8, 9], 3), ("reuse", 1, 0, 4),
+                            ("step", [0, 1], [[7], [4, 5]], [6, 4]), ("prefill_all", 0, [8, 9], 3)]
 
 
 def test_a_rank_process_holds_only_its_own_shard(engines):

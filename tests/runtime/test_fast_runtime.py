@@ -20,6 +20,7 @@ import sys
 from itertools import pairwise
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -281,6 +282,17 @@ def test_chunked_prefill_gives_the_logits_of_one_prefill(model, reference, hf_cf
         model.release(slot)
 
 
+def test_prefill_all_gives_every_positions_logits_in_chunks(model, reference, hf_cfg):
+    """What a request asking for its context logits runs: each chunk's logits at every position, the slot
+    continuing as a prefill leaves it."""
+    tokens = sequences(hf_cfg.vocab_size, [30], seed=23)[0]
+    expected = ref_logits(reference(None), tokens)
+    for start, end in pairwise([0, 9, 10, 24]):
+        assert max_diff(model.prefill_all(2, tokens[start:end], start), expected[start:end]) <= FP32_TOL
+    assert max_diff(model.decode([2], [tokens[24]])[0], expected[24]) <= FP32_TOL
+    model.release(2)
+
+
 def test_chunks_and_fresh_prompts_share_a_prefill_call(model, reference, hf_cfg):
     """Chunks continuing their slots (two from the same start, right-padded together), a fresh prompt and a
     chunk that ends next to the end of its slot in one call, then a decode step over them all."""
@@ -384,6 +396,20 @@ def test_executor_over_fast_model_decodes_greedily_like_the_reference(any_model,
             ids.append(int(ref_logits(reference(None), ids)[-1].argmax()))
         assert got[i] == ids[len(prompt):]
     assert executor.stats().reused_tokens == (16 * (len(prompts) - 1) if reuse else 0)
+
+
+def test_executor_over_fast_model_returns_the_references_logits_when_asked(model, reference, hf_cfg):
+    prompt = sequences(hf_cfg.vocab_size, [21], seed=29)[0]
+    outputs = []
+    executor = Executor(model, max_num_tokens=8)
+    executor.submit(Request(prompt, max_new_tokens=5, context_logits=True, generation_logits=True), outputs.append)
+    while executor.has_work():
+        executor.step()
+    ids = prompt + [t for output in outputs for t in output.tokens]
+    expected = ref_logits(reference(None), ids)
+    assert max_diff(torch.from_numpy(outputs[0].context_logits), expected[:len(prompt)]) <= FP32_TOL
+    rows = torch.from_numpy(np.concatenate([output.generation_logits for output in outputs]))
+    assert max_diff(rows, expected[len(prompt) - 1:-1]) <= FP32_TOL
 
 
 def test_usage_errors(model, checkpoint, hf_cfg):

@@ -1,10 +1,12 @@
 """Fixtures the runtime's parity tests share: the fixture converted to one float32 shard, transformers'
-GlmForCausalLM with the same weights (the reference), and four of the fixture's chat prompts."""
+GlmForCausalLM with the same weights (the reference), and four of the fixture's chat prompts; and the
+reference's greedy reply with its logits."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -34,3 +36,22 @@ def four_prompts(fixture_dir) -> list[list[int]]:
     tok = ChatGLMTokenizer(fixture_dir)
     lines = (fixture_dir / "conversations.jsonl").read_text().splitlines()
     return [chat_ids(tok, json.loads(line)["messages"]) for line in lines][::7][:4]
+
+
+def greedy_with_logits(reference, prompt: list[int], limit: int, end_id: int, stops: tuple[int, ...] = (),
+                       choosable: int | None = None) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """transformers' greedy reply to `prompt`, as TensorRT-LLM returns it (up to `end_id`, not returned, or a stop
+    token, returned, or `limit` ids; ids chosen among the first `choosable`, the tokenizer's), with its float32
+    logits: every prompt position's `[prompt, vocab]` and each returned id's step's `[ids, vocab]`."""
+    ids: list[int] = []
+    with torch.no_grad():
+        for _ in range(limit):
+            row = reference(torch.tensor([list(prompt) + ids])).logits[0, -1]
+            token = int(row[:choosable].argmax())
+            if token == end_id:
+                break
+            ids.append(token)
+            if token in stops:
+                break
+        logits = reference(torch.tensor([list(prompt) + ids])).logits[0].float().numpy()
+    return ids, logits[:len(prompt)], logits[len(prompt) - 1:len(prompt) - 1 + len(ids)]

@@ -9,7 +9,7 @@ process groups:
   all-gather of the lm_head chunks in every forward (`Collectives`, the `Group` that
   `ShardedModel` combines its partial results with);
 - control (gloo, CPU tensors): rank 0, which takes the requests, broadcasts each call it makes
-  on its `SlotModel` (prefill and mixed step: slots, starts and pieces; decode: slots and
+  on its `SlotModel` (prefill, prefill_all and mixed step: slots, starts and pieces; decode: slots and
   tokens; reuse: slot, source and length; copy: source and target slots; release: a slot;
   stop) before making it (`LeaderSlotModel`); the other ranks make the same calls
   (`follow`), so every collective meets its partners. Followers wait for the next message
@@ -149,7 +149,7 @@ def join(info: RankInfo, device: torch.device, init_method: str | None = None,
 
 # --- rank 0's steps, told to the followers -------------------------------------------------------------
 
-PREFILL, DECODE, RELEASE, STOP, MIXED, REUSE, COPY = 1, 2, 3, 4, 5, 6, 7
+PREFILL, DECODE, RELEASE, STOP, MIXED, REUSE, COPY, PREFILL_ALL = 1, 2, 3, 4, 5, 6, 7, 8
 
 
 @dataclass(frozen=True)
@@ -215,6 +215,10 @@ class LeaderSlotModel:
         self.channel.send(step)
         return self.inner.prefill(slots, prompts, step.starts())
 
+    def prefill_all(self, slot: int, chunk: Sequence[int], start: int = 0) -> torch.Tensor:
+        self.channel.send(Step.prefill([slot], [chunk], [start], op=PREFILL_ALL))
+        return self.inner.prefill_all(slot, chunk, start)
+
     def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         self.channel.send(Step(DECODE, list(slots), [int(t) for t in tokens]))
         return self.inner.decode(slots, tokens)
@@ -264,7 +268,7 @@ def follow(model: SlotModel, channel: StepChannel) -> None:
 
 
 STEP_NAMES = {PREFILL: "prefill", DECODE: "decode", RELEASE: "release", STOP: "stop", MIXED: "step", REUSE: "reuse",
-              COPY: "copy"}
+              COPY: "copy", PREFILL_ALL: "prefill_all"}
 
 
 def _make(model: SlotModel, step: Step) -> None:
@@ -272,6 +276,8 @@ def _make(model: SlotModel, step: Step) -> None:
         model.prefill(step.slots, step.prompts(), step.starts())
     elif step.op == MIXED:
         model.step(step.slots, step.prompts(), step.starts())
+    elif step.op == PREFILL_ALL:
+        model.prefill_all(step.slots[0], step.prompts()[0], step.starts()[0])
     elif step.op == DECODE:
         model.decode(step.slots, step.data)
     elif step.op == REUSE:

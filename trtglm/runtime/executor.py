@@ -36,6 +36,12 @@ embedding bias, bad words, `end_id` banned before `min_length`, then greedy or t
 own seeded temperature / top-k / top-p sampling, and log probabilities of the distribution
 the token was chosen from).
 
+Logits, as TensorRT-LLM returns them (float32, the model's whole padded vocabulary), only for a
+request that asks: `context_logits` runs its prompt chunks on their own (`SlotModel.prefill_all`,
+never from the prefix cache) keeping every position's logits, which its first Output carries;
+`generation_logits` gives each Output the raw logits (before bias, penalties, bans and
+temperature) each of its tokens was chosen from. Other requests' passes are unchanged.
+
 A beam search (`beam_width` > 1, beams.py) takes `beam_width` slots at admission, and KV-cache
 room for `beam_width` whole lengths (each beam's slot holds the prompt and its own output). Its
 prompt is prefilled into its first slot (reusing a cached prefix as any request's does: every
@@ -59,6 +65,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from trtglm.errors import UsageError
@@ -96,6 +103,8 @@ class _Sequence:
                                 request.early_stopping, ends_with_any(request.end_id, request.stop_words)) \
             if request.beam_width > 1 else None
         self.beam_slots: list[int] = []  # the slot of each running beam
+        self.context_rows: list[np.ndarray] | None = [] if request.context_logits else None  # per prompt chunk
+        self.step_logits: np.ndarray | None = None  # the raw logits row of the token being chosen, when asked
 
     @property
     def unprefilled(self) -> int:
@@ -357,7 +366,8 @@ class Executor:
             sequence.slot = free[0]
         else:
             prompt = sequence.request.prompt
-            match = self.prefixes.longest(prompt)
+            # context logits need every prompt position computed
+            match = None if sequence.request.context_logits else self.prefixes.longest(prompt)
             sequence.slot = self.prefixes.choose_slot(free, match)
             kept = match.length if match is not None and sequence.slot in match.sources else 0
             self.prefixes.take(sequence.slot, kept)
@@ -385,7 +395,30 @@ class Executor:
 
     def _forward(self, decoding: list[_Sequence], chunks: list[tuple[_Sequence, int]]) -> None:
         """One pass of the decode tokens (a beam search's: one per beam) and the prompt chunks; the requests whose
-        prompt it completes get their first token."""
+        prompt it completes get their first token. Chunks of requests that ask for their context logits run
+        on their own first, keeping the logits of every position."""
+        for sequence, length in [(s, n) for s, n in chunks if s.context_rows is not None]:
+            self._prefill_keeping_logits(sequence, length)
+        chunks = [(s, n) for s, n in chunks if s.context_rows is None]
+        if decoding or chunks:
+            self._pass(decoding, chunks)
+
+    def _prefill_keeping_logits(self, sequence: _Sequence, length: int) -> None:
+        logits = self.model.prefill_all(sequence.slot, sequence.next_chunk(length), sequence.prefilled)
+        sequence.context_rows.append(logits.float().cpu().numpy())
+        self._stats.prefill_calls += 1
+        self._chunk_done(sequence, length)
+        if not sequence.unprefilled:
+            self._take_rows([sequence], logits[-1:], [1])
+
+    def _chunk_done(self, sequence: _Sequence, length: int) -> None:
+        sequence.prefilled += length
+        self._stats.prefill_tokens += length
+        self._stats.prefill_chunks += 1
+        if self.prefixes is not None:
+            self.prefixes.holds(sequence.slot, sequence.request.prompt, sequence.prefilled)
+
+    def _pass(self, decoding: list[_Sequence], chunks: list[tuple[_Sequence, int]]) -> None:
         work = [piece for s in decoding for piece in s.decode_pieces()]
         decode_rows = len(work)
         work += [(s.slot, s.next_chunk(length), s.prefilled) for s, length in chunks]
@@ -398,13 +431,9 @@ class Executor:
             logits = (self.model.step if decoding else self.model.prefill)(slots, pieces, starts)
         self._stats.prefill_calls += bool(chunks)
         self._stats.decode_calls += bool(decoding)
-        self._stats.prefill_chunks += len(chunks)
         self._stats.max_decode_batch = max(self._stats.max_decode_batch, len(decoding))
         for sequence, length in chunks:
-            sequence.prefilled += length
-            self._stats.prefill_tokens += length
-            if self.prefixes is not None:
-                self.prefixes.holds(sequence.slot, sequence.request.prompt, sequence.prefilled)
+            self._chunk_done(sequence, length)
         complete = [i for i, (s, _) in enumerate(chunks) if not s.unprefilled]
         rows = list(range(decode_rows)) + [decode_rows + i for i in complete]
         if rows and len(rows) < len(slots):
@@ -417,6 +446,9 @@ class Executor:
         before its first step)."""
         firsts = list(itertools.accumulate(widths, initial=0))
         plain = [i for i, s in enumerate(sequences) if s.beams is None]
+        for i in plain:
+            if sequences[i].request.generation_logits:
+                sequences[i].step_logits = logits[firsts[i]].float().cpu().numpy()
         if plain:
             rows = logits if len(plain) == len(logits) else \
                 logits.index_select(0, torch.tensor([firsts[i] for i in plain], device=logits.device))
@@ -481,7 +513,8 @@ class Executor:
         self._stats.generated_tokens += 1
         reason = "stop_word" if sequence.stop_word_ends() else \
             "length" if sequence.generated >= request.max_new_tokens else None
-        output = Output([token], [log_prob] if request.log_probs else [], finished=reason is not None, reason=reason)
+        output = Output([token], [log_prob] if request.log_probs else [], finished=reason is not None, reason=reason,
+                        generation_logits=None if sequence.step_logits is None else sequence.step_logits[None])
         if reason is not None:
             self._finish(sequence, output)
         elif not self._deliver(sequence, output):
@@ -511,6 +544,8 @@ class Executor:
     def _deliver(sequence: _Sequence, output: Output) -> bool:
         """Hand `output` to the request's callback; False when that fails (the client is gone)."""
         output.scheduled_ns, sequence.scheduled_ns = sequence.scheduled_ns, None
+        if sequence.context_rows and not sequence.unprefilled:  # the first output after the prompt carries them
+            output.context_logits, sequence.context_rows = np.concatenate(sequence.context_rows), []
         try:
             sequence.on_output(output)
             return True

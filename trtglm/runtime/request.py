@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from trtglm.errors import TrtglmError, UsageError
@@ -49,6 +51,8 @@ class Request:
     beam_width: int = 1  # above 1: beam search (beams.py), one slot per beam
     length_penalty: float = 1.0  # beam search only
     early_stopping: bool | int | str = 1  # beam search only; TensorRT-LLM's default 1 (True)
+    context_logits: bool = False  # return the logits of every prompt position (computed only when asked)
+    generation_logits: bool = False  # return the logits each generated token was chosen from
 
 
 @dataclass
@@ -63,6 +67,10 @@ class Output:
     beams: list[Beam] = field(default_factory=list)  # beam search: every beam, best first (only when finished)
     # on a request's first Output: when it got its slot (time.time_ns()); timing, not content, so not compared
     scheduled_ns: int | None = field(default=None, compare=False)
+    # float32 [prompt length, vocab], on the first Output, when the request asks for it
+    context_logits: np.ndarray | None = field(default=None, compare=False)
+    # float32 [len(tokens), vocab]: the model's logits each new token was chosen from, when the request asks
+    generation_logits: np.ndarray | None = field(default=None, compare=False)
 
 
 OutputCallback = Callable[[Output], None]
@@ -96,6 +104,14 @@ class Handle:
 
     def cancel(self) -> None:
         self.cancelled = True
+
+
+# Logits a request may ask for, in MiB (TRTGLM_MAX_LOGITS_MIB sets another cap): each response of them is copied
+# from the engine's process to the stub and through the python backend's shared memory (a container's /dev/shm
+# is 64 MiB unless it is given more), and a request's generation logits are all held until its last token.
+# ChatGLM3's 65024-id rows make 256 MiB about a thousand prompt positions, or as many generated tokens.
+MAX_LOGITS_MIB, MAX_LOGITS_ENV = 256, "TRTGLM_MAX_LOGITS_MIB"
+LOGITS_ITEM_BYTES = 4  # float32
 
 
 def fitted(request: Request, max_seq_len: int) -> Request:
@@ -133,6 +149,33 @@ def check_request(request: Request, vocab: int, max_seq_len: int, max_beam_width
         raise UsageError(f"beam_width {request.beam_width} is outside 1..{max_beam_width} (the engine's "
                          "max_beam_width)")
     early_stopping_mode(request.early_stopping)
+    check_logits(request, vocab, max_seq_len)
     if request.embedding_bias is not None and request.embedding_bias.numel() > vocab:
         raise UsageError(f"embedding_bias has {request.embedding_bias.numel()} values, more than the vocabulary "
                          f"({vocab})")
+
+
+def check_logits(request: Request, vocab: int, max_seq_len: int) -> None:
+    """UsageError when the logits `request` asks for would take more than the cap (MAX_LOGITS_MIB; its output
+    length cut to what fits in `max_seq_len`, as `fitted` cuts it)."""
+    if request.generation_logits and request.beam_width > 1:
+        raise UsageError("return_generation_logits takes beam_width 1 in trtglm's runtime")
+    rows = {"return_context_logits": len(request.prompt) if request.context_logits else 0,
+            "return_generation_logits": min(request.max_new_tokens, max_seq_len - len(request.prompt))
+                                   if request.generation_logits else 0}
+    size, cap = sum(rows.values()) * vocab * LOGITS_ITEM_BYTES, max_logits_mib()
+    if size > cap << 20:
+        asked = " and ".join(name for name, count in rows.items() if count)
+        raise UsageError(f"{asked}: {sum(rows.values())} rows of {vocab} float32 logits take {size / (1 << 20):.1f} "
+                         f"MiB, more than the {cap} MiB a request may ask for ({MAX_LOGITS_ENV}); shorten the prompt "
+                         "or request_output_len, or leave the flag out")
+
+
+def max_logits_mib() -> int:
+    """The cap on a request's logits: TRTGLM_MAX_LOGITS_MIB, else MAX_LOGITS_MIB."""
+    text = os.environ.get(MAX_LOGITS_ENV, "")
+    if not text:
+        return MAX_LOGITS_MIB
+    if not text.isdigit():
+        raise UsageError(f"{MAX_LOGITS_ENV} must be a whole number of MiB, not {text!r}")
+    return int(text)

@@ -78,6 +78,13 @@ class ShardedSlotModel:
         ids = torch.tensor([[t for piece in pieces for t in piece]], dtype=torch.long, device=self.model.device)
         return self.model.forward(ids, view, view.positions[None], rows=view.last)[0]
 
+    def prefill_all(self, slot: int, chunk: Sequence[int], start: int = 0) -> torch.Tensor:
+        self._check_prefill(slot, len(chunk), start)
+        if start == 0:
+            self.cache.reset(slot)
+        ids = torch.tensor([list(chunk)], dtype=torch.long, device=self.model.device)
+        return self.model.forward(ids, self.cache.prefill_view(slot, start))[0]
+
     def reuse(self, slot: int, source: int, length: int) -> None:
         self._check_slot(slot)
         self._check_slot(source)

@@ -50,6 +50,10 @@ class SlotModel(Protocol):
         """One forward pass of every piece into its slot, as `prefill(slots, pieces, starts)` leaves the cache, with
         its logits: float32, each piece's last position, [len(slots), vocab]."""
 
+    def prefill_all(self, slot: int, chunk: Sequence[int], start: int = 0) -> torch.Tensor:
+        """Run one prompt chunk into its slot, as `prefill([slot], [chunk], [start])` does; float32 logits of every
+        one of its positions, [len(chunk), vocab] (a request that asks for its context logits)."""
+
     def reuse(self, slot: int, source: int, length: int) -> None:
         """The slot holds the first `length` positions of `source`'s cache (copied unless `source` is `slot`); a
         released source keeps what it held until it is prefilled again."""

@@ -351,6 +351,16 @@ class FastModel:
         self.cache.set_lengths(slots, [start + len(piece) for start, piece in zip(starts, pieces)])
         return logits
 
+    @torch.no_grad()
+    def prefill_all(self, slot: int, chunk: Sequence[int], start: int = 0) -> torch.Tensor:
+        """One prompt chunk into its slot, run eagerly (no graph); float32 logits of every position (see
+        SlotModel.prefill_all)."""
+        slots, chunks = [slot], [list(chunk)]
+        self._check_prefill(slots, chunks, [start])
+        logits = self._prefill_group(slots, chunks, start, all_positions=True)
+        self.cache.set_lengths(slots, [start + len(chunks[0])])
+        return logits
+
     def reuse(self, slot: int, source: int, length: int) -> None:
         """The slot holds the first `length` positions of `source`'s cache (see SlotModel.reuse)."""
         self._check_slot(slot)
