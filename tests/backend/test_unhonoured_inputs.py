@@ -37,8 +37,6 @@ ENGINE_INPUTS = {
     "draft_input_ids": (np.array([[9, 10]], np.int32), np.zeros((1, 0), np.int32)),
     "draft_logits": (np.ones((1, 2, 8), np.float32), np.zeros((1, 0, 8), np.float32)),
     "encoder_input_features": (np.ones((1, 2, 4), np.float16), np.zeros((1, 0, 4), np.float16)),
-    "return_context_logits": (np.array([[True]]), np.array([[False]])),
-    "return_generation_logits": (np.array([[True]]), np.array([[False]])),
     "runtime_top_p_decay": (np.array([[0.5]], np.float32), np.array([[1.0]], np.float32)),
     "lookahead_window_size": (np.array([[4]], np.int32), np.array([[0]], np.int32)),
     "stop": (np.array([[True]]), np.array([[False]])),

@@ -4,7 +4,8 @@ end_to_end_grpc_client.py on the reply of `ensemble` and `tensorrt_llm_bls`, str
 without --exclude-input-in-output, checked by the client's own --check-outputs against the fixture's exact
 answer (the client adds the prompt itself where NVIDIA's output holds it: not streamed and not excluded);
 inflight_batcher_llm_client.py on the `tensorrt_llm` model with token ids, its own --check-output against
-the fixture's answer ids, and --return-log-probs against transformers' GlmForCausalLM."""
+the fixture's answer ids, and --return-log-probs, --return-context-logits and --return-generation-logits
+against transformers' GlmForCausalLM."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import pytest
 from conftest import SHARED
 from support.engines import build_tiny_engine
 from support.nvidia import v1_2_1_copy
-from trtglm.chatglm.chat import chat_ids
+from support.references import glm_reference, greedy_with_logits  # noqa: F401 (fixture)
+from trtglm.chatglm.chat import chat_ids, prompt_ids
 from trtglm.chatglm.fast_tokenizer import write_fast_tokenizer
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from support.servers import Server
@@ -272,8 +274,8 @@ def test_inflight_batcher_llm_client_tokenizes_with_the_fast_tokenizer(server, f
     assert [int(x) for x in printed(run.stdout, "Output sequence", "[", "]")] == ids
 
 
-UNHONOURED = {"lora_task_id": (3, 0), "guided_decoding_guide": ('{"type": "object"}', ""), "prompt_vocab_size": (4, 0),
-              "return_context_logits": (True, False)}  # input -> (refused, neutral)
+UNHONOURED = {"lora_task_id": (3, 0), "guided_decoding_guide": ('{"type": "object"}', ""),
+              "prompt_vocab_size": (4, 0)}  # input -> (refused, neutral)
 
 
 @pytest.mark.slow
@@ -373,3 +375,66 @@ def test_end_to_end_grpc_client_gets_each_of_several_return_sequences(server, co
     assert run.returncode == 0, run.stdout + run.stderr
     assert "Received an error" not in run.stdout, run.stdout
     assert all(f"0 [{index}]: {conversation['answer']}" in run.stdout for index in range(3)) or streaming, run.stdout
+
+
+def reference_logits(model, fixture_dir, prompt: list[int], limit: int = 24, end_id: int = USER,
+                     stops: tuple[int, ...] = ()):
+    """transformers' greedy reply to `prompt` (`limit` ids at most, up to `end_id` or the first of `stops`) with
+    its context and generation logits (support.references.greedy_with_logits)."""
+    return greedy_with_logits(model, prompt, limit, end_id, stops, choosable=ChatGLMTokenizer(fixture_dir).vocab_size)
+
+
+def check_printed_logits(stdout: str, name: str, expected: np.ndarray) -> None:
+    """The client printed `name`'s shape and the array as numpy shows it (the first and last rows and columns of
+    a large one): both are those of `expected` from transformers."""
+    assert f"{name}.shape: {expected.shape}" in stdout, stdout
+    shown = printed(stdout, name, "[" * expected.ndim, "]" * expected.ndim)
+    assert shown == pytest.approx(printed(f"{name}: {expected}", name, "[" * expected.ndim, "]" * expected.ndim),
+                                  abs=2e-3)
+    assert max(map(abs, shown)) > 1.0  # what zeros would fail
+
+
+@pytest.mark.slow
+def test_inflight_batcher_llm_client_logits_are_transformers_whole(whole_server, glm_reference, fixture_dir,
+                                                                    tmp_path):
+    """--return-context-logits --return-generation-logits: every prompt position's logits and each generated
+    id's, over the engine's padded vocabulary (576, past the tokenizer's 521 ids), as TensorRT-LLM returns them."""
+    prompt = chat_ids(ChatGLMTokenizer(fixture_dir), OPEN_QUESTION)
+    stdout = run_ids_client(whole_server, prompt, tmp_path, ["--exclude-input-in-output", "--return-context-logits",
+                                                             "--return-generation-logits"])
+    ids, context, generation = reference_logits(glm_reference, fixture_dir, prompt)
+    assert [int(x) for x in printed(stdout, "Output sequence", "[", "]")] == ids
+    check_printed_logits(stdout, "context_logits", context[None])
+    check_printed_logits(stdout, "generation_logits", generation[None])
+
+
+@pytest.mark.slow
+def test_inflight_batcher_llm_client_logits_are_transformers_streamed(server, glm_reference, fixture_dir, tmp_path):
+    """The same streamed: the client keeps the last response's logits, the prompt's (every response carries them)
+    and those of the last response's new ids ([tokens, beam, vocab], as TensorRT-LLM streams them). 12 ids end
+    the reply before its end id: the last response carries the last id."""
+    prompt = chat_ids(ChatGLMTokenizer(fixture_dir), OPEN_QUESTION)
+    stdout = run_ids_client(server, prompt, tmp_path, ["--streaming", "--exclude-input-in-output",
+                                                       "--return-context-logits", "--return-generation-logits",
+                                                       "--request-output-len", "12"])
+    ids, context, generation = reference_logits(glm_reference, fixture_dir, prompt, limit=12)
+    assert len(ids) == 12
+    check_printed_logits(stdout, "context_logits", context[None])
+    check_printed_logits(stdout, "generation_logits", generation[-1:, None])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_end_to_end_grpc_client_prints_transformers_logits(server, glm_reference, fixture_dir, model):
+    """end_to_end_grpc_client.py --verbose prints what the ensemble and the BLS model pass through."""
+    tok = ChatGLMTokenizer(fixture_dir)
+    question = OPEN_QUESTION[0]["content"]
+    run = subprocess.run([sys.executable, str(CLIENT), "-u", f"127.0.0.1:{server.grpc_port}", "--model-name", model,
+                          "-p", question, "-o", "24", "--return-context-logits", "--return-generation-logits",
+                          "--verbose"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "Received an error" not in run.stdout, run.stdout + run.stderr
+    # the ensemble's end id is </s> (2); it stops after <|user|> or <|observation|>, which it returns
+    _, context, generation = reference_logits(glm_reference, fixture_dir, prompt_ids(tok, question), end_id=2,
+                                              stops=(USER, 520))
+    check_printed_logits(run.stdout, "context_logits", context[None])
+    check_printed_logits(run.stdout, "generation_logits", generation[None, None])

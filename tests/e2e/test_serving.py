@@ -133,6 +133,19 @@ def test_a_batchs_replies_go_out_together_in_one_response():
     assert arrays["generated_ids"].tolist() == [[[11, 12, 13]], [[21, -1, -1]]]
 
 
+def test_a_batchs_logits_are_padded_to_the_longest_prompt_and_reply():
+    sent = []
+    gathered = Gathered(2, lambda arrays, final: sent.append(arrays), lambda error: None)
+    context, rows = np.arange(6, dtype=np.float32).reshape(3, 2), np.ones((1, 2), np.float32)
+    first, second = gathered.reply(0), gathered.reply(1)
+    first(Output([7], finished=False, context_logits=context[:1], generation_logits=rows))
+    first(Output([8], finished=True, reason="length", generation_logits=2 * rows))
+    second(Output([9], finished=True, reason="length", context_logits=context, generation_logits=rows))
+    logits = sent[0]["context_logits"], sent[0]["generation_logits"]
+    assert logits[0].tolist() == [[[0, 1], [-1, -1], [-1, -1]], context.tolist()]  # [batch, prompt, vocab]
+    assert logits[1].tolist() == [[[[1, 1], [2, 2]]], [[[1, 1], [-1, -1]]]]  # [batch, beam, ids, vocab]
+
+
 def test_the_first_failing_sequence_fails_the_batch_and_stops_the_others():
     sent, failed = [], []
     gathered = Gathered(2, lambda arrays, final: sent.append(arrays), failed.append)

@@ -271,7 +271,7 @@ class TritonPythonModel:
                         continue
                     texts = _joined([reply.add(o["output_ids"], o["sequence_length"], index) for o in outputs],
                                     self.accumulate)
-                    if texts and (any(any(row) for row in texts) or _wants_log_probs(client)):
+                    if texts and (any(any(row) for row in texts) or _wants_token_outputs(client)):
                         sender.send(self._response(texts, log_probs[index], client, index))
             self._send_ends(sender, reply.finish() if stream else reply.whole(), {} if stream else log_probs,
                             client, stream)
@@ -343,12 +343,16 @@ def _joined(grids: list[list[list[str]]], accumulate: bool) -> list[list[str]]:
     return [["".join(cell) for cell in row] for row in cells]
 
 
+PER_TOKEN_AXIS = {"output_log_probs": -1, "generation_logits": 1}  # streamed: [1, 1, tokens], [1, tokens, 1, vocab]
+
+
 def _joined_log_probs(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """The log probs of several engine responses as one: each token's in order, the last cumulative one."""
+    """The log probs and logits of several engine responses as one: each token's in order, the last cumulative
+    one."""
     joined = dict(parts[-1])
-    if len(parts) > 1 and "output_log_probs" in joined:
-        joined["output_log_probs"] = np.concatenate([p["output_log_probs"] for p in parts if "output_log_probs" in p],
-                                                    axis=-1)
+    for name, axis in PER_TOKEN_AXIS.items():
+        if len(parts) > 1 and name in joined:
+            joined[name] = np.concatenate([p[name] for p in parts if name in p], axis=axis)
     return joined
 
 
@@ -359,9 +363,9 @@ def asked_outputs(inputs: dict[str, np.ndarray]) -> list[str]:
                              for name in outputs), *["sequence_index"] * several]
 
 
-def _wants_log_probs(client: dict) -> bool:
-    flag = client.get("return_log_probs")
-    return flag is not None and bool(np.asarray(flag).reshape(-1)[0])
+def _wants_token_outputs(client: dict) -> bool:
+    """Whether the client asks for something of every token (a streamed piece of no text still carries it)."""
+    return any(flag_set(client.get(flag)) for flag in ("return_log_probs", "return_generation_logits"))
 
 
 def _cancelled(request) -> bool:

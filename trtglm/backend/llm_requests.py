@@ -4,7 +4,8 @@ Inputs (batch first; each sequence of a request is a request of its own to the i
 as in NVIDIA's backend):
 input_ids, input_lengths, request_output_len, end_id, stop_words_list and bad_words_list
 (TensorRT-LLM's [2, n] ids/offsets layout), embedding_bias, min_length (or min_tokens), temperature,
-runtime_top_k, runtime_top_p, random_seed (or seed), return_log_probs, streaming, beam_width,
+runtime_top_k, runtime_top_p, random_seed (or seed), return_log_probs, return_context_logits,
+return_generation_logits, streaming, beam_width,
 len_penalty and early_stopping (beam search). pad_id, beam_search_diversity_rate (beam search
 only), runtime_top_p_min and runtime_top_p_reset_ids (top-p decay only) and decoder_input_ids of
 one id (what NVIDIA's preprocessing sends a decoder-only model) are accepted and unused. Every
@@ -150,6 +151,8 @@ def engine_request(arrays: Mapping[str, np.ndarray | None]) -> tuple[Request, bo
         beam_width=beams,
         length_penalty=float(_one(arrays, "len_penalty", 1.0)),
         early_stopping=int(_one(arrays, "early_stopping", 1)),
+        context_logits=bool(_one(arrays, "return_context_logits", False)),
+        generation_logits=bool(_one(arrays, "return_generation_logits", False)),
     )
     return request, streaming
 

@@ -4,9 +4,9 @@ Outputs, as the repository's config declares them (`[batch, beam, …]`, the inp
 included): output_ids and output_log_probs hold the response's tokens, sequence_length how
 many there are, cum_log_probs the sum of the log probabilities so far (zeros unless
 return_log_probs), generated_ids every token so far, num_output_tokens their count and is_final
-whether this is the last response; the performance metrics (`Timing`) go with every response, and
-the model sends them when return_perf_metrics asks. Not streaming: one response with every token of
-every sequence, sent once the last one finishes (`Gathered`: rows shorter than the longest padded with -1; sequence_length tells
+whether this is the last response; the performance metrics (`Timing`) and the logits (`Logits`) go
+with every response, and the model sends them when their return_* flag asks. Not streaming: one
+response with every token of every sequence, sent once the last one finishes (`Gathered`: rows shorter than the longest padded with -1; sequence_length tells
 each row's count); the first sequence to fail fails the request and stops the others.
 Streaming (`Reply`, one sequence per request): one response per output, the last one flagged
 final. A beam search answers once, with every beam (`[1, beams, …]`, best first, shorter beams
@@ -84,6 +84,34 @@ class Timing:
         return {name: np.array([[value]]) for name, value in values.items()}
 
 
+class Logits:
+    """A sequence's logits as NVIDIA's backend returns them (float32, the engine's padded vocabulary):
+    context_logits `[1, prompt, vocab]` in every response; generation_logits of the tokens so far
+    `[1, beam 1, tokens, vocab]`, or streamed, of the response's new tokens `[1, tokens, beam 1, vocab]`
+    (TensorRT-LLM keeps a streamed request's rows token-major). Empty arrays where the request asked for
+    none: the model sends them only when the request's return_* flag asks."""
+
+    def __init__(self, streaming: bool):
+        self.streaming = streaming
+        self.context = np.zeros((0, 0), dtype=np.float32)
+        self.rows: list[np.ndarray] = []  # not streaming: every token's; streaming: the next response's
+        self.width = 0
+
+    def update(self, output: Output) -> None:
+        if output.context_logits is not None:
+            self.context = output.context_logits
+        if output.generation_logits is not None:
+            self.rows.append(output.generation_logits)
+            self.width = output.generation_logits.shape[-1]
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        rows = np.concatenate(self.rows) if self.rows else np.zeros((0, self.width), dtype=np.float32)
+        if self.streaming:
+            self.rows = []
+        generation = rows[:, None] if self.streaming else rows[None]
+        return {"context_logits": self.context[None], "generation_logits": generation[None]}
+
+
 class Reply:
     """Turns one request's executor Outputs into responses (`send(arrays, final)` or `fail(message)`)."""
 
@@ -92,6 +120,7 @@ class Reply:
         self.streaming, self.send, self.fail = streaming, send, fail
         self.ids: list[int] = []
         self.log_probs: list[float] = []
+        self.logits = Logits(streaming)
         self.timing = Timing(arrival_ns)
         self.gone = False  # a response could not be sent: the client is gone
 
@@ -111,31 +140,34 @@ class Reply:
         before = len(self.ids)
         self.ids += output.tokens
         self.log_probs += output.log_probs
+        self.logits.update(output)
         self.timing.update(output)
         if output.error or output.reason == "cancelled":
             self.fail(output.error or "the request was cancelled")
         elif output.beams:
-            self.send(beam_arrays(output.beams), True)
+            self.send({**beam_arrays(output.beams), **self.logits.arrays()}, True)
         elif self.streaming:
             self.send({**response_arrays(self.ids[before:], self.log_probs[before:], self.ids, sum(self.log_probs),
-                                         output.finished), **self.timing.arrays()}, output.finished)
+                                         output.finished), **self.timing.arrays(), **self.logits.arrays()},
+                      output.finished)
         elif output.finished:
             self.send({**response_arrays(self.ids, self.log_probs, self.ids, sum(self.log_probs), True),
-                       **self.timing.arrays()}, True)
+                       **self.timing.arrays(), **self.logits.arrays()}, True)
 
 
 PADDING = -1  # past a sequence's length in a response of several (NVIDIA's padding of shorter beams)
 
 
 def stacked(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Several sequences' response arrays as one response's ([batch, …]), the shorter padded with PADDING."""
+    """Several sequences' response arrays as one response's ([batch, …]), the shorter padded with PADDING (in
+    every dimension after the batch's: logits differ in their count of rows)."""
     if len(parts) == 1:
         return parts[0]
     out = {}
     for name in parts[0]:
         arrays = [part[name] for part in parts]
-        width = max(array.shape[-1] for array in arrays)
-        out[name] = np.concatenate([np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, width - a.shape[-1])],
+        shape = np.max([array.shape for array in arrays], axis=0)
+        out[name] = np.concatenate([np.pad(a, [(0, 0)] + [(0, int(n) - d) for n, d in zip(shape[1:], a.shape[1:])],
                                            constant_values=PADDING) for a in arrays])
     return out
 

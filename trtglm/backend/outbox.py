@@ -24,6 +24,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from trtglm.errors import TrtglmError
 from trtglm.runtime.executor import Output
 
@@ -42,7 +44,15 @@ def merge(outputs: list[Output]) -> Output:
     return Output(tokens=[t for o in outputs for t in o.tokens], log_probs=[p for o in outputs for p in o.log_probs],
                   finished=last.finished, reason=last.reason,
                   error=next((o.error for o in outputs if o.error), None),
-                  scheduled_ns=next((o.scheduled_ns for o in outputs if o.scheduled_ns is not None), None))
+                  scheduled_ns=next((o.scheduled_ns for o in outputs if o.scheduled_ns is not None), None),
+                  context_logits=next((o.context_logits for o in outputs if o.context_logits is not None), None),
+                  generation_logits=_joined_rows([o.generation_logits for o in outputs]))
+
+
+def _joined_rows(parts: list) -> np.ndarray | None:
+    """Several outputs' generation logits rows as one array (None when none has any)."""
+    given = [part for part in parts if part is not None]
+    return np.concatenate(given) if given else None
 
 
 class Outbox:

@@ -25,8 +25,9 @@ repository also declares `generated_ids` (every token so far) and `is_final` (wh
 which let the ensemble's postprocessing decode a streamed reply exactly, and `reply_prefix`
 (`postprocessing.reply_prefixes` of input_text and exclude_input_in_output: the request's text
 when it asks for its input in the output, which the ensemble's postprocessing cannot read
-itself); they are sent only when requested. num_input_tokens / num_output_tokens and the perf
-metrics (`llm_responses.Timing`) go out when their return_* flag asks. num_return_sequences n
+itself); they are sent only when requested. num_input_tokens / num_output_tokens, the perf
+metrics (`llm_responses.Timing`) and the context and generation logits (`llm_responses.Logits`, computed
+only for a request that asks) go out when their return_* flag asks. num_return_sequences n
 (decoupled only): each of the prompt's n sequences in responses of its own with its
 sequence_index, sent one at a time (an ensemble loses responses of one request sent
 concurrently), then a final flag of its own once every sequence has ended.
