@@ -1,5 +1,6 @@
 """The tensorrt_llm model's beam search tensors: beam_width, len_penalty and early_stopping into the executor's
-Request, and a beam search's answer as NVIDIA's output tensors ([1, beams, …], shorter beams padded with -1)."""
+Request, and a beam search's answer as NVIDIA's output tensors ([1, beams, …], shorter beams padded with -1), its
+logits included."""
 
 from __future__ import annotations
 
@@ -51,6 +52,18 @@ def test_a_beam_search_answers_every_beam_padded():
     np.testing.assert_allclose(out["cum_log_probs"], [[-0.5, -1.5]])
     np.testing.assert_allclose(out["output_log_probs"], [[[-0.1, -0.1, -0.2], [-0.1, -1.2, -1.0]]])
     assert out["is_final"].tolist() == [[True]]
+
+
+def test_a_beam_searchs_logits_are_each_beams_rows_padded():
+    sent = []
+    reply = Reply(False, lambda arrays, last: sent.append(arrays), lambda message: None)
+    rows = [np.full(2, value, np.float32) for value in (0.5, 1.5, 2.5)]
+    context = np.arange(6, dtype=np.float32).reshape(3, 2)
+    reply(Output([4, 5, 6], finished=True, reason="end_id", context_logits=context,
+                 beams=[Beam([4, 5, 6], -0.5, -0.2, [], rows), Beam([4, 9], -1.5, -0.9, [], rows[:1] + rows[2:])]))
+    assert sent[0]["context_logits"].tolist() == [context.tolist()]
+    assert sent[0]["generation_logits"].tolist() == [[[[0.5, 0.5], [1.5, 1.5], [2.5, 2.5]],
+                                                      [[0.5, 0.5], [2.5, 2.5], [-1, -1]]]]  # [1, beams, ids, vocab]
 
 
 @pytest.mark.parametrize("streaming", [False, True])

@@ -65,14 +65,19 @@ def test_generation_logits_are_the_raw_ones_before_penalties_and_sampling(tp1_mo
                                atol=2e-4)
 
 
-def test_a_beam_search_gets_its_context_logits(tp1_model, glm_reference, four_prompts):
-    request = Request(four_prompts[0], 6, beam_width=2, context_logits=True)
-    collected, = served(Executor(ShardedSlotModel(tp1_model, max_batch=2, max_seq_len=256), max_beam_width=2),
+def test_a_beam_search_gets_its_context_logits_and_each_beams_generation_logits(tp1_model, glm_reference,
+                                                                                 four_prompts):
+    """Each beam's rows follow its own tokens, whichever beams it continued on the way."""
+    request = Request(four_prompts[0], 8, beam_width=3, context_logits=True, generation_logits=True)
+    collected, = served(Executor(ShardedSlotModel(tp1_model, max_batch=3, max_seq_len=256), max_beam_width=3),
                         [request])
+    beams = collected[-1].beams
     context, _ = reference_logits(glm_reference, request.prompt, [])
     np.testing.assert_allclose(collected[-1].context_logits, context, atol=2e-4)
-    with pytest.raises(UsageError, match="^return_generation_logits takes beam_width 1"):
-        check_request(Request(four_prompts[0], 6, beam_width=2, generation_logits=True), 576, 256, 2)
+    assert len({tuple(beam.tokens) for beam in beams}) == 3
+    for beam in beams:
+        _, generation = reference_logits(glm_reference, request.prompt, beam.tokens)
+        np.testing.assert_allclose(np.stack(beam.logits), generation, atol=2e-4)
 
 
 def test_a_request_that_does_not_ask_runs_no_extra_pass(tp1_model, four_prompts):

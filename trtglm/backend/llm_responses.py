@@ -48,7 +48,7 @@ def beam_arrays(beams: list[Beam], final: bool = True) -> dict[str, np.ndarray]:
         1, len(beams), width)
     log_probs = [beam.log_probs if len(beam.log_probs) == len(beam.tokens) else [0.0] * len(beam.tokens)
                  for beam in beams]
-    return {
+    arrays = {
         "output_ids": ids,
         "sequence_length": np.array([[len(beam.tokens) for beam in beams]], dtype=np.int32),
         "cum_log_probs": np.array([[beam.cum_log_prob for beam in beams]], dtype=np.float32),
@@ -58,6 +58,19 @@ def beam_arrays(beams: list[Beam], final: bool = True) -> dict[str, np.ndarray]:
         "is_final": np.array([[final]], dtype=bool),
         "num_output_tokens": np.array([[width]], dtype=np.int32),
     }
+    if any(beam.logits for beam in beams):
+        arrays["generation_logits"] = beam_logits(beams, width)
+    return arrays
+
+
+def beam_logits(beams: list[Beam], width: int) -> np.ndarray:
+    """A beam search's generation logits `[1, beams, width, vocab]`, each beam's rows, the shorter padded."""
+    vocab = next(len(row) for beam in beams for row in beam.logits)
+    out = np.full((1, len(beams), width, vocab), PADDING, dtype=np.float32)
+    for index, beam in enumerate(beams):
+        if beam.logits:
+            out[0, index, :len(beam.logits)] = np.stack(beam.logits)
+    return out
 
 
 class Timing:
@@ -145,7 +158,7 @@ class Reply:
         if output.error or output.reason == "cancelled":
             self.fail(output.error or "the request was cancelled")
         elif output.beams:
-            self.send({**beam_arrays(output.beams), **self.logits.arrays()}, True)
+            self.send({**self.logits.arrays(), **beam_arrays(output.beams)}, True)
         elif self.streaming:
             self.send({**response_arrays(self.ids[before:], self.log_probs[before:], self.ids, sum(self.log_probs),
                                          output.finished), **self.timing.arrays(), **self.logits.arrays()},

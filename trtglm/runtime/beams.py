@@ -34,6 +34,7 @@ class Beam:
     cum_log_prob: float
     score: float  # cum_log_prob / len(tokens) ** length_penalty: what beams are ranked by
     log_probs: list[float] = field(default_factory=list)  # each token's
+    logits: list = field(default_factory=list, compare=False)  # the raw logits row each token was chosen from
 
 
 def early_stopping_mode(value: bool | int | str) -> bool | str:
@@ -57,6 +58,7 @@ class BeamSearch:
         self.ends = ends
         self.running: list[list[int]] = [[]]
         self.running_log_probs: list[list[float]] = [[]]
+        self.running_logits: list[list] = [[]]  # each running beam's raw rows, when `step` is given them
         self.scores = torch.zeros(1)
         self.finished: list[Beam] = []
         self.improvable = True  # a running beam may still beat the worst finished one
@@ -67,9 +69,10 @@ class BeamSearch:
     def full(self) -> bool:
         return len(self.finished) >= self.width
 
-    def step(self, log_probs: torch.Tensor) -> list[int]:
-        """Advance by one token: `log_probs` `[running beams, vocab]` (float32). Returns, for each new running
-        beam, the index of the running beam it continues (the first step: 0)."""
+    def step(self, log_probs: torch.Tensor, rows: Sequence | None = None) -> list[int]:
+        """Advance by one token: `log_probs` `[running beams, vocab]` (float32); `rows`, one per running beam, are
+        kept with the tokens chosen from them (a request's raw logits). Returns, for each new running beam, the
+        index of the running beam it continues (the first step: 0)."""
         first = len(self.running) == 1
         if first:  # the prompt stands in for every beam; all but one may not be chosen
             log_probs = log_probs.expand(self.width, -1)
@@ -79,13 +82,15 @@ class BeamSearch:
         parents = [0 if first else p for p in (index // vocab).tolist()]
         tokens = (index % vocab).tolist()
         candidates = [self.running[p] + [t] for p, t in zip(parents, tokens)]
+        kept = [self.running_logits[p] + ([] if rows is None else [rows[p]]) for p in parents]
         token_log_probs = log_probs[index // vocab, index % vocab].tolist()
         hits = torch.tensor([self.ends(c) or len(c) >= self.max_new_tokens for c in candidates])
         self.generated += 1
-        self._finish(candidates, parents, token_log_probs, top, hits)
+        self._finish(candidates, parents, token_log_probs, top, hits, kept)
         running_scores = top + hits.float() * UNREACHABLE
         order = torch.topk(running_scores, self.width).indices.tolist()
         self.running_log_probs = [self.running_log_probs[parents[i]] + [token_log_probs[i]] for i in order]
+        self.running_logits = [kept[i] for i in order]
         self.running = [candidates[i] for i in order]
         self.scores = running_scores[order]
         self._check_improvable()
@@ -93,7 +98,7 @@ class BeamSearch:
         return [parents[i] for i in order]
 
     def _finish(self, candidates: list[list[int]], parents: list[int], token_log_probs: list[float],
-                top: torch.Tensor, hits: torch.Tensor) -> None:
+                top: torch.Tensor, hits: torch.Tensor, kept: list[list]) -> None:
         """The first `width` continuations that end become finished hypotheses, unless finished ones may no
         longer change."""
         if not self.improvable or (self.full and self.early_stopping is True):
@@ -102,7 +107,7 @@ class BeamSearch:
         for i in range(self.width):
             if hits[i]:
                 self.finished.append(Beam(candidates[i], float(top[i]), float(normed[i]),
-                                          self.running_log_probs[parents[i]] + [token_log_probs[i]]))
+                                          self.running_log_probs[parents[i]] + [token_log_probs[i]], kept[i]))
         self.finished = sorted(self.finished, key=lambda beam: -beam.score)[:self.width]
 
     def _check_improvable(self) -> None:
@@ -116,10 +121,11 @@ class BeamSearch:
     def result(self) -> list[Beam]:
         """The `width` best hypotheses, best first."""
         beams = list(self.finished)
-        for tokens, log_probs, score in zip(self.running, self.running_log_probs, self.scores.tolist()):
+        for tokens, log_probs, score, rows in zip(self.running, self.running_log_probs, self.scores.tolist(),
+                                                  self.running_logits):
             if len(beams) >= self.width:
                 break
-            beams.append(Beam(tokens, score, score / len(tokens) ** self.length_penalty, log_probs))
+            beams.append(Beam(tokens, score, score / len(tokens) ** self.length_penalty, log_probs, rows))
         return sorted(beams, key=lambda beam: -beam.score)[:self.width]
 
 

@@ -40,7 +40,8 @@ Logits, as TensorRT-LLM returns them (float32, the model's whole padded vocabula
 request that asks: `context_logits` runs its prompt chunks on their own (`SlotModel.prefill_all`,
 never from the prefix cache) keeping every position's logits, which its first Output carries;
 `generation_logits` gives each Output the raw logits (before bias, penalties, bans and
-temperature) each of its tokens was chosen from. Other requests' passes are unchanged.
+temperature) each of its tokens was chosen from (a beam search: each beam's, `Beam.logits`).
+Other requests' passes are unchanged.
 
 A beam search (`beam_width` > 1, beams.py) takes `beam_width` slots at admission, and KV-cache
 room for `beam_width` whole lengths (each beam's slot holds the prompt and its own output). Its
@@ -138,17 +139,18 @@ class _Sequence:
         return [(slot, [tokens[-1]], len(self.history) + len(tokens) - 1)
                 for slot, tokens in zip(self.beam_slots, self.beams.running, strict=True)]
 
-    def beam_step(self, logits: torch.Tensor) -> list[int]:
-        """Advance the beam search by the processed logits of its beams (`[beams, vocab]`); each new beam's
-        parent. Penalties count each beam's own history."""
-        request, rows = self.request, []
+    def beam_step(self, logits: torch.Tensor, vocab_limit: int) -> list[int]:
+        """Advance the beam search by the logits of its beams (`[beams, vocab]`, processed here, ids from
+        `vocab_limit` on never chosen); each new beam's parent. Penalties count each beam's own history."""
+        raw = logits.float().cpu().numpy() if self.request.generation_logits else None
+        logits, request, rows = logits[:, :vocab_limit], self.request, []
         for row, tokens in zip(logits, self.beams.running):
             history = self.history + tokens
             penalties = Penalties(request.repetition_penalty, request.presence_penalty, request.frequency_penalty)
             if penalties.active:
                 penalties.start(history, row.numel(), row.device)
             rows.append(processed(row, request.embedding_bias, self.banned(history), penalties))
-        return self.beams.step(torch.log_softmax(torch.stack(rows), dim=-1))
+        return self.beams.step(torch.log_softmax(torch.stack(rows), dim=-1), raw)
 
     def beam_output(self) -> Output:
         """The finished search's answer: every beam, best first, without its end id (as a single sequence's);
@@ -157,7 +159,7 @@ class _Sequence:
         for beam in found:
             cut = len(beam.tokens) - (end_id is not None and beam.tokens[-1] == end_id)
             beams.append(Beam(beam.tokens[:cut], beam.cum_log_prob if asked else 0.0, beam.score,
-                              beam.log_probs[:cut] if asked else []))
+                              beam.log_probs[:cut] if asked else [], beam.logits[:cut]))
         best, ended = beams[0], found[0].tokens
         reason = "end_id" if len(ended) > len(best.tokens) else "stop_word" if self.beams.ends(ended) else "length"
         return Output(best.tokens, best.log_probs, finished=True, reason=reason, beams=beams)
@@ -456,11 +458,11 @@ class Executor:
                 self._take(sequences[i], choice)
         for i, sequence in enumerate(sequences):
             if sequence.beams is not None:
-                self._beam_step(sequence, logits[firsts[i]:firsts[i + 1], :self.vocab_limit])
+                self._beam_step(sequence, logits[firsts[i]:firsts[i + 1]])
 
     def _beam_step(self, sequence: _Sequence, logits: torch.Tensor) -> None:
         try:
-            parents = sequence.beam_step(logits)
+            parents = sequence.beam_step(logits, self.vocab_limit)
         except Exception as e:
             log.warning("request %d: %s", sequence.handle.id, e)
             error = f"no next beam could be chosen: {e}"

@@ -158,11 +158,9 @@ def check_request(request: Request, vocab: int, max_seq_len: int, max_beam_width
 def check_logits(request: Request, vocab: int, max_seq_len: int) -> None:
     """UsageError when the logits `request` asks for would take more than the cap (MAX_LOGITS_MIB; its output
     length cut to what fits in `max_seq_len`, as `fitted` cuts it)."""
-    if request.generation_logits and request.beam_width > 1:
-        raise UsageError("return_generation_logits takes beam_width 1 in trtglm's runtime")
+    output = min(request.max_new_tokens, max_seq_len - len(request.prompt))
     rows = {"return_context_logits": len(request.prompt) if request.context_logits else 0,
-            "return_generation_logits": min(request.max_new_tokens, max_seq_len - len(request.prompt))
-                                   if request.generation_logits else 0}
+            "return_generation_logits": request.beam_width * output if request.generation_logits else 0}
     size, cap = sum(rows.values()) * vocab * LOGITS_ITEM_BYTES, max_logits_mib()
     if size > cap << 20:
         asked = " and ".join(name for name, count in rows.items() if count)
