@@ -2,7 +2,7 @@
 fixture's repository, decoupled), against transformers' GlmForCausalLM: the tensorrt_llm model with token ids,
 streamed and not, in NVIDIA's shapes (context `[1, prompt, vocab]`; generation `[1, beam, tokens, vocab]`, or
 streamed `[1, tokens, beam, vocab]` of each response's new tokens; vocab the engine's padded one, 576, past the
-tokenizer's 521 ids); the ensemble and the BLS model passing them through; and a request whose logits would
+tokenizer's 521 ids); each beam's of a beam search; the ensemble and the BLS model passing them through; and a request whose logits would
 pass the cap refused with one line while the server goes on."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import queue
 
 import numpy as np
 import pytest
+import torch
 from support.references import glm_reference, greedy_with_logits  # noqa: F401 (fixture)
 from support.servers import Launched, triton_type
 
@@ -30,7 +31,7 @@ FLAGS = {"return_context_logits": np.array([[True]]), "return_generation_logits"
 def server(tmp_path_factory):
     pytest.importorskip("pytriton")
     pytest.importorskip("tritonclient.grpc")
-    launched = Launched(tmp_path_factory.mktemp("logits"))
+    launched = Launched(tmp_path_factory.mktemp("logits"), build_flags=("--set", "build.max_beam_width=2"))
     launched.env[MAX_LOGITS_ENV] = "1"  # 455 rows of 576 float32 logits: the fixture's longest requests pass it
     try:
         launched.start()
@@ -111,6 +112,21 @@ def test_tensorrt_llm_streams_each_responses_new_tokens_logits(server, tok, glm_
     rows = np.concatenate([r.as_numpy("generation_logits")[0, :, 0] for r in responses])
     np.testing.assert_allclose(rows, generation, atol=ATOL)
     assert sum(counts) == len(ids)
+
+
+def test_a_beam_search_returns_each_beams_logits(server, tok, glm_reference):
+    prompt = chat_ids(tok, [{"role": "user", "content": QUESTION}])
+    _, context, _ = greedy_with_logits(glm_reference, prompt, 0, END_ID)
+    response, = stream_infer(server, "tensorrt_llm", {**ids_inputs(prompt, streaming=False),
+                                                      "beam_width": np.array([[2]], np.int32)})
+    check_context([response], context)
+    logits, lengths = response.as_numpy("generation_logits"), response.as_numpy("sequence_length")[0]
+    assert logits.shape == (1, 2, max(lengths), VOCAB)
+    for beam, length in enumerate(lengths):
+        ids = response.as_numpy("output_ids")[0, beam, :length].tolist()
+        with torch.no_grad():
+            expected = glm_reference(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].numpy()
+        np.testing.assert_allclose(logits[0, beam, :length], expected, atol=ATOL)
 
 
 @pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
