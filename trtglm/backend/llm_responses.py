@@ -6,8 +6,9 @@ many there are, cum_log_probs the sum of the log probabilities so far (zeros unl
 return_log_probs), generated_ids every token so far, num_output_tokens their count and is_final
 whether this is the last response; the performance metrics (`Timing`) and the logits (`Logits`) go
 with every response, and the model sends them when their return_* flag asks. Not streaming: one
-response with every token of every sequence, sent once the last one finishes (`Gathered`: rows shorter than the longest padded with -1; sequence_length tells
-each row's count); the first sequence to fail fails the request and stops the others.
+response with every token of every sequence, sent once the last one finishes (`Gathered`: rows
+shorter than the longest padded with -1; sequence_length tells each row's count); the first
+sequence to fail fails the request and stops the others.
 Streaming (`Reply`, one sequence per request): one response per output, the last one flagged
 final. A beam search answers once, with every beam (`[1, beams, …]`, best first, shorter beams
 padded with -1 as NVIDIA's backend pads them).
