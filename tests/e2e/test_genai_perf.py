@@ -1,9 +1,10 @@
 """NVIDIA's genai-perf 0.0.16, with the perf_analyzer of tritonclient 2.51.0 (scripts/setup.sh installs both into
-.venv/genai-perf), run unchanged against a `trtglm launch` of the fixture's repository: over gRPC
-(`--endpoint-type kserve --backend tensorrtllm`) and over HTTP (generate, generate_stream), on `ensemble` and
-`tensorrt_llm_bls`, streamed and not. Its prompts are the fixture's questions (--input-file), so every reply that
-perf_analyzer records must be the fixture's exact answer, and genai-perf's output token counts those answers' under
-the fixture's tokenizer. One more run is the benchmark of docs/benchmarks.md: synthetic prompts, capped replies."""
+.venv/genai-perf), run unchanged against a `trtglm launch` of the fixture's engine, in trtglm's layout and in
+NVIDIA's v0.19.0 one as patch-repo patches it: over gRPC (`--endpoint-type kserve --backend tensorrtllm`) and over
+HTTP (generate, generate_stream), on `ensemble` and `tensorrt_llm_bls`, streamed and not. Its prompts are the
+fixture's questions (--input-file), so every reply that perf_analyzer records must be the fixture's exact answer,
+and genai-perf's output token counts those answers' under the fixture's tokenizer. One more run is the benchmark
+of docs/benchmarks.md: synthetic prompts, capped replies."""
 
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from support.servers import fixture_answers, launched_server
+from support.engines import build_tiny_engine
+from support.repos import upstream_copy
+from support.servers import Server, fixture_answers
 from trtglm.chatglm.fast_tokenizer import write_fast_tokenizer
+from trtglm.repo import patch_repo
 
 pytestmark = pytest.mark.slow
 GENAI_PERF = Path(sys.prefix) / "genai-perf"  # the venv scripts/setup.sh puts it in
@@ -55,9 +59,17 @@ def genai_perf_env() -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    yield from launched_server(tmp_path_factory.mktemp("genai-perf"))
+LAYOUTS = {"trtglm": lambda root: None, "nvidia-v0.19.0": lambda root: upstream_copy(root, "v0.19.0")}  # -> template
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
+def server(request, tmp_path_factory):
+    """The fixture's engine launched in a repository of each layout."""
+    root = tmp_path_factory.mktemp("genai-perf")
+    repo = patch_repo(build_tiny_engine(root / "engine"), None, root / "repo", LAYOUTS[request.param](root))
+    server = Server(repo, 1, root / "state")
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +92,7 @@ def run_genai_perf(env: dict, server, model: str, way: str, tokenizer: Path, art
     (profile_export_genai_perf.json) and perf_analyzer's record of each request (profile_export.json)."""
     protocol, flags = WAYS[way]
     run = subprocess.run(["genai-perf", "profile", "-m", model, *(f.format(model=model) for f in flags),
-                          "-u", f"127.0.0.1:{server.ports[protocol]}", "--tokenizer", str(tokenizer),
+                          "-u", f"127.0.0.1:{getattr(server, f'{protocol}_port')}", "--tokenizer", str(tokenizer),
                           "--request-count", str(REQUESTS), "--concurrency", "2", "--artifact-dir", str(artifacts),
                           *prompts], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
