@@ -10,13 +10,19 @@ STAMP=$VENV/.trtglm-setup
 
 log() { printf '[setup] %s\n' "$*"; }
 
-# System package: Open MPI's mpirun runs multi-rank servers (trtglm launch --world-size N).
-if ! command -v mpirun >/dev/null 2>&1; then
+# System packages: Open MPI's mpirun runs multi-rank servers (trtglm launch --world-size N); libb64 is a
+# library of perf_analyzer, the load generator that NVIDIA's genai-perf drives (tests/e2e/test_genai_perf.py).
+missing=()
+command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin)
+# (grep without -q reads to the end: ldconfig never dies of SIGPIPE, which pipefail would count as not found)
+{ ldconfig -p || /sbin/ldconfig -p; } 2>/dev/null | grep 'libb64\.so\.0d' >/dev/null || missing+=(libb64-0d)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    log "installing openmpi-bin (mpirun)"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin >/dev/null
+    log "installing ${missing[*]}"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
-    log "warning: mpirun not found; install Open MPI (Debian/Ubuntu: apt-get install openmpi-bin) for multi-rank launches"
+    log "warning: missing ${missing[*]} (Debian/Ubuntu: apt-get install ${missing[*]}): openmpi-bin's mpirun runs" \
+        "multi-rank launches, libb64-0d is needed by perf_analyzer (genai-perf)"
   fi
 fi
 
@@ -32,8 +38,11 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 LOG=$VENV/setup.log
 # pip's output goes to $LOG and is shown only if an install fails.
-pip_install() {
-  if ! "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off "$@" >>"$LOG" 2>&1; then
+pip_install() { pip_install_with "$VENV/bin/python" "$@"; }
+pip_install_with() {
+  local python=$1
+  shift
+  if ! "$python" -m pip install --disable-pip-version-check --progress-bar off "$@" >>"$LOG" 2>&1; then
     tail -n 40 "$LOG" >&2
     log "pip install $* failed (full log: $LOG)"
     exit 1
@@ -55,5 +64,13 @@ pip_install --target "$VENV/numpy2" --upgrade "numpy>=2,<2.3"
 "$VENV/bin/python" -m pip download --disable-pip-version-check --quiet --no-deps --only-binary=:all: \
   -d "$VENV/wheels" "numpy==$("$VENV/bin/python" -c 'import numpy; print(numpy.__version__)')" >>"$LOG" 2>&1 \
   || { tail -n 20 "$LOG" >&2; log "pip download numpy failed (full log: $LOG)"; exit 1; }
+# NVIDIA's genai-perf in a venv of its own (its many dependencies stay out of trtglm's), with perf_analyzer,
+# the binary it drives, from tritonclient's 2.51.0 wheel (the perf-analyzer 0.1.0 it requires is an empty
+# placeholder), and the CUDA runtime library that loads (nvidia-cuda-runtime-cu12; its lib/ goes on
+# LD_LIBRARY_PATH: docs/benchmarks.md).
+log "installing genai-perf 0.0.16 and perf_analyzer into $VENV/genai-perf"
+[ -x "$VENV/genai-perf/bin/python" ] || "$PYTHON" -m venv "$VENV/genai-perf"
+pip_install_with "$VENV/genai-perf/bin/python" "genai-perf==0.0.16" "tritonclient==2.51.0" \
+  "nvidia-cuda-runtime-cu12>=12,<13"
 echo "$wanted" > "$STAMP"
 log "done: $("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
