@@ -97,3 +97,22 @@ def test_min_length_is_transformers_min_new_tokens(tp1_model, glm_reference, fou
     assert any(len(tokens) < 15 for tokens in free) and all(len(tokens) >= 15 for tokens in held)
     for seed, (prompt, tokens) in enumerate(zip(four_prompts, held)):
         assert tokens == transformers_tokens(glm_reference, prompt, seed, end_id=end_id, min_new_tokens=15, **settings)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.5])
+def test_min_length_holds_back_one_token_stop_words(tp1_model, glm_reference, four_prompts, tok, temperature):
+    """ChatGLM3's <|user|> as a stop word (as preprocessing sends it) is held back until min_length as the end
+    id is: transformers' min_new_tokens over both as end ids. The stop word, when it comes, is returned."""
+    user, end_id = tok.special_ids["<|user|>"], tok.eos_id
+    settings = {"temperature": temperature} if temperature else {}
+    free = executor_tokens(tp1_model, four_prompts, end_id=end_id, stop_words=[[user]], **settings)
+    held = executor_tokens(tp1_model, four_prompts, end_id=end_id, stop_words=[[user]], min_length=15, **settings)
+    assert any(len(tokens) < 15 for tokens in free) and all(len(tokens) >= 15 for tokens in held)
+    for seed, (prompt, tokens) in enumerate(zip(four_prompts, held)):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            out = glm_reference.generate(torch.tensor([prompt]), attention_mask=torch.ones_like(torch.tensor([prompt])),
+                                         max_new_tokens=NEW, do_sample=temperature > 0, top_k=0,
+                                         eos_token_id=[end_id, user], pad_token_id=0, min_new_tokens=15, **settings)
+        new = out[0, len(prompt):].tolist()
+        assert tokens == (new[:new.index(end_id)] if end_id in new else new), seed

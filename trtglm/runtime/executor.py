@@ -32,7 +32,7 @@ Each new token goes to its request's callback as an `Output` (the new tokens, th
 probabilities, whether it is finished and why). A request finishes at `end_id` (which is not
 returned), after a stop word (which is returned, as TensorRT-LLM returns it), after
 `max_new_tokens`, or when cancelled. Tokens are chosen by TensorRT-LLM's rules (sampling.py:
-embedding bias, bad words, `end_id` banned before `min_length`, then greedy or the request's
+embedding bias, bad words, `end_id` and one-token stop words banned before `min_length`, then greedy or the request's
 own seeded temperature / top-k / top-p sampling, and log probabilities of the distribution
 the token was chosen from).
 
@@ -74,7 +74,7 @@ from trtglm.runtime.beams import Beam, BeamSearch, continued_slots, ends_with_an
 from trtglm.runtime.prefix import PrefixIndex
 from trtglm.runtime.request import (ExecutorStats, ExecutorStopped, Handle, Output, OutputCallback, QueueFullError,
                                     Request, check_request, fitted)
-from trtglm.runtime.sampling import BadWords, Penalties, Sampler, processed
+from trtglm.runtime.sampling import BadWords, Penalties, Sampler, held_until_min_length, processed
 from trtglm.runtime.slots import SlotModel
 
 log = logging.getLogger(__name__)
@@ -128,8 +128,8 @@ class _Sequence:
         """The ids banned after `history` (default: this sequence's)."""
         history = self.history if history is None else history
         banned = self.bad_words.banned(history)
-        if self.request.end_id is not None and len(history) - len(self.request.prompt) < self.request.min_length:
-            banned.append(self.request.end_id)
+        if len(history) - len(self.request.prompt) < self.request.min_length:
+            banned += held_until_min_length(self.request.end_id, self.request.stop_words)
         return banned
 
     def decode_pieces(self) -> list[tuple[int, list[int], int]]:
@@ -589,3 +589,4 @@ class Executor:
         for sequence in sequences:
             self._deliver(sequence, Output([], finished=True, reason="error", error=message))
             sequence.handle.done.set()
+

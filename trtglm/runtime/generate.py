@@ -20,7 +20,7 @@ from trtglm.errors import UsageError
 from trtglm.runtime.cache import KVCache
 from trtglm.runtime.model import ShardedModel
 from trtglm.runtime.beams import Beam, BeamSearch, ends_with_any
-from trtglm.runtime.sampling import Sampler, processed
+from trtglm.runtime.sampling import Sampler, held_until_min_length, processed
 
 
 def full_logits(model: ShardedModel, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -91,8 +91,9 @@ def _steps(model: ShardedModel, batch: list[list[int]], max_new_tokens: int, end
 def beam_search(model: ShardedModel, prompt: Sequence[int], beam_width: int, max_new_tokens: int = 16,
                 end_id: int | None = None, stop_words: Sequence[Sequence[int]] = (), min_length: int = 0,
                 length_penalty: float = 1.0, early_stopping: bool | int | str = True) -> list[Beam]:
-    """The `beam_width` best continuations of `prompt`, best first, by beam search (beams.py). `end_id` is
-    banned until `min_length` tokens exist; a finished beam's tokens end with its end id or stop word."""
+    """The `beam_width` best continuations of `prompt`, best first, by beam search (beams.py). `end_id` and
+    one-token stop words are banned until `min_length` tokens exist; a finished beam's tokens end with its end
+    id or stop word."""
     prompt = [int(t) for t in prompt]
     _check_request(model, [prompt], max_new_tokens, 0.0, 0, 1.0)
     search = BeamSearch(beam_width, max_new_tokens, length_penalty, early_stopping,
@@ -101,8 +102,8 @@ def beam_search(model: ShardedModel, prompt: Sequence[int], beam_width: int, max
     logits = model.forward(torch.tensor([prompt], device=model.device), cache.row(0, 0), last_only=True)[:, -1]
     cache.advance(len(prompt))
     while True:
-        early = end_id is not None and search.generated < min_length
-        rows = [processed(row, None, [end_id] if early else []) for row in logits]
+        early = held_until_min_length(end_id, stop_words) if search.generated < min_length else []
+        rows = [processed(row, None, early) for row in logits]
         parents = search.step(torch.log_softmax(torch.stack(rows), dim=-1))
         if search.done:
             return search.result()

@@ -2,11 +2,11 @@
 
 A request's logits processors run first: its embedding bias is added, its penalties are
 applied (`Penalties`), then banned ids get -inf (a one-token bad word always, a longer one when
-the sequence ends with all but its last token, `end_id` until `min_length` tokens exist). `Sampler` then chooses: greedy when the
-temperature is 0 or top_k is 1, otherwise temperature, then top-k, then top-p, drawn with a
-generator of its own seeded by the request (the same seed gives the same tokens). `log_prob`
-is the log probability of the chosen token under the distribution it was chosen from (after
-bias, bans and temperature). Beam search, which does not sample, is beams.py.
+the sequence ends with all but its last token, `end_id` and one-token stop words until `min_length`
+tokens exist). `Sampler` then chooses: greedy when the temperature is 0 or top_k is 1, otherwise
+temperature, then top-k, then top-p, drawn with a generator of its own seeded by the request (the
+same seed gives the same tokens). `log_prob` is the log probability of the chosen token under the
+distribution it was chosen from (after bias, bans and temperature). Beam search, which does not sample, is beams.py.
 """
 
 from __future__ import annotations
@@ -141,3 +141,10 @@ class Penalties:
         out = logits.clone()
         out[:width] = torch.where(seen, penalized, head)
         return out
+
+
+def held_until_min_length(end_id: int | None, stop_words: Sequence[Sequence[int]]) -> list[int]:
+    """The ids banned while a sequence is shorter than its `min_length`: the end id, as TensorRT-LLM bans it,
+    and every one-token stop word (ChatGLM3's `<|user|>` and `<|observation|>` end its replies as `</s>` does;
+    vLLM's `min_tokens` holds stop token ids back too). Longer stop words are not held back."""
+    return ([end_id] if end_id is not None else []) + [int(word[0]) for word in stop_words if len(word) == 1]
