@@ -1,8 +1,10 @@
 """NVIDIA's own v0.19.0 clients, run unchanged against repositories rendered from trtglm's template and
 patched from NVIDIA's v0.19.0 (the fixture engine, served by `trtglm launch` as in test_serving):
 end_to_end_grpc_client.py on the reply of `ensemble` and `tensorrt_llm_bls`, streamed and not, with and
-without --exclude-input-in-output, checked by the client's own --check-outputs against the fixture's exact
-answer (the client adds the prompt itself where NVIDIA's output holds it: not streamed and not excluded);
+without --exclude-input-in-output, and with --batch-inputs (several prompts in one request, each answered
+under its batch_index; refused where tensorrt_llm is not decoupled), checked by the client's own
+--check-outputs against the fixture's exact answers (the client adds the prompt itself where NVIDIA's output
+holds it: not streamed and not excluded);
 inflight_batcher_llm_client.py on the `tensorrt_llm` model with token ids, its own --check-output against
 the fixture's answer ids, and --return-log-probs, --return-context-logits and --return-generation-logits
 against transformers' GlmForCausalLM."""
@@ -27,7 +29,7 @@ from support.references import glm_reference, greedy_with_logits  # noqa: F401 (
 from trtglm.chatglm.chat import chat_ids, prompt_ids
 from trtglm.chatglm.fast_tokenizer import write_fast_tokenizer
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
-from support.servers import Server
+from support.servers import Server, fixture_answers
 from trtglm.repo import patch_repo
 
 UPSTREAM = SHARED / "upstream/tensorrtllm_backend-v0.19.0"
@@ -61,6 +63,11 @@ def conversation(fixture_dir) -> dict:
     return next(c for c in map(json.loads, lines) if c["messages"][0]["content"] == "What color is the sky?")
 
 
+def run_client(server, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(CLIENT), "-u", f"127.0.0.1:{server.grpc_port}", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
 @pytest.mark.parametrize("streaming", [False, True], ids=["whole", "streamed"])
@@ -68,15 +75,45 @@ def conversation(fixture_dir) -> dict:
 def test_end_to_end_grpc_client_checks_the_fixtures_answer(server, conversation, model, streaming, exclude):
     question = conversation["messages"][0]["content"]
     flags = ["--streaming"] * streaming + ["--exclude-input-in-output"] * exclude
-    run = subprocess.run([sys.executable, str(CLIENT), "-u", f"127.0.0.1:{server.grpc_port}", "--model-name",
-                          model, "-p", question, "-o", "64", "--check-outputs",
-                          "--expected-outputs", json.dumps([conversation["answer"]]), *flags],
-                         capture_output=True, text=True, timeout=120)
+    run = run_client(server, "--model-name", model, "-p", question, "-o", "64", "--check-outputs",
+                     "--expected-outputs", json.dumps([conversation["answer"]]), *flags)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "Received an error" not in run.stdout, run.stdout
     # what the client printed of the reply: the prompt before it exactly when not streamed and not excluded
     shown = question + conversation["answer"] if not (streaming or exclude) else conversation["answer"]
     assert shown in run.stdout, run.stdout
+
+
+BATCH = ["What color is the sky?", "What color is grass?", "How many legs does a cat have?"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+@pytest.mark.parametrize("streaming", [False, True], ids=["whole", "streamed"])
+def test_end_to_end_grpc_client_batch_inputs_check_each_prompts_answer(server, model, streaming):
+    """--batch-inputs: the three prompts in one request; the client files each response's text under its
+    batch_index and --check-outputs compares each prompt's with the fixture's answer to it."""
+    expected = [fixture_answers()[question] for question in BATCH]
+    run = run_client(server, "--model-name", model, "-p", json.dumps(BATCH), "-o", "64", "--batch-inputs",
+                     "--check-outputs", "--expected-outputs", json.dumps(expected), *["--streaming"] * streaming)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "Received an error" not in run.stdout, run.stdout
+    for index, (question, answer) in enumerate(zip(BATCH, expected)):
+        # whole: each response printed as it came, "batch_index: text"; streamed: each text at the end
+        assert (f"{index}: {question}{answer}\n" if not streaming else f"\n{answer}\n") in run.stdout, run.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_end_to_end_grpc_client_batch_inputs_need_a_decoupled_repository(whole_server, model):
+    """Not decoupled, tensorrt_llm refuses a batch in NVIDIA's words, and the server goes on."""
+    run = run_client(whole_server, "--model-name", model, "-p", json.dumps(BATCH[:2]), "-o", "64", "--batch-inputs")
+    assert "Received an error from server" in run.stdout, run.stdout + run.stderr
+    assert "Batch size > 1 requires the tensorrt_llm backend to be using decoupled transaction policy" in run.stdout
+    answer = fixture_answers()[BATCH[0]]
+    run = run_client(whole_server, "--model-name", model, "-p", BATCH[0], "-o", "64", "--exclude-input-in-output",
+                     "--check-outputs", "--expected-outputs", json.dumps([answer]))
+    assert run.returncode == 0 and "Received an error" not in run.stdout, run.stdout + run.stderr
 
 
 @pytest.mark.slow

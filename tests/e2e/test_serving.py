@@ -25,8 +25,8 @@ from trtglm.chatglm.chat import chat_ids, prompt_ids, reply_text, stack_word_lis
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
 from trtglm.repo import patch_repo
-from trtglm.backend.llm_requests import engine_request, engine_requests
-from trtglm.backend.llm_responses import Gathered, Reply
+from trtglm.backend.llm_requests import batch_size, engine_request, engine_requests
+from trtglm.backend.llm_responses import Reply
 from trtglm.runtime.request import Output
 
 WORLD_SIZES = (1, 2, 4)
@@ -110,7 +110,6 @@ def test_each_sequence_of_a_batch_is_a_request_of_its_own():
 
 @pytest.mark.parametrize("extra, message", [
     ({"request_output_len": np.array([4, 0], np.int32)}, "sequence 1 of 2: request_output_len must be between 1"),
-    ({"streaming": np.array([[True], [True]])}, "streaming takes one sequence per request; this one has 2"),
     ({"streaming": np.array([[True], [False]])}, "streaming must be the same for every sequence"),
 ])
 def test_a_batch_with_a_bad_sequence_is_refused_whole(extra, message):
@@ -118,42 +117,11 @@ def test_a_batch_with_a_bad_sequence_is_refused_whole(extra, message):
         engine_requests(two_sequences(**extra))
 
 
-def test_a_batchs_replies_go_out_together_in_one_response():
-    sent, failed = [], []
-    gathered = Gathered(2, lambda arrays, final: sent.append((arrays, final)), failed.append)
-    second, first = gathered.reply(1), gathered.reply(0)
-    second(Output([21], finished=True, reason="end_id"))
-    assert sent == []  # the first sequence is still running
-    first(Output([11, 12]))
-    first(Output([13], finished=True, reason="length"))
-    assert len(sent) == 1 and sent[0][1] is True and not failed
-    arrays = sent[0][0]
-    assert arrays["output_ids"].tolist() == [[[11, 12, 13]], [[21, -1, -1]]]  # padded as NVIDIA pads beams
-    assert arrays["sequence_length"].tolist() == [[3], [1]] and arrays["is_final"].tolist() == [[True], [True]]
-    assert arrays["generated_ids"].tolist() == [[[11, 12, 13]], [[21, -1, -1]]]
-
-
-def test_a_batchs_logits_are_padded_to_the_longest_prompt_and_reply():
-    sent = []
-    gathered = Gathered(2, lambda arrays, final: sent.append(arrays), lambda error: None)
-    context, rows = np.arange(6, dtype=np.float32).reshape(3, 2), np.ones((1, 2), np.float32)
-    first, second = gathered.reply(0), gathered.reply(1)
-    first(Output([7], finished=False, context_logits=context[:1], generation_logits=rows))
-    first(Output([8], finished=True, reason="length", generation_logits=2 * rows))
-    second(Output([9], finished=True, reason="length", context_logits=context, generation_logits=rows))
-    logits = sent[0]["context_logits"], sent[0]["generation_logits"]
-    assert logits[0].tolist() == [[[0, 1], [-1, -1], [-1, -1]], context.tolist()]  # [batch, prompt, vocab]
-    assert logits[1].tolist() == [[[[1, 1], [2, 2]]], [[[1, 1], [-1, -1]]]]  # [batch, beam, ids, vocab]
-
-
-def test_the_first_failing_sequence_fails_the_batch_and_stops_the_others():
-    sent, failed = [], []
-    gathered = Gathered(2, lambda arrays, final: sent.append(arrays), failed.append)
-    gathered.reply(0)(Output([], finished=True, reason="error", error="no next token could be chosen"))
-    assert gathered.failed() and [str(e) for e in failed] == ["no next token could be chosen"]
-    gathered.reply(1)(Output([], finished=True, reason="cancelled"))  # stopped because the batch failed
-    gathered.reply(1)(Output([4], finished=True, reason="length"))
-    assert sent == [] and len(failed) == 1
+def test_a_streamed_batch_is_a_streamed_request_per_prompt():
+    """NVIDIA's decoupled backend streams each prompt of a batch; the model refuses a batch when not decoupled."""
+    requests, streaming = engine_requests(two_sequences(streaming=np.array([[True], [True]])))
+    assert [list(r.prompt) for r in requests] == [[5, 6, 7], [8, 9, 10, 11]] and streaming is True
+    assert batch_size(two_sequences()) == 2 and batch_size(arrays()) == 1
 
 
 def test_streamed_responses_carry_new_ids_and_the_last_is_final():
@@ -300,21 +268,102 @@ def test_bad_requests_get_4xx_with_a_message_and_the_server_goes_on(server, conv
         assert status == 200 and body["text_output"] == conversations[0]["answer"]
 
 
+def three_different(conversations: list[dict]) -> list[dict]:
+    """Three one-message conversations with different answers of different lengths."""
+    chosen = []
+    for conversation in conversations:
+        if len(conversation["messages"]) == 1 and all(len(c["answer"]) != len(conversation["answer"])
+                                                      for c in chosen):
+            chosen.append(conversation)
+    return chosen[:3]
+
+
+def by_batch_index(responses: list, output: str) -> dict[int, list]:
+    """Each response's `output` under its batch_index ([1, 1], on every response but a flags-only final one)."""
+    items: dict[int, list] = {}
+    for response in responses:
+        if response.as_numpy(output) is None:
+            continue
+        index = response.as_numpy("batch_index")
+        assert index is not None and index.shape == (1, 1), index
+        items.setdefault(int(index[0, 0]), []).append(response.as_numpy(output))
+    return items
+
+
+def finals(responses: list) -> list[bool]:
+    return [r.get_response().parameters["triton_final_response"].bool_param for r in responses]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
-def test_two_sequences_in_one_request_of_a_decoupled_repository(server, conversations, model):
-    """gRPC streaming (not streamed) and HTTP generate: both replies in one response; test_reliability covers
-    HTTP infer and gRPC's unary call, which need a repository that is not decoupled."""
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_batch_in_one_request_is_answered_per_prompt_with_its_batch_index(server, conversations, model, stream):
+    """As NVIDIA's decoupled backend: each prompt of the batch in responses of its own ([1] text_output with a
+    [1, 1] batch_index), the prompts' responses interleaved as they are generated, the final flag after all."""
     if server.world != 1:
         pytest.skip("the sequences of a request are rank 0's executor's, the same for every world size")
-    pair = [conversations[0], next(c for c in conversations if c["answer"] != conversations[0]["answer"])]
-    inputs = {"text_input": np.array([[chat(c).encode()] for c in pair], dtype=np.object_),
-              "max_tokens": np.array([[64], [64]], np.int32)}
+    chosen = three_different(conversations)
+    inputs = {"text_input": np.array([[chat(c).encode()] for c in chosen], dtype=np.object_),
+              "max_tokens": np.array([[64]] * 3, np.int32), "stream": np.array([[stream]] * 3)}
     responses = server.grpc_stream(model, inputs)
-    texts = [r.as_numpy("text_output") for r in responses if r.as_numpy("text_output") is not None]
-    assert len(texts) == 1 and [t.decode() for t in texts[0].reshape(-1)] == [c["answer"] for c in pair]
-    status, body = server.generate(model, {"text_input": [chat(c) for c in pair], "max_tokens": [64, 64]})
-    assert status == 200 and body["text_output"] == [c["answer"] for c in pair], body
+    items = by_batch_index(responses, "text_output")
+    assert all(text.shape == (1,) for texts in items.values() for text in texts)
+    assert {i: "".join(t[0].decode() for t in texts) for i, texts in items.items()} == \
+        {i: c["answer"] for i, c in enumerate(chosen)}
+    assert finals(responses)[-1] and not any(finals(responses)[:-1])
+    order = [int(r.as_numpy("batch_index")[0, 0]) for r in responses if r.as_numpy("batch_index") is not None]
+    if stream:
+        assert order != sorted(order), order  # generated together, not one prompt after the other
+    else:
+        assert sorted(order) == [0, 1, 2], order  # one whole reply each
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("streaming", [False, True], ids=["whole", "streamed"])
+def test_a_batch_to_tensorrt_llm_answers_each_prompts_ids_with_its_batch_index(server, conversations, tok, streaming):
+    """tensorrt_llm itself (NVIDIA's contract): output_ids [1, 1, n] and sequence_length [1, 1] per response, each
+    prompt's ids joining to exactly the fixture's reply ids for it (stop token included, as TensorRT-LLM returns
+    it), batch_index [1, 1] on every response; the final flag on the last response only."""
+    if server.world != 1:
+        pytest.skip("the sequences of a request are rank 0's executor's, the same for every world size")
+    chosen = three_different(conversations)
+    prompts = [chat_ids(tok, c["messages"]) for c in chosen]
+    width = max(map(len, prompts))
+    stops = word_list([[tok.special_ids["<|user|>"]], [tok.special_ids["<|observation|>"]]])
+    inputs = {"input_ids": np.array([p + [0] * (width - len(p)) for p in prompts], np.int32),
+              "input_lengths": np.array([[len(p)] for p in prompts], np.int32),
+              "request_output_len": np.array([[64]] * 3, np.int32),
+              "end_id": np.array([[tok.eos_id]] * 3, np.int32), "stop_words_list": stack_word_lists([stops] * 3),
+              "streaming": np.array([[streaming]] * 3)}
+    responses = server.grpc_stream("tensorrt_llm", inputs)
+    assert all(r.as_numpy("output_ids").shape[:2] == (1, 1) and r.as_numpy("sequence_length").shape == (1, 1)
+               for r in responses)
+    items = by_batch_index(responses, "output_ids")
+    assert {i: [t for ids in parts for t in ids.reshape(-1).tolist()] for i, parts in items.items()} == \
+        {i: reply_ids(tok.sp, c) for i, c in enumerate(chosen)}
+    assert finals(responses)[-1] and not any(finals(responses)[:-1])
+    if not streaming:
+        assert sorted(len(parts) for parts in items.values()) == [1, 1, 1]
+
+
+@pytest.mark.slow
+def test_a_batch_over_http_comes_per_prompt_from_generate_stream_and_not_at_all_from_generate(server, conversations):
+    """generate_stream: one event per response, each with its batch_index. Triton's /generate wants exactly one
+    response, and a batch gets one per prompt (as from NVIDIA's backend): Triton refuses it, and the server goes
+    on."""
+    if server.world != 1:
+        pytest.skip("Triton's HTTP frontend, the same for every world size")
+    chosen = three_different(conversations)[:2]
+    body = {"text_input": [chat(c) for c in chosen], "max_tokens": [64, 64], "stream": [True, True]}
+    status, text = server.post("/v2/models/ensemble/generate_stream", json.dumps(body).encode())
+    events = [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
+    assert status == 200 and events and all("batch_index" in e for e in events), (status, text)
+    assert ["".join(e["text_output"] for e in events if e["batch_index"] == i) for i in (0, 1)] == \
+        [c["answer"] for c in chosen]
+    status, body = server.generate("ensemble", {"text_input": [chat(c) for c in chosen], "max_tokens": [64, 64]})
+    assert "generate expects model to produce exactly 1 response" in body.get("error", ""), (status, body)
+    status, body = server.generate("ensemble", {"text_input": chat(chosen[0]), "max_tokens": 64})
+    assert status == 200 and body["text_output"] == chosen[0]["answer"]
 
 
 @pytest.mark.slow

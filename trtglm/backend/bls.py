@@ -7,8 +7,10 @@ called through Triton (`pb_utils.InferenceRequest` to the model named by the
 tensorrt_llm_model_name parameter); the reply is decoded here. Since this model sees the
 whole stream of a request, streamed pieces come from one `ReplyStream` per request and beam,
 with no state shared between requests. With accumulate_tokens true, each streamed
-text_output is the whole text so far instead of the new piece. With num_return_sequences each
-sequence comes in responses of its own, with its sequence_index, as from tensorrt_llm.
+text_output is the whole text so far instead of the new piece. As tensorrt_llm answers (and
+NVIDIA's BLS model passes on), each prompt of a batch comes in responses of its own with its
+batch_index (decoupled only: a repository that is not refuses a batch in tensorrt_llm), and with
+num_return_sequences each sequence with its sequence_index.
 
 In a decoupled repository each request runs in a worker thread, so requests overlap and the
 engine can batch them in flight; otherwise requests are answered in order, one response each.
@@ -140,7 +142,8 @@ class EngineCall:
 
 
 class Reply:
-    """The text of one request's reply (all batch rows and beams) as engine responses arrive."""
+    """The text of one request's reply (all batch rows and beams) as engine responses arrive; a response of
+    one batch row (batch_index `row`) holds that row alone."""
 
     def __init__(self, tokenizer: ChatGLMTokenizer, accumulate: bool):
         self.tokenizer, self.accumulate = tokenizer, accumulate
@@ -148,53 +151,67 @@ class Reply:
         self.texts: dict[tuple[int, int], str] = {}
         self.ids: dict[tuple[int, int], list[int]] = {}
 
-    def add(self, output_ids: np.ndarray, lengths: np.ndarray, sequence: int | None = None) -> list[list[str]]:
+    def add(self, output_ids: np.ndarray, lengths: np.ndarray, sequence: int | None = None,
+            row: int | None = None) -> list[list[str]]:
         """Streamed: the new piece (or the text so far) per row and beam (one of several sequences: `sequence`)."""
-        out = []
-        for row, beam, ids in _sequences(output_ids, lengths, sequence):
-            stream = self.streams.setdefault((row, beam), ReplyStream(self.tokenizer))
-            out.append((row, beam, self._shown((row, beam), stream.add(ids))))
+        out = {}
+        for key, ids in _sequences(output_ids, lengths, sequence, row):
+            out[key] = self._shown(key, self.streams.setdefault(key, ReplyStream(self.tokenizer)).add(ids))
         return _grid(out)
 
-    def finish(self) -> list[list[str]]:
-        """Streamed: the held-back text at the end, per row and beam."""
-        return _grid([(row, beam, self._shown((row, beam), stream.finish()))
-                      for (row, beam), stream in sorted(self.streams.items())])
+    def ends(self, streamed: bool) -> dict[tuple[int, int], str]:
+        """Per (row, beam): streamed, the held-back text at the end; else the whole text."""
+        if streamed:
+            return {key: self._shown(key, stream.finish()) for key, stream in sorted(self.streams.items())}
+        return {key: reply_text(self.tokenizer, ids) for key, ids in sorted(self.ids.items())}
 
-    def collect(self, output_ids: np.ndarray, lengths: np.ndarray, sequence: int | None = None) -> None:
+    def finish(self) -> list[list[str]]:
+        return _grid(self.ends(True))
+
+    def collect(self, output_ids: np.ndarray, lengths: np.ndarray, sequence: int | None = None,
+                row: int | None = None) -> None:
         """Not streamed: remember ids (a response may carry all ids or the next part of them)."""
-        for row, beam, ids in _sequences(output_ids, lengths, sequence):
-            self.ids.setdefault((row, beam), []).extend(int(i) for i in ids)
+        for key, ids in _sequences(output_ids, lengths, sequence, row):
+            self.ids.setdefault(key, []).extend(int(i) for i in ids)
 
     def whole(self) -> list[list[str]]:
-        return _grid([(row, beam, reply_text(self.tokenizer, ids)) for (row, beam), ids in sorted(self.ids.items())])
+        return _grid(self.ends(False))
 
     def _shown(self, key: tuple[int, int], piece: str) -> str:
         self.texts[key] = self.texts.get(key, "") + piece
         return self.texts[key] if self.accumulate and piece else piece
 
 
-def _sequences(output_ids: np.ndarray, lengths: np.ndarray, sequence: int | None = None):
-    """(row, beam, ids) of an engine response; a response of one of several sequences holds that sequence
-    alone, kept in the beam's place."""
-    for row in range(output_ids.shape[0]):
+def _sequences(output_ids: np.ndarray, lengths: np.ndarray, sequence: int | None = None, row: int | None = None):
+    """((row, beam), ids) of an engine response; a response of one batch row (`row`) or of one of several
+    sequences holds that row or sequence alone, kept in its place."""
+    for index in range(output_ids.shape[0]):
         for beam in range(output_ids.shape[1]):
-            yield (row, beam if sequence is None else sequence,
-                   output_ids[row, beam, :min(int(lengths[row, beam]), output_ids.shape[2])])
+            yield ((index if row is None else row, beam if sequence is None else sequence),
+                   output_ids[index, beam, :min(int(lengths[index, beam]), output_ids.shape[2])])
 
 
-def _by_sequence(batch: list[dict[str, np.ndarray]]) -> list[tuple[int | None, list[dict[str, np.ndarray]]]]:
-    """Engine responses grouped by their sequence_index (None without one), in order of arrival."""
-    groups: dict[int | None, list] = {}
+Part = tuple[int, int | None]  # (batch_index, sequence_index or None): whose responses an engine response is
+
+
+def _by_part(batch: list[dict[str, np.ndarray]]) -> list[tuple[Part, list[dict[str, np.ndarray]]]]:
+    """Engine responses grouped by their batch_index (0 without one) and sequence_index (None without one),
+    in order of arrival."""
+    groups: dict[Part, list] = {}
     for outputs in batch:
-        index = outputs.get("sequence_index")
-        groups.setdefault(None if index is None else int(index.reshape(-1)[0]), []).append(outputs)
+        row, index = (outputs.get(name) for name in ("batch_index", "sequence_index"))
+        key = (0 if row is None else int(row.reshape(-1)[0]), None if index is None else int(index.reshape(-1)[0]))
+        groups.setdefault(key, []).append(outputs)
     return list(groups.items())
 
 
-def _grid(cells: list[tuple[int, int, str]]) -> list[list[str]]:
+def _part_order(part: Part) -> tuple[int, int]:
+    return part[0], -1 if part[1] is None else part[1]
+
+
+def _grid(cells: dict[tuple[int, int], str]) -> list[list[str]]:
     rows: dict[int, list[str]] = {}
-    for row, _, text in sorted(cells, key=lambda c: (c[0], c[1])):
+    for (row, _), text in sorted(cells.items()):
         rows.setdefault(row, []).append(text)
     return [rows[row] for row in sorted(rows)]
 
@@ -254,8 +271,9 @@ class TritonPythonModel:
             return triton_io.error_response(e)
 
     def _stream(self, request) -> None:
-        """Decoupled: pieces as they come (or the whole reply when not streamed), then the final flag. With
-        num_return_sequences each sequence has responses of its own, told apart by sequence_index."""
+        """Decoupled: pieces as they come (or the whole reply when not streamed), then the final flag. Each
+        prompt of a batch (batch_index) and each of num_return_sequences' sequences (sequence_index) has
+        responses of its own, as tensorrt_llm sends them."""
         sender = request.get_response_sender()
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         try:
@@ -263,34 +281,36 @@ class TritonPythonModel:
             stream = streaming(client)
             reply, log_probs = Reply(self.tokenizer, self.accumulate), {}
             for batch in self._generate(inputs, request):
-                for index, outputs in _by_sequence(batch):
-                    log_probs[index] = _joined_log_probs([{k: o[k] for k in LOG_PROBS if k in o} for o in outputs])
+                for (row, index), outputs in _by_part(batch):
+                    log_probs[row, index] = _joined_log_probs([{k: o[k] for k in LOG_PROBS if k in o}
+                                                               for o in outputs])
                     if not stream:
                         for o in outputs:
-                            reply.collect(o["output_ids"], o["sequence_length"], index)
+                            reply.collect(o["output_ids"], o["sequence_length"], index, row)
                         continue
-                    texts = _joined([reply.add(o["output_ids"], o["sequence_length"], index) for o in outputs],
+                    texts = _joined([reply.add(o["output_ids"], o["sequence_length"], index, row) for o in outputs],
                                     self.accumulate)
-                    if texts and (any(any(row) for row in texts) or _wants_token_outputs(client)):
-                        sender.send(self._response(texts, log_probs[index], client, index))
-            self._send_ends(sender, reply.finish() if stream else reply.whole(), {} if stream else log_probs,
-                            client, stream)
+                    if texts and (any(any(cells) for cells in texts) or _wants_token_outputs(client)):
+                        sender.send(self._response(texts, log_probs[row, index], client, row, index))
+            self._send_ends(sender, reply.ends(stream), log_probs, client, stream)
         except Exception as e:
             sender.send(triton_io.error_response(e), flags=final)
 
-    def _send_ends(self, sender, texts: list[list[str]], log_probs: dict, client: dict, stream: bool) -> None:
-        """The end of the reply (the held-back streamed text, or the whole text), then the final flag: one
-        response, or with several sequences (log_probs keyed by sequence_index) one for each."""
+    def _send_ends(self, sender, texts: dict[tuple[int, int], str], log_probs: dict[Part, dict], client: dict,
+                   stream: bool) -> None:
+        """The end of the reply (the held-back streamed text, or the whole text with its log probs), then the
+        final flag: one response, or with several parts (a batch's prompts, num_return_sequences' sequences)
+        one for each part with something to send, then the final flag alone."""
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        if None in log_probs or not log_probs:
-            has_text = any(any(row) for row in texts)
-            sender.send(self._response(texts, log_probs.get(None, {}), client) if has_text or not stream else None,
-                        flags=final)
+        if set(log_probs) <= {(0, None)}:
+            whole = {} if stream else log_probs.get((0, None), {})
+            has_text = any(texts.values())
+            sender.send(self._response(_grid(texts), whole, client) if has_text or not stream else None, flags=final)
             return
-        for index in sorted(log_probs):
-            text = texts[0][index] if texts and index < len(texts[0]) else ""
-            if text or not stream:
-                sender.send(self._response([[text]], log_probs[index], client, index))
+        for row, index in sorted(log_probs, key=_part_order):
+            cells = [text for (at, column), text in sorted(texts.items()) if at == row and index in (None, column)]
+            if any(cells) or not stream:
+                sender.send(self._response([cells], {} if stream else log_probs[row, index], client, row, index))
         sender.send(None, flags=final)
 
     def _generate(self, inputs: dict[str, np.ndarray], request):
@@ -321,13 +341,17 @@ class TritonPythonModel:
                 outputs[name] = tensor.as_numpy()
         return outputs
 
-    def _response(self, texts: list[list[str]], log_probs: dict[str, np.ndarray], client: dict,
+    def _response(self, texts: list[list[str]], log_probs: dict[str, np.ndarray], client: dict, row: int = 0,
                   sequence_index: int | None = None):
-        prefixes = reply_prefixes(client.get(REPLY_FORM["input_text"]),
-                                  client.get(REPLY_FORM["exclude_input_in_output"]), streaming(client), len(texts))
-        arrays = {"text_output": flat_texts(texts, prefixes), **log_probs}
-        if sequence_index is not None:
-            arrays["sequence_index"] = np.array([[sequence_index]], dtype=np.int32)
+        """A response of `texts` [rows][beams], from the request's batch row `row` on; with batch_index when
+        the request holds several prompts, and with `sequence_index` when given."""
+        text = client.get(REPLY_FORM["input_text"])
+        batch = 1 if text is None else len(text)
+        prefixes = reply_prefixes(text, client.get(REPLY_FORM["exclude_input_in_output"]), streaming(client), batch)
+        arrays = {"text_output": flat_texts(texts, prefixes[row:row + len(texts)]), **log_probs}
+        for name, value in (("batch_index", row if batch > 1 else None), ("sequence_index", sequence_index)):
+            if value is not None:
+                arrays[name] = np.array([[value]], dtype=np.int32)
         return pb_utils.InferenceResponse(output_tensors=triton_io.output_tensors(arrays, self.dtypes))
 
 
@@ -360,7 +384,8 @@ def asked_outputs(inputs: dict[str, np.ndarray]) -> list[str]:
     """tensorrt_llm's outputs to ask for: those every version declares, and those the request's flags ask for."""
     several = inputs.get("num_return_sequences") is not None and int(inputs["num_return_sequences"].reshape(-1)[0]) > 1
     return [*ALWAYS_ASKED, *(name for flag, outputs in FLAGGED_OUTPUTS.items() if flag_set(inputs.get(flag))
-                             for name in outputs), *["sequence_index"] * several]
+                             for name in outputs), *["sequence_index"] * several,
+            *["batch_index"] * (len(inputs["input_ids"]) > 1)]
 
 
 def _wants_token_outputs(client: dict) -> bool:

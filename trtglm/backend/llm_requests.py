@@ -1,7 +1,7 @@
 """The tensorrt_llm model's requests: NVIDIA's input tensors -> the executor's Requests.
 
 Inputs (batch first; each sequence of a request is a request of its own to the in-flight batcher,
-as in NVIDIA's backend):
+as in NVIDIA's backend, which takes a batch of several only when decoupled):
 input_ids, input_lengths, request_output_len, end_id, stop_words_list and bad_words_list
 (TensorRT-LLM's [2, n] ids/offsets layout), embedding_bias, min_length (or min_tokens), temperature,
 runtime_top_k, runtime_top_p, random_seed (or seed), return_log_probs, return_context_logits,
@@ -35,6 +35,8 @@ from trtglm.errors import UsageError, int32_range_error
 from trtglm.runtime.executor import Request
 
 INPUTS = names(CONTRACT[TENSORRT_LLM].inputs)
+# NVIDIA's backend refuses a batch of several prompts in one request unless decoupled, in these words
+BATCH_NEEDS_DECOUPLED = "Batch size > 1 requires the tensorrt_llm backend to be using decoupled transaction policy"
 MIN_TOKENS, SEED = ("min_length", "min_tokens"), ("random_seed", "seed")  # NVIDIA's v0.19.0 and v1.2.1 names
 
 
@@ -68,14 +70,17 @@ def engine_requests(arrays: Mapping[str, np.ndarray | None]) -> tuple[list[Reque
     streaming = {stream for _, stream in parsed}
     if len(streaming) > 1:
         raise UsageError("streaming must be the same for every sequence of a request")
-    if batch > 1 and True in streaming:
-        raise UsageError(f"streaming takes one sequence per request; this one has {batch}: stream each as its own "
-                         "request, or leave streaming off to have every reply in one response")
     if len({request.beam_width for request, _ in parsed}) > 1:
         raise UsageError("beam_width must be the same for every sequence of a request")
     count = return_sequences(arrays)
     requests = [request for request, _ in parsed]
     return (sampled_copies(requests[0], count) if count > 1 else requests), streaming.pop()
+
+
+def batch_size(arrays: Mapping[str, np.ndarray | None]) -> int:
+    """How many prompts a request holds (input_ids' rows; 1 without input_ids, which is then refused)."""
+    ids = arrays.get("input_ids")
+    return 1 if ids is None or ids.ndim == 0 else len(ids)
 
 
 def return_sequences(arrays: Mapping[str, np.ndarray | None]) -> int:

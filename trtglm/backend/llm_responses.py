@@ -1,31 +1,28 @@
 """The tensorrt_llm model's responses: the executor's Outputs -> NVIDIA's output tensors.
 
-Outputs, as the repository's config declares them (`[batch, beam, …]`, the input never
-included): output_ids and output_log_probs hold the response's tokens, sequence_length how
-many there are, cum_log_probs the sum of the log probabilities so far (zeros unless
-return_log_probs), generated_ids every token so far, num_output_tokens their count and is_final
-whether this is the last response; the performance metrics (`Timing`) and the logits (`Logits`) go
-with every response, and the model sends them when their return_* flag asks. Not streaming: one
-response with every token of every sequence, sent once the last one finishes (`Gathered`: rows
-shorter than the longest padded with -1; sequence_length tells each row's count); the first
-sequence to fail fails the request and stops the others.
-Streaming (`Reply`, one sequence per request): one response per output, the last one flagged
-final. A beam search answers once, with every beam (`[1, beams, …]`, best first, shorter beams
-padded with -1 as NVIDIA's backend pads them).
+Outputs, as the repository's config declares them (`[1, beam, …]`: each response is one sequence's, as
+in NVIDIA's backend; the input never included): output_ids and output_log_probs hold the response's
+tokens, sequence_length how many there are, cum_log_probs the sum of the log probabilities so far
+(zeros unless return_log_probs), generated_ids every token so far, num_output_tokens their count
+and is_final whether this is the sequence's last response; the performance metrics (`Timing`) and
+the logits (`Logits`) go with every response, and the model sends each when its return_* flag asks.
+`Reply` turns one sequence's outputs into responses: not streaming, one with every token once it finishes;
+streaming, one per output, the last one flagged final. A beam search answers once, with every beam
+(`[1, beams, …]`, best first, shorter beams padded with -1 as NVIDIA's backend pads them).
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Callable
 
 import numpy as np
 
-from trtglm.errors import TrtglmError
 from trtglm.runtime.beams import Beam
 from trtglm.runtime.executor import Output
+
+PADDING = -1  # past a beam's length in a response of several beams (NVIDIA's padding)
 
 
 def response_arrays(new_ids: list[int], new_log_probs: list[float], all_ids: list[int], cum_log_prob: float,
@@ -167,54 +164,3 @@ class Reply:
         elif output.finished:
             self.send({**response_arrays(self.ids, self.log_probs, self.ids, sum(self.log_probs), True),
                        **self.timing.arrays(), **self.logits.arrays()}, True)
-
-
-PADDING = -1  # past a sequence's length in a response of several (NVIDIA's padding of shorter beams)
-
-
-def stacked(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Several sequences' response arrays as one response's ([batch, …]), the shorter padded with PADDING (in
-    every dimension after the batch's: logits differ in their count of rows)."""
-    if len(parts) == 1:
-        return parts[0]
-    out = {}
-    for name in parts[0]:
-        arrays = [part[name] for part in parts]
-        shape = np.max([array.shape for array in arrays], axis=0)
-        out[name] = np.concatenate([np.pad(a, [(0, 0)] + [(0, int(n) - d) for n, d in zip(shape[1:], a.shape[1:])],
-                                           constant_values=PADDING) for a in arrays])
-    return out
-
-
-class Gathered:
-    """A request's sequences answered together in one response once every one has finished (each its whole
-    reply); the first error fails the request, and `failed()` then tells the others to stop."""
-
-    def __init__(self, count: int, send: Callable[[dict, bool], None], fail: Callable[[Exception], None],
-                 arrival_ns: int = 0):
-        self.send, self.fail, self.arrival_ns = send, fail, arrival_ns
-        self.parts: list[dict | None] = [None] * count
-        self._failed = False
-        self._lock = threading.Lock()
-
-    def reply(self, index: int) -> Reply:
-        """The Reply that turns sequence `index`'s outputs into its part."""
-        return Reply(False, lambda arrays, _last: self._arrived(index, arrays),
-                     lambda message: self.error(TrtglmError(message)), self.arrival_ns)
-
-    def error(self, error: Exception) -> None:
-        with self._lock:
-            if self._failed:
-                return
-            self._failed = True
-        self.fail(error)
-
-    def failed(self) -> bool:
-        return self._failed
-
-    def _arrived(self, index: int, arrays: dict) -> None:
-        with self._lock:
-            self.parts[index] = arrays
-            if self._failed or any(part is None for part in self.parts):
-                return
-        self.send(stacked(self.parts), True)

@@ -10,27 +10,29 @@ batching executor, the other ranks follow its steps.
 Requests are parsed by `llm_requests` (NVIDIA's input tensors -> the executor's Requests, one per
 sequence, as in NVIDIA's in-flight batching backend) and answered by `llm_responses`.
 
-Outputs, as the repository's config declares them (`[batch, beam, …]`, the input never
-included): output_ids and output_log_probs hold the response's tokens, sequence_length how
-many there are, cum_log_probs the sum of the log probabilities so far (zeros unless
-return_log_probs). Not streaming: one response with every token of every sequence, sent once
-the last one finishes (rows shorter than the longest padded with -1; sequence_length tells
-each row's count); the first sequence to fail fails the request and stops the others.
-A beam search (beam_width up to the engine's max_beam_width) answers once with every beam
-(`[1, beams, …]`, best first). Streaming (one sequence per request, one beam): one response
-per step's token, or several tokens in one when sending fell behind (below), the last one
-flagged final; a request that ends at
-end_id (never returned) ends with a final response of no tokens. The python backend's
-repository also declares `generated_ids` (every token so far) and `is_final` (whether this is the last response),
-which let the ensemble's postprocessing decode a streamed reply exactly, and `reply_prefix`
-(`postprocessing.reply_prefixes` of input_text and exclude_input_in_output: the request's text
-when it asks for its input in the output, which the ensemble's postprocessing cannot read
-itself); they are sent only when requested. num_input_tokens / num_output_tokens, the perf
-metrics (`llm_responses.Timing`) and the context and generation logits (`llm_responses.Logits`, computed
-only for a request that asks) go out when their return_* flag asks. num_return_sequences n
-(decoupled only): each of the prompt's n sequences in responses of its own with its
-sequence_index, sent one at a time (an ensemble loses responses of one request sent
-concurrently), then a final flag of its own once every sequence has ended.
+Outputs, as the repository's config declares them, each response for one sequence (`[1, beam, …]`,
+the input never included): output_ids and output_log_probs hold the response's tokens,
+sequence_length how many there are, cum_log_probs the sum of the log probabilities so far (zeros
+unless return_log_probs). A batch of several prompts in one request needs a decoupled
+tensorrt_llm, as in NVIDIA's backend (which refuses it otherwise: "Batch size > 1 requires the
+tensorrt_llm backend to be using decoupled transaction policy"); each prompt is then a sequence
+of its own, and so is each of one prompt's num_return_sequences n (sequence k sampling with the
+request's seed + k). Each sequence answers in responses of its own, those of different sequences
+interleaved as they come, carrying batch_index (a batch's row) or sequence_index (one prompt's
+sample) where there are several; the request's final flag goes with the last response of the
+last sequence to end. Not streaming: one response per sequence with every token once it
+finishes; a beam search (beam_width up to the engine's max_beam_width) answers once with every
+beam (`[1, beams, …]`, best first, shorter ones padded with -1). Streaming (beam 1): one response
+per step's token, or several tokens in one when sending fell behind (below); a sequence that
+ends at end_id (never returned) ends with a response of no tokens. The python backend's
+repository also declares `generated_ids` (every token so far) and `is_final` (whether this is the
+sequence's last response), which let the ensemble's postprocessing decode a streamed reply
+exactly, and `reply_prefix` (`postprocessing.reply_prefixes` of input_text and
+exclude_input_in_output: the request's text when it asks for its input in the output, which the
+ensemble's postprocessing cannot read itself); they are sent only when requested.
+num_input_tokens / num_output_tokens, the perf metrics (`llm_responses.Timing`) and the context
+and generation logits (`llm_responses.Logits`, computed only for a request that asks) go out when
+their return_* flag asks.
 
 Errors a client causes come back as error responses; a full queue is one too ("busy … retry
 later"). A cancelled request (`is_cancelled()`, or a response that cannot be sent) stops at
@@ -51,19 +53,19 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 
 import numpy as np
 
 from trtglm.backend.contract import ENGINE_DIR, KV_CACHE_REUSE, TENSORRT_LLM
 from trtglm.backend.engine import log_to_stderr
 from trtglm.backend.engine_process import EngineProcess
-from trtglm.backend.llm_requests import INPUTS, engine_requests, return_sequences, unasked_outputs
-from trtglm.backend.llm_responses import Gathered, Reply
+from trtglm.backend.llm_requests import (BATCH_NEEDS_DECOUPLED, INPUTS, batch_size, engine_requests,
+                                         return_sequences, unasked_outputs)
+from trtglm.backend.llm_responses import Reply
 from trtglm.backend.outbox import Outbox
 from trtglm.backend.postprocessing import reply_prefixes
 from trtglm.errors import TrtglmError, UsageError
-from trtglm.runtime.executor import Output, QueueFullError, Request
+from trtglm.runtime.executor import QueueFullError, Request
 
 log = logging.getLogger(__name__)
 
@@ -132,73 +134,57 @@ class TritonPythonModel:
 
     # --- requests ---------------------------------------------------------------------------------------
 
-    def _parse(self, request) -> tuple[list[Request], bool, dict, set[str], int]:
-        """The request's sequences, whether to stream, what every response of it carries besides, the outputs
-        it wants, and how many sequences its prompt gets (num_return_sequences)."""
+    def _parse(self, request) -> tuple[list[Request], bool, list[dict], set[str]]:
+        """The request's sequences, whether to stream, what each sequence's responses carry besides (its row's
+        reply_prefix and num_input_tokens; batch_index for a batch's rows and sequence_index for one prompt's
+        num_return_sequences, where NVIDIA's backend writes them), and the outputs it wants."""
         arrays = self.io.input_arrays(request, INPUTS)
+        rows = batch_size(arrays)
+        if rows > 1 and not self.decoupled:
+            raise UsageError(BATCH_NEEDS_DECOUPLED)
         sequences, streaming = engine_requests(arrays)
         samples = return_sequences(arrays)
-        rows = sequences[:len(sequences) // samples]  # the prompts; each response is one row's or one sample's
-        prefixes = reply_prefixes(arrays["input_text"], arrays["exclude_input_in_output"], streaming, len(rows))
-        extra = {"reply_prefix": prefixes,
-                 "num_input_tokens": np.array([[len(s.prompt)] for s in rows], dtype=np.int32)}
+        prefixes = reply_prefixes(arrays["input_text"], arrays["exclude_input_in_output"], streaming, rows)
+        extras = []
+        for index, sequence in enumerate(sequences):
+            row = index if rows > 1 else 0
+            extra = {"reply_prefix": prefixes[row:row + 1],
+                     "num_input_tokens": np.array([[len(sequence.prompt)]], dtype=np.int32)}
+            for tag, count in (("batch_index", rows), ("sequence_index", samples)):
+                if count > 1:
+                    extra[tag] = np.array([[index]], dtype=np.int32)
+            extras.append(extra)
         wanted = (set(request.requested_output_names()) or set(self.dtypes)) - unasked_outputs(arrays)
-        return sequences, streaming, extra, wanted, samples
+        return sequences, streaming, extras, wanted
 
     def _response(self, arrays: dict, wanted: set[str]):
         chosen = {name: array for name, array in arrays.items() if name in wanted}
         return self.pb.InferenceResponse(output_tensors=self.io.output_tensors(chosen, self.dtypes))
 
     def _start_streamed(self, request) -> None:
-        sender = request.get_response_sender()
-        final, arrival = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, time.time_ns()
+        """Decoupled: each sequence of the request (a batch's rows, or one prompt's num_return_sequences) in
+        responses of its own, as NVIDIA's backend answers; the request's final flag goes with the last response
+        of the last sequence to end. One send at a time per request: an ensemble loses responses of one
+        request sent concurrently."""
+        sender, final, arrival = request.get_response_sender(), self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, \
+            time.time_ns()
         try:
-            sequences, streaming, extra, wanted, samples = self._parse(request)
+            sequences, streaming, extras, wanted = self._parse(request)
         except Exception as e:
             self._send_alone(request, self._error(e))
             return
+        ended, sending = set(), threading.Lock()
 
-        def send(arrays: dict, last: bool) -> None:
-            sender.send(self._response({**arrays, **extra}, wanted), flags=final if last else 0)
-
-        if streaming or samples > 1:  # one prompt (engine_requests refuses more): each sequence its own responses
-            self._start_sequences(request, sequences, streaming, send, arrival)
-            return
-        gathered = Gathered(len(sequences), send, lambda error: self._send_alone(request, self._error(error)),
-                            arrival)
-        self._submit(sequences, gathered, lambda: request.is_cancelled() or gathered.failed(), self.outbox.mailbox)
-
-    def _start_sequences(self, request, sequences: list[Request], streaming: bool,
-                         send: Callable[[dict, bool], None], arrival: int) -> None:
-        """Each sequence of one prompt in responses of its own (with sequence_index when there are several, as
-        NVIDIA's backend sends num_return_sequences). One sequence's last response is final; several send from
-        different threads, so the final flag follows on its own once every sequence's last send has returned."""
-        sender, final = request.get_response_sender(), self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        several, left, lock = len(sequences) > 1, [len(sequences)], threading.Lock()
-        sending = threading.Lock()  # one send at a time per request: an ensemble loses responses sent concurrently
-
-        def ended() -> None:
-            with lock:
-                left[0] -= 1
-                done = left[0] == 0
-            if done and several:
-                sender.send(None, flags=final)
+        def send(index: int, response, last: bool) -> None:
+            with sending:
+                if last:
+                    ended.add(index)
+                sender.send(response, flags=final if len(ended) == len(sequences) else 0)
 
         def sequence_reply(index: int) -> Reply:
-            tag = {"sequence_index": np.array([[index]], dtype=np.int32)} if several else {}
-
-            def respond(arrays: dict, last: bool) -> None:
-                with sending:
-                    send({**arrays, **tag}, last and not several)
-                if last:
-                    ended()
-
-            def fail(message: str) -> None:
-                with sending:
-                    sender.send(self.io.error_response(TrtglmError(message)), flags=0 if several else final)
-                ended()
-
-            return Reply(streaming, respond, fail, arrival)
+            return Reply(streaming, lambda arrays, last: send(index, self._response({**arrays, **extras[index]},
+                                                                                    wanted), last),
+                         lambda message: send(index, self.io.error_response(TrtglmError(message)), True), arrival)
 
         for index, sequence in enumerate(sequences):
             reply = sequence_reply(index)
@@ -208,22 +194,10 @@ class TritonPythonModel:
                 if index == 0:  # nothing runs: the request's one response (a full queue is UNAVAILABLE)
                     self._send_alone(request, self._error(e))
                     return
-                with lock:
-                    left[0] -= len(sequences) - index - 1  # those never queued
+                with sending:
+                    ended.update(range(index + 1, len(sequences)))  # never queued
                 reply.fail(str(e))  # the final flag follows once the queued ones have ended
                 return
-
-    def _submit(self, sequences: list[Request], gathered: Gathered, is_cancelled: Callable[[], bool],
-                deliver: Callable[[Reply], Callable[[Output], None]] = lambda reply: reply) -> list:
-        """Queue each sequence with its part of `gathered`; the executor's handles of those queued."""
-        handles = []
-        for index, sequence in enumerate(sequences):
-            try:
-                handles.append(self.executor.submit(sequence, deliver(gathered.reply(index)), is_cancelled))
-            except Exception as e:
-                gathered.error(e)
-                break
-        return handles
 
     def _send_alone(self, request, response) -> None:
         """Send a request's one and final response from a thread of its own (a send may never return)."""
@@ -239,29 +213,32 @@ class TritonPythonModel:
         return self.io.error_response(error)
 
     def _answer_all(self, requests: list) -> list:
-        """Non-decoupled: every sequence of every request runs together; one response per request."""
+        """Non-decoupled: one sequence a request (as NVIDIA's backend, which refuses a batch or streaming
+        here); every request's sequence runs together; one response per request."""
         waiting, responses = [], [None] * len(requests)
         arrival = time.time_ns()
         for index, request in enumerate(requests):
             try:
-                sequences, streaming, extra, wanted, samples = self._parse(request)
+                sequences, streaming, extras, wanted = self._parse(request)
                 if streaming:
                     raise UsageError("streaming needs a decoupled tensorrt_llm (decoupled_mode true)")
-                if samples > 1:
+                if len(sequences) > 1:
                     raise UsageError("num_return_sequences above 1 needs a decoupled tensorrt_llm (decoupled_mode "
                                      "true): each sequence comes in responses of its own")
             except Exception as e:
                 responses[index] = self._error(e)
                 continue
 
-            def send(arrays: dict, _last: bool, index=index, wanted=wanted, extra=extra) -> None:
+            def send(arrays: dict, _last: bool, index=index, wanted=wanted, extra=extras[0]) -> None:
                 responses[index] = self._response({**arrays, **extra}, wanted)
 
-            def fail(error: Exception, index=index) -> None:
-                responses[index] = self._error(error)
+            def fail(message: str, index=index) -> None:
+                responses[index] = self.io.error_response(TrtglmError(message))
 
-            gathered = Gathered(len(sequences), send, fail, arrival)
-            waiting += self._submit(sequences, gathered, gathered.failed)
+            try:
+                waiting.append(self.executor.submit(sequences[0], Reply(False, send, fail, arrival), lambda: False))
+            except Exception as e:
+                responses[index] = self._error(e)
         for handle in waiting:
             handle.done.wait()
         return responses
