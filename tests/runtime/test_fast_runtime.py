@@ -409,12 +409,6 @@ def test_usage_errors(model, checkpoint, hf_cfg):
     model.release(4)
 
 
-def test_tensor_parallel_checkpoints_are_refused(tmp_path, fixture_dir):
-    ckpt = convert_checkpoint(fixture_dir, tmp_path / "tp2", dtype="float32", tp_size=2)
-    with pytest.raises(UsageError, match="tp_size 1"):
-        load_fast_model(ckpt, device="cpu")
-
-
 # --- Triton kernels (interpreter on the CPU) ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
