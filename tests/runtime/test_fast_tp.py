@@ -123,3 +123,25 @@ def test_a_tp_checkpoint_without_its_ranks_is_refused(checkpoints):
     with pytest.raises(UsageError, match="rank 2 is outside the checkpoint's world size 2"):
         load_fast_model(checkpoints[2], rank=2, device="cpu", max_seq_len=MAX_SEQ_LEN)
 
+
+@pytest.mark.parametrize("runtime, expected", [("", "ShardedSlotModel"), ("auto", "ShardedSlotModel"),
+                                               ("portable", "ShardedSlotModel"), ("fast", "FastModel")])
+def test_the_served_runtime_is_the_portable_one_on_cpu_unless_the_fast_one_is_asked_for(checkpoints, monkeypatch,
+                                                                                         runtime, expected):
+    from trtglm.backend.engine import EngineInfo, slot_model
+    from trtglm.runtime.distributed import RankInfo
+
+    monkeypatch.setenv("TRTGLM_RUNTIME", runtime)
+    engine = EngineInfo(checkpoints[1], 1, MAX_BATCH, MAX_SEQ_LEN, MAX_SEQ_LEN, 576)
+    model = slot_model(engine, RankInfo(0, 1, 0, 1), torch.device("cpu"))
+    assert type(model).__name__ == expected and model.max_batch == MAX_BATCH
+
+
+def test_an_unknown_runtime_is_refused(checkpoints, monkeypatch):
+    from trtglm.backend.engine import EngineInfo, slot_model
+    from trtglm.runtime.distributed import RankInfo
+
+    monkeypatch.setenv("TRTGLM_RUNTIME", "turbo")
+    engine = EngineInfo(checkpoints[1], 1, MAX_BATCH, MAX_SEQ_LEN, MAX_SEQ_LEN, 576)
+    with pytest.raises(UsageError, match=r"\$TRTGLM_RUNTIME must be one of auto, fast, portable, not 'turbo'"):
+        slot_model(engine, RankInfo(0, 1, 0, 1), torch.device("cpu"))
