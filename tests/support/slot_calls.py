@@ -33,4 +33,4 @@ def run_calls(model, prompt_ids: list[list[int]], steps: int) -> dict[str, torch
     start = len(prompt_ids[0]) + steps
     results["mixed"] = model.step([slots[0], 1], [[int(tokens[0])], prompt_ids[1][:MIXED_CHUNK]], [start, 0])
     results["score"] = model.score(prompt_ids[0])
-    return {name: t.float().contiguous() if t.is_floating_point() else t.contiguous() for name, t in results.items()}
+    return {name: (t.float() if t.is_floating_point() else t).cpu().contiguous() for name, t in results.items()}

@@ -143,16 +143,22 @@ def _rank_main(rank: int, size: int, opts: Options, work: str, meeting: str) -> 
     device = torch.device("cuda", rank) if opts.device == "cuda" else torch.device("cpu")
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    started = time.monotonic()
+    say = print if rank == 0 else lambda *_, **__: None  # progress, where a run that stalls stops
     joined = join(RankInfo(rank, size, rank, size), device, init_method=meeting)
     cfg, tensors, weights_sum = rank_tensors(opts, size, rank, device)
+    say(f"tp {size}: ranks joined, weights drawn in {time.monotonic() - started:.1f} s", flush=True)
     model = FastModel(cfg, tensors, max_batch=max(opts.batches), max_seq_len=opts.max_seq_len, device=device,
                       weight_only=opts.weight_only, tune=None if opts.tune else False,
                       process_group=joined.collectives.group)
     del tensors
+    say(f"tp {size}: model ready (kernels tuned, graphs captured) after {time.monotonic() - started:.1f} s",
+        flush=True)
     same_weights = _same_on_every_rank(weights_sum, device)
     logits, ids = greedy_runs(model, opts)
     timings = [decode_timing(model, batch, opts) for batch in opts.batches]
     collectives = collective_times(model, opts.batches) if size > 1 else []
+    say(f"tp {size}: measured after {time.monotonic() - started:.1f} s", flush=True)
     if rank == 0:
         from safetensors.torch import save_file
 
