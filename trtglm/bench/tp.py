@@ -268,7 +268,7 @@ def _replay_us(body, device: torch.device) -> float:
             body()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # as FastModel captures collectives
             body()
         run = graph.replay
         run()

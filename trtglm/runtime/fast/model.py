@@ -422,15 +422,18 @@ class FastModel:
             self._tuned_in_step = True  # later captures (other launch settings) keep these layouts
         tuned = time.monotonic()
         pool = torch.cuda.graph_pool_handle()
+        # With collectives, PyTorch's NCCL watchdog thread polls its events during the capture: only this thread's
+        # calls must be capture-safe.
+        capture = {"pool": pool, "capture_error_mode": "thread_local" if self.ranks else "global"}
         for n in tqdm(list(reversed(self.buckets)), desc="capture", unit="graph", disable=None, leave=False):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, **capture):
                 logits = self._decode_step(n)
             self._graphs[n] = (graph, logits)
         for width in tqdm(list(reversed(self.prefill_widths)), desc="capture prefill", unit="graph", disable=None,
                           leave=False):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, **capture):
                 logits = self._prefill_padded(width)
             self._prefill_graphs[width] = (graph, logits)
         torch.cuda.synchronize(self.device)
