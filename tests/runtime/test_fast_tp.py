@@ -2,11 +2,13 @@
 joined over gloo (the KV heads repeated across ranks at tp 4), each holding only its own rank file, run
 one series of slot calls (prefill, greedy decode steps, a mixed step, score); rank 0's logits must be those
 of transformers' `GlmForCausalLM` and of the tp-1 `FastModel`, token for token. The torch ops stand for the
-Triton kernels here; on a host with enough GPUs the same ranks run there too (NCCL, Triton kernels, the
+Triton kernels here, and where Triton is installed the kernels run too, in its interpreter; on a host with
+enough GPUs the same ranks run there too (NCCL, Triton kernels, the
 collectives inside CUDA graphs), and scripts/bench_gpu.sh (PARTS=tp) checks the 6B shapes."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -25,7 +27,8 @@ from trtglm.convert.writer import convert_checkpoint
 from trtglm.errors import UsageError
 from trtglm.runtime.fast import load_fast_model
 
-TOL = {"cpu": 1e-4, "cuda": 5e-2}  # float32; on GPUs its matmuls round inputs to tf32
+TOL = {"cpu": 1e-4, "cpu-triton": 1e-4, "cuda": 5e-2}  # float32; on GPUs its matmuls round inputs to tf32
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 STEPS = 6
 MAX_BATCH, MAX_SEQ_LEN = 4, 64
 
@@ -44,7 +47,7 @@ torch.set_num_threads(1)
 device = torch.device("cuda", rank) if kind == "cuda" else torch.device("cpu")
 ranks = join(RankInfo(rank, world, rank, world), device, init_method=meeting)
 model = load_fast_model(checkpoint, rank=rank, process_group=ranks.collectives.group, device=device, max_batch=4,
-                        max_seq_len=64)
+                        max_seq_len=64, kernels="triton" if kind == "cpu-triton" else "auto")
 results = run_calls(model, prompts(model.vocab_size), steps)
 if rank == 0:
     save_file(results, out)
@@ -75,7 +78,9 @@ def run_ranks(tmp_path: Path, checkpoint: Path, world: int, device: str, timeout
     program, out = tmp_path / "rank.py", tmp_path / "rank0.safetensors"
     program.write_text(RANK_PROGRAM)
     meeting = (tmp_path / "meeting").as_uri()
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", "OMP_NUM_THREADS": "1"}
+    paths = [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1",
+           **({"TRITON_INTERPRET": "1"} if device == "cpu-triton" else {})}
     procs = [subprocess.Popen([sys.executable, str(program), str(checkpoint), str(rank), str(world), meeting, str(out),
                                str(STEPS), device], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in range(world)]
@@ -112,8 +117,10 @@ def gpus(world: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, device", [(2, "cpu"), (4, "cpu"), pytest.param(2, "cuda", marks=gpus(2)),
-                                           pytest.param(4, "cuda", marks=gpus(4))])
+@pytest.mark.parametrize("world, device", [
+    (2, "cpu"), (4, "cpu"),
+    pytest.param(2, "cpu-triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")),
+    pytest.param(2, "cuda", marks=gpus(2)), pytest.param(4, "cuda", marks=gpus(4))])
 def test_tp_ranks_in_processes_give_the_logits_of_tp1_and_of_transformers(tmp_path, checkpoints, tp1, fixture_dir,
                                                                           hf_cfg, world, device):
     split = run_ranks(tmp_path, checkpoints[world], world, device)
