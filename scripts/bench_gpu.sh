@@ -37,8 +37,10 @@
 # tp 1, 2 and 4 (those above the GPU count skipped), one process per GPU over NCCL with NVLink multicast
 # off, on random 6B weights: tp 2 and 4 logits and 128 greedy steps of three prompts against tp 1's, the
 # batch-1 step and batch-64 tokens/s, one step's all-reduces alone, and the batch-1 step over tp 1's
-# against the targets (≤ 0.6 at tp 2, ≤ 0.35 at tp 4); results DEST/tp/tp.json and DEST/tp.txt. Knobs:
-# TP_SIZES (default 1,2,4), TP_FLAGS (more `bench tp` flags, e.g. "--weight-only int4" or "--no-tune").
+# against the targets (≤ 0.6 at tp 2, ≤ 0.35 at tp 4); results DEST/tp/tp.json and DEST/tp.txt; then, in a
+# run of its own, PyTorch's one-shot all-reduce over symmetric memory beside NCCL's
+# (DEST/tp-symmetric-memory*). Knobs: TP_SIZES (default 1,2,4), TP_FLAGS (more `bench tp` flags, e.g.
+# "--weight-only int4" or "--no-tune").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${1:-${OUT:-out/bench-gpu}}
@@ -124,6 +126,11 @@ if [[ " $PARTS " == *" tp "* ]]; then
     # shellcheck disable=SC2086  # TP_FLAGS is a word list
     NCCL_NVLS_ENABLE=0 python3 -m trtglm bench tp --tp "${TP_SIZES:-1,2,4}" --out "$DEST/tp" ${TP_FLAGS:-} 2>&1 \
         | tee "$DEST/tp.txt"
+    # PyTorch's one-shot all-reduce over symmetric memory next to NCCL's (an alpha API: its own run, bounded,
+    # without tuning; its step times are not the ones to quote).
+    NCCL_NVLS_ENABLE=0 timeout 300 python3 -m trtglm bench tp --tp 2,4 --steps 1 --no-tune --symmetric-memory \
+        --out "$DEST/tp-symmetric-memory" 2>&1 | tee "$DEST/tp-symmetric-memory.txt" \
+        || echo "tp: the symmetric-memory run failed"
 fi
 if [[ " $PARTS " == *" serving "* ]]; then
     SERVING_SOURCE=${SERVING_SOURCE:---synth 6b}

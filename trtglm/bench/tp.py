@@ -27,6 +27,7 @@ import gc
 import json
 import logging
 import os
+import signal
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 TARGET_STEP_RATIO = {2: 0.6, 4: 0.35}  # batch-1 decode step of tp N over tp 1's
 PROMPT_LENGTHS = (32, 100, 200)  # the correctness prompts
 TIMED_REPLAYS = 20
+PR_SET_PDEATHSIG = 1  # Linux prctl: the signal a process gets when its parent dies
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class Options:
     max_seq_len: int = 512
     seed: int = 0
     tune: bool = True  # time the matmuls' block shapes at start-up (kept on disk per GPU: tuning_cache.py)
+    symmetric_memory: bool = False  # also time PyTorch's one-shot all-reduce over symmetric memory (GPUs)
 
 
 def parse_sizes(text: str | int | tuple, what: str) -> tuple[int, ...]:
@@ -139,6 +142,7 @@ def _rank_main(rank: int, size: int, opts: Options, work: str, meeting: str) -> 
     from trtglm.runtime.distributed import RankInfo, join
     from trtglm.runtime.fast import FastModel
 
+    _die_with_parent()
     logging.basicConfig(level=logging.WARNING)
     device = torch.device("cuda", rank) if opts.device == "cuda" else torch.device("cpu")
     if device.type == "cpu":
@@ -157,7 +161,7 @@ def _rank_main(rank: int, size: int, opts: Options, work: str, meeting: str) -> 
     same_weights = _same_on_every_rank(weights_sum, device)
     logits, ids = greedy_runs(model, opts)
     timings = [decode_timing(model, batch, opts) for batch in opts.batches]
-    collectives = collective_times(model, opts.batches) if size > 1 else []
+    collectives = collective_times(model, opts.batches, opts.symmetric_memory) if size > 1 else []
     say(f"tp {size}: measured after {time.monotonic() - started:.1f} s", flush=True)
     if rank == 0:
         from safetensors.torch import save_file
@@ -167,6 +171,22 @@ def _rank_main(rank: int, size: int, opts: Options, work: str, meeting: str) -> 
                   "weight_gb_per_rank": model.weight_bytes / 1e9, "timings": timings, "collectives": collectives}
         (Path(work) / f"tp{size}.json").write_text(json.dumps(report))
     joined.close()
+
+
+def _die_with_parent() -> None:
+    """A rank waiting in a collective for a peer that failed ends with the benchmark's process (when a timeout
+    kills it, say) instead of holding its GPU."""
+    import multiprocessing
+
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the rank lives on as before
+        return
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it died while this rank was starting
+        os._exit(1)
 
 
 def rank_tensors(opts: Options, size: int, rank: int, device: torch.device):
@@ -242,8 +262,9 @@ def decode_timing(model, batch: int, opts: Options) -> dict:
             "tokens_per_s": batch * opts.new_tokens / (done - start)}
 
 
-def collective_times(model, batches: tuple[int, ...]) -> list[dict]:
-    """One decode step's collectives alone at each batch: its 2 × layers all-reduces and its logits' gather (µs)."""
+def collective_times(model, batches: tuple[int, ...], symmetric_memory: bool = False) -> list[dict]:
+    """One decode step's collectives alone at each batch: its 2 × layers all-reduces and its logits' gather (µs);
+    `symmetric_memory`: also the all-reduce as PyTorch's one-shot kernel over symmetric memory."""
     cfg, ranks = model.config, model.ranks
     calls = 2 * cfg.num_layers
     rows = []
@@ -254,7 +275,28 @@ def collective_times(model, batches: tuple[int, ...]) -> list[dict]:
         gather_us = _replay_us(lambda: ranks.gather_columns(chunk), model.device)
         rows.append({"batch": batch, "all_reduce_us": reduce_us, "all_reduces_per_step": calls,
                      "step_all_reduce_ms": reduce_us * calls / 1e3, "gather_logits_us": gather_us})
+        if symmetric_memory:
+            rows[-1]["one_shot_all_reduce_us"] = _one_shot_all_reduce_us(partial, ranks.group, calls)
     return rows
+
+
+def _one_shot_all_reduce_us(like: torch.Tensor, group, calls: int) -> float | str:
+    """µs per all-reduce of PyTorch's one-shot kernel (each GPU reads every peer's buffer over NVLink: no
+    multicast), for comparison with NCCL's; what went wrong where this PyTorch or GPU lacks it."""
+    if like.device.type != "cuda":
+        return "not on the CPU"
+    try:
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group = group or dist.group.WORLD
+        shared = symm_mem.empty(*like.shape, dtype=like.dtype, device=like.device).zero_()
+        symm_mem.rendezvous(shared, group)
+        out = torch.empty_like(shared)
+        op = torch.ops.symm_mem.one_shot_all_reduce_out
+        return _replay_us(lambda: [op(shared, "sum", group.group_name, out) for _ in range(calls)], like.device) / calls
+    except Exception as e:  # an alpha API: absent or different in other PyTorch versions
+        return f"unavailable: {(str(e).strip().splitlines() or [type(e).__name__])[0]}"
 
 
 def _replay_us(body, device: torch.device) -> float:
@@ -335,9 +377,16 @@ def _speed_line(size: int, run: dict) -> str:
                         for t in run["timings"])
     collectives = "; ".join(f"batch {c['batch']}: all-reduce {c['all_reduce_us']:.1f} µs × "
                             f"{c['all_reduces_per_step']} = {c['step_all_reduce_ms']:.3f} ms/step, logits gather "
-                            f"{c['gather_logits_us']:.1f} µs" for c in run["collectives"])
+                            f"{c['gather_logits_us']:.1f} µs" + _one_shot_text(c) for c in run["collectives"])
     same = "" if run["weights_identical_on_ranks"] else " WEIGHTS DIFFER BETWEEN RANKS"
     return f"tp {size} on {run['device']}: {timings}" + (f"; {collectives}" if collectives else "") + same
+
+
+def _one_shot_text(collectives: dict) -> str:
+    one_shot = collectives.get("one_shot_all_reduce_us")
+    if one_shot is None:
+        return ""
+    return f", one-shot all-reduce {one_shot:.1f} µs" if isinstance(one_shot, float) else f", one-shot {one_shot}"
 
 
 def _check_line(size: int, check: dict) -> str:
