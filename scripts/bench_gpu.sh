@@ -8,6 +8,7 @@
 #   [PARTS="runtime kernels"] scripts/bench_gpu.sh [DEST] [extra `bench runtime` flags]
 #   PARTS=inflight scripts/bench_gpu.sh [DEST]
 #   PARTS=serving scripts/bench_gpu.sh [DEST]
+#   PARTS=tp scripts/bench_gpu.sh [DEST]
 #
 # PARTS picks the parts (each takes five to seven minutes on an H200): `runtime` (bench runtime),
 # `kernels` (bench matmul, pdl, prefill, step-parts, Nsight Compute), `inflight` (bench inflight: the
@@ -32,6 +33,14 @@
 # time kept for the second launch), SERVING_WORK (default /tmp/trtglm-served), SERVING_SETS (profile
 # overrides, e.g. "build.max_seq_len=2048"), SERVING_FLAGS (more `bench served` flags, e.g.
 # "--requests 64 --mixed-requests 0").
+# `tp` (not in the default set; a machine with 2 or 4 GPUs): bench tp, the fast runtime tensor-parallel at
+# tp 1, 2 and 4 (those above the GPU count skipped), one process per GPU over NCCL with NVLink multicast
+# off, on random 6B weights: tp 2 and 4 logits and 128 greedy steps of three prompts against tp 1's, the
+# batch-1 step and batch-64 tokens/s, one step's all-reduces alone, and the batch-1 step over tp 1's
+# against the targets (≤ 0.6 at tp 2, ≤ 0.35 at tp 4); results DEST/tp/tp.json and DEST/tp.txt; then, in a
+# run of its own, PyTorch's one-shot all-reduce over symmetric memory beside NCCL's
+# (DEST/tp-symmetric-memory*). Knobs: TP_SIZES (default 1,2,4), TP_FLAGS (more `bench tp` flags, e.g.
+# "--weight-only int4" or "--no-tune").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${1:-${OUT:-out/bench-gpu}}
@@ -112,6 +121,16 @@ if [[ " $PARTS " == *" kernels "* ]]; then
             python3 -c "import logging; logging.basicConfig(level=logging.INFO); \
 from trtglm.bench.measure import gemv_probe; gemv_probe()" > "$DEST/ncu.txt" 2>&1 || echo "ncu failed (see $DEST/ncu.txt)"
     fi
+fi
+if [[ " $PARTS " == *" tp "* ]]; then
+    # shellcheck disable=SC2086  # TP_FLAGS is a word list
+    NCCL_NVLS_ENABLE=0 python3 -m trtglm bench tp --tp "${TP_SIZES:-1,2,4}" --out "$DEST/tp" ${TP_FLAGS:-} 2>&1 \
+        | tee "$DEST/tp.txt"
+    # PyTorch's one-shot all-reduce over symmetric memory next to NCCL's (an alpha API: its own run, bounded,
+    # without tuning; its step times are not the ones to quote).
+    NCCL_NVLS_ENABLE=0 timeout 300 python3 -m trtglm bench tp --tp 2,4 --steps 1 --no-tune --symmetric-memory \
+        --out "$DEST/tp-symmetric-memory" 2>&1 | tee "$DEST/tp-symmetric-memory.txt" \
+        || echo "tp: the symmetric-memory run failed"
 fi
 if [[ " $PARTS " == *" serving "* ]]; then
     SERVING_SOURCE=${SERVING_SOURCE:---synth 6b}

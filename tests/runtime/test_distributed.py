@@ -34,7 +34,8 @@ from trtglm.runtime.request import Request
 engine_dir, prompts_file, out_dir, mode = sys.argv[1:5]
 engine = ServedEngine(engine_dir)
 rank = engine.info.rank
-report = {"rank": rank, "rendezvous": rendezvous()}
+inner = getattr(engine.model, "inner", engine.model)  # rank 0's model behind the steps it tells the others
+report = {"rank": rank, "rendezvous": rendezvous(), "model": type(inner).__name__}
 if rank == 0:
     if mode == "die":
         os._exit(0)  # rank 0 goes away without a word
@@ -83,14 +84,14 @@ def expected(engines, prompts) -> list[list[int]]:
 
 
 def run_ranks(tmp_path: Path, engine: Path, world: int, prompts: list[list[int]], mode: str,
-              timeout: float = 120) -> dict[int, dict]:
+              timeout: float = 120, runtime: str = "auto") -> dict[int, dict]:
     program, prompts_file = tmp_path / "rank.py", tmp_path / "prompts.json"
     program.write_text(RANK_PROGRAM)
     prompts_file.write_text(json.dumps(prompts))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TRTGLM_RUNTIME": runtime}
     command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-x", "PYTHONPATH",
-               "-x", "PATH", "-x", "OMP_NUM_THREADS", "-n", str(world), sys.executable, str(program), str(engine),
-               str(prompts_file), str(tmp_path), mode]
+               "-x", "PATH", "-x", "OMP_NUM_THREADS", "-x", "TRTGLM_RUNTIME", "-n", str(world), sys.executable,
+               str(program), str(engine), str(prompts_file), str(tmp_path), mode]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     reports = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
     assert reports, f"no rank reported (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
@@ -109,6 +110,18 @@ def test_ranks_in_processes_give_the_tokens_of_the_unsplit_model(tmp_path, engin
     assert all(reports[r]["follower_alive"] is False for r in range(1, world))  # rank 0's close stopped them
     meeting_place = reports[0]["rendezvous"]
     assert meeting_place.startswith("file://") and not Path(meeting_place[len("file://"):]).exists()  # removed
+
+
+@pytest.mark.slow
+def test_fast_runtime_ranks_in_processes_give_the_tokens_of_the_unsplit_model(tmp_path, engines, prompts, expected):
+    """The fast runtime (opted into on the CPU: its torch ops) at tp 2: each rank a `FastModel` of its own shard,
+    rank 0's executor leading, the follower making its steps; the tokens are the unsplit portable model's."""
+    needs_mpirun()
+    reports = run_ranks(tmp_path, engines[2], 2, prompts, str(MAX_NEW), runtime="fast")
+    assert reports[-1]["returncode"] == 0, reports[-1]["stderr"]
+    assert reports[0]["tokens"] == expected
+    assert reports[0]["model"] == reports[1]["model"] == "FastModel"
+    assert reports[0]["max_decode_batch"] == 8 and reports[1]["follower_alive"] is False
 
 
 @pytest.mark.slow

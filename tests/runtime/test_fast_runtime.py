@@ -435,12 +435,6 @@ def test_usage_errors(model, checkpoint, hf_cfg):
     model.release(4)
 
 
-def test_tensor_parallel_checkpoints_are_refused(tmp_path, fixture_dir):
-    ckpt = convert_checkpoint(fixture_dir, tmp_path / "tp2", dtype="float32", tp_size=2)
-    with pytest.raises(UsageError, match="tp_size 1"):
-        load_fast_model(ckpt, device="cpu")
-
-
 # --- Triton kernels (interpreter on the CPU) ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -512,15 +506,16 @@ QKV_ATTENTION_STEPS = [([2], [0]), ([1], [300]), ([3], [599]), ([0, 3, 1], [5, 5
 
 
 @NEEDS_TRITON
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (2, 1)], ids=["tp1", "tp4-rank"])  # a rank: one KV head
 @pytest.mark.parametrize("slots, positions", QKV_ATTENTION_STEPS)
-def test_decode_attention_from_qkv_matches_its_definition(triton_ops, slots, positions):
+def test_decode_attention_from_qkv_matches_its_definition(triton_ops, slots, positions, heads, kv_heads):
     ops, kernels = triton_ops
     g = torch.Generator().manual_seed(1)
 
     def rnd(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=g).half().to(KERNEL_DEVICE)
 
-    heads, kv_heads, head, length = 8, 2, 16, 600  # chunks of 256 positions: 3 in use, one empty
+    head, length = 16, 600  # chunks of 256 positions: 3 in use, one empty
     angles = torch.arange(length)[:, None].float() * 0.1 ** torch.arange(4).float()
     cos, sin = angles.cos().to(KERNEL_DEVICE), angles.sin().to(KERNEL_DEVICE)
     caches = [rnd(4, kv_heads, length, head) for _ in range(2)]

@@ -20,7 +20,8 @@ import torch
 
 from trtglm.engine.manifest import read_manifest
 from trtglm.errors import TrtglmError, UsageError
-from trtglm.runtime.distributed import Distributed, LeaderSlotModel, RankInfo, StepChannel, follow, join, rank_info
+from trtglm.runtime.distributed import (Collectives, Distributed, LeaderSlotModel, RankInfo, StepChannel, follow,
+                                        join, rank_info)
 from trtglm.runtime.executor import Executor, Output, Request
 from trtglm.runtime.slots import SlotModel
 
@@ -67,22 +68,30 @@ def pick_device(info: RankInfo, requested: str | None = None) -> torch.device:
     return torch.device("cpu")
 
 
-def slot_model(engine: EngineInfo, info: RankInfo, device: torch.device, group=None) -> SlotModel:
-    """This rank's SlotModel: the fast one on a single GPU when it loads, else the portable one. Its slots are
-    max_batch_size × max_beam_width (a beam takes a slot), the sequences TensorRT-LLM sizes its KV cache for."""
+RUNTIMES = ("auto", "fast", "portable")  # $TRTGLM_RUNTIME: auto is the fast runtime on GPUs, the portable one on CPU
+
+
+def slot_model(engine: EngineInfo, info: RankInfo, device: torch.device, group: Collectives | None = None
+               ) -> SlotModel:
+    """This rank's SlotModel: the fast one on GPUs when it loads (one GPU per rank), else the portable one
+    ($TRTGLM_RUNTIME: see RUNTIMES). Its slots are max_batch_size × max_beam_width (a beam takes a slot), the
+    sequences TensorRT-LLM sizes its KV cache for."""
     slots = engine.max_batch_size * engine.max_beam_width
     from trtglm.runtime.model import load_model
     from trtglm.runtime.slot_runtime import ShardedSlotModel
 
-    if device.type == "cuda" and info.world_size == 1 and os.environ.get("TRTGLM_RUNTIME", "auto") != "portable":
+    runtime = os.environ.get("TRTGLM_RUNTIME") or "auto"
+    if runtime not in RUNTIMES:
+        raise UsageError(f"$TRTGLM_RUNTIME must be one of {', '.join(RUNTIMES)}, not {runtime!r}")
+    rank = info.rank if info.world_size > 1 else None
+    if runtime == "fast" or (runtime == "auto" and device.type == "cuda"):
         try:
             from trtglm.runtime.fast import load_fast_model
 
-            return load_fast_model(engine.checkpoint_dir, max_batch=slots,
-                                   max_seq_len=engine.max_seq_len, device=device)
+            return load_fast_model(engine.checkpoint_dir, rank=rank, process_group=group.group if group else None,
+                                   max_batch=slots, max_seq_len=engine.max_seq_len, device=device)
         except ImportError as e:
             log.warning("the fast GPU runtime is not available (%s); using the portable one", e)
-    rank = info.rank if info.world_size > 1 else None
     model = load_model(engine.checkpoint_dir, device=device, rank=rank, group=group)
     return ShardedSlotModel(model, slots, engine.max_seq_len)
 
@@ -110,7 +119,7 @@ class ServedEngine:
         log.info("rank %d: loading the model on %s", self.info.rank, self.device)
         loading = time.monotonic()
         model = slot_model(self.engine, self.info, self.device, group)
-        log.info("rank %d: model loaded in %.2f s (weights; on one GPU also kernel tuning and CUDA graphs)",
+        log.info("rank %d: model loaded in %.2f s (weights; on GPUs also kernel tuning and CUDA graphs)",
                  self.info.rank, time.monotonic() - loading)
         self.executor: Executor | None = None
         self.follower: threading.Thread | None = None
@@ -131,7 +140,8 @@ class ServedEngine:
                 log.info("rank 0: warm-up request in %.2f s", time.monotonic() - warming)
         else:
             self.model = model
-            self.follower = threading.Thread(target=follow, args=(model, StepChannel(self.distributed.control)),
+            self.follower = threading.Thread(target=_follow_on, args=(self.device, model,
+                                                                      StepChannel(self.distributed.control)),
                                              name="trtglm-follower", daemon=True)
             self.follower.start()
         log.info("rank %d of %d ready on %s: %s", self.info.rank, self.info.world_size, self.device,
@@ -161,6 +171,14 @@ class ServedEngine:
 
 
 LEAVE_TIMEOUT_S = 60.0
+
+
+def _follow_on(device: torch.device, model: SlotModel, channel: StepChannel) -> None:
+    """`follow` on this thread with the rank's GPU current (a new thread starts on GPU 0, and the fast runtime's
+    kernels launch on the current one)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    follow(model, channel)
 
 
 def _with_deadline(call: Callable[[], None], timeout: float) -> None:

@@ -3,7 +3,8 @@ launched model repository, `serving-local` (serving_local.py) the tiny fixture's
 `served` (served.py; workload.py, stream_load.py, load_stats.py, served_report.py) streams to one
 next to its engine in-process, and pipeline.py runs it from nothing (model, engine, repository,
 timed launches); `runtime` (runtime.py, with measure.py, checks.py, report.py) the fast GPU
-runtime; `matmul`, `pdl`, `prefill`, `step-parts` parts of its decode step; `convert`
+runtime; `matmul`, `pdl`, `prefill`, `step-parts` parts of its decode step; `tp` (tp.py) it tensor-parallel
+against tp 1; `convert`
 (convert_speed.py) `trtglm convert` against `cp`."""
 
 DEFAULT_PROMPT = "What is the capital of France?"  # the test fixture's question

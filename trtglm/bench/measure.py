@@ -71,13 +71,13 @@ def synth_tensors(preset: str, layers: int | None, dtype: str, seed: int, device
     return cfg, tensors
 
 
-def checkpoint_tensors(cfg, hf_tensors: dict[str, torch.Tensor], dtype: str):
-    """(CheckpointConfig, rank-0 tensors) exactly as `convert` would write a tp-1 checkpoint."""
+def checkpoint_tensors(cfg, hf_tensors: dict[str, torch.Tensor], dtype: str, tp_size: int = 1, rank: int = 0):
+    """(CheckpointConfig, rank tensors) exactly as `convert` would write rank `rank` of a tp-`tp_size` checkpoint."""
     from trtglm.convert.writer import plan_conversion, trtllm_config
     from trtglm.runtime.checkpoint import CheckpointConfig
 
-    ckpt_cfg = CheckpointConfig.from_dict(trtllm_config(cfg, dtype, 1, 1, None))
-    tensors = {p.trt: _rank_tensor(p.ranks[0], hf_tensors[p.hf]) for p in plan_conversion(cfg, 1)}
+    ckpt_cfg = CheckpointConfig.from_dict(trtllm_config(cfg, dtype, tp_size, 1, None))
+    tensors = {p.trt: _rank_tensor(p.ranks[rank], hf_tensors[p.hf]) for p in plan_conversion(cfg, tp_size)}
     return ckpt_cfg, tensors
 
 

@@ -135,6 +135,26 @@ def step_parts(kinds: str = "int4", out: str | None = None):
     run(kinds, out)
 
 
+def tp(tp: str = "1,2,4", preset: Literal["tiny", "6b", "6b-32k"] = "6b", layers: PosInt | None = None,
+       dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16",
+       weight_only: Literal["none", "int8", "int4"] = "none", device: Literal["cuda", "cpu"] = "cuda",
+       steps: PosInt = 128, batches: str = "1,64", prompt_len: PosInt = 128, new_tokens: PosInt = 128,
+       max_seq_len: PosInt = 512, seed: CountInt = 0, tune: bool = True, symmetric_memory: bool = False,
+       out: str = "out/bench-tp"):
+    """The fast runtime tensor-parallel over the GPUs here (one process each) against tp 1, on random weights.
+
+    --tp 1,2,4: the sizes (those above the GPU count are skipped); the logits and --steps greedy tokens of a few
+    prompts compared with tp 1's; the decode step and tokens/s at each of --batches (--prompt-len/--new-tokens);
+    one step's all-reduces and logits gather alone (--symmetric-memory: also PyTorch's one-shot all-reduce over
+    symmetric memory); --no-tune skips timing the matmuls' block shapes at start-up.
+    --device cpu: gloo and the torch ops (e.g. --preset tiny --dtype float32). Writes OUT/tp.json.
+    """
+    flags = dict(locals())
+    from trtglm.bench.tp import run
+
+    run(**flags)
+
+
 def convert(work_dir: str = "/tmp/trtglm-bench", json: str | None = None, repeats: PosInt = 3, clean: bool = False):
     """`trtglm convert` on a ChatGLM3-6B-shaped checkpoint against a plain `cp`: wall time and peak RSS."""
     from trtglm.bench.convert_speed import run
@@ -143,4 +163,5 @@ def convert(work_dir: str = "/tmp/trtglm-bench", json: str | None = None, repeat
 
 
 KINDS = {"serving": serving, "serving-local": serving_local, "served": served, "runtime": runtime, "inflight": inflight,
-         "matmul": matmul, "pdl": pdl, "prefill": prefill, "step-parts": step_parts, "convert": convert}
+         "matmul": matmul, "pdl": pdl, "prefill": prefill, "step-parts": step_parts, "tp": tp,
+         "convert": convert}

@@ -12,7 +12,7 @@ position of its next token; a released slot may take another sequence. Two cache
   rest, where shorter sequences or a slot's previous occupant left stale entries), or
   `packed_view` (a mixed step: pieces of several slots, decode tokens and prompt chunks, packed
   into one row for the matmuls; it attends itself, each piece over its own slot's positions).
-- `StaticCache`, the fast runtime's (fast/model.py): per layer `[max_batch + 1, kv_heads,
+- `StaticCache`, the fast runtime's (fast/model.py): per layer `[max_batch + 1, kv_heads_per_rank,
   max_seq_len, head]`, the extra slot scratch that padding rows write into, and each slot's
   length on the device too, where CUDA graphs read and advance it.
 
@@ -283,12 +283,13 @@ class _Packed:
 
 
 class StaticCache:
-    """keys/values[layer] `[max_batch + 1, kv_heads, max_seq_len, head_size]`: slot `scratch` (= max_batch) is
-    where padding rows write. `lengths` on the host, `device_lengths` (int32) where the CUDA graphs read them."""
+    """keys/values[layer] `[max_batch + 1, kv_heads_per_rank, max_seq_len, head_size]` (this rank's KV heads):
+    slot `scratch` (= max_batch) is where padding rows write. `lengths` on the host, `device_lengths` (int32) where
+    the CUDA graphs read them."""
 
     def __init__(self, cfg: CheckpointConfig, max_batch: int, max_seq_len: int, dtype: torch.dtype,
                  device: torch.device):
-        shape = (max_batch + 1, cfg.num_kv_heads, max_seq_len, cfg.head_size)
+        shape = (max_batch + 1, cfg.kv_heads_per_rank, max_seq_len, cfg.head_size)
         self.max_batch, self.max_seq_len, self.scratch = max_batch, max_seq_len, max_batch
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 COMPUTE_TIMEOUT = timedelta(minutes=30)  # a collective whose partner never comes (torch's default)
 CONTROL_TIMEOUT = timedelta(days=365)  # a follower waits for rank 0's next step for as long as the server runs
+NCCL_NVLS = "0"  # NVLink multicast (NVLS) off: the GPU hosts this runs on do not allow it
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,7 @@ def join(info: RankInfo, device: torch.device, init_method: str | None = None,
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        os.environ.setdefault("NCCL_NVLS_ENABLE", NCCL_NVLS)  # read when NCCL first starts, below
     init_method = init_method or rendezvous()
     log.info("rank %d of %d joining (%s, %s)", info.rank, info.world_size, backend, init_method)
     dist.init_process_group(backend, init_method=init_method, rank=info.rank, world_size=info.world_size,

@@ -285,6 +285,8 @@ class Executor:
             return bool(self._queue or self._active)
 
     def _loop(self) -> None:
+        if self.device.type == "cuda":  # a new thread starts on GPU 0; the model's kernels launch on the current GPU
+            torch.cuda.set_device(self.device)
         while True:
             with self._lock:
                 while not (self._stopping or self._queue or self._active):

@@ -216,7 +216,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None, device:
     all ranks in one process).
     """
     if rank is not None:
-        ckpt = _one_rank(Path(path), rank)
+        ckpt = one_rank_checkpoint(path, rank)
     else:
         ckpt = checkpoint or load_checkpoint(path)
     cfg = ckpt.config
@@ -235,8 +235,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None, device:
     return ShardedModel(cfg, ranks, group)
 
 
-def _one_rank(path: Path, rank: int) -> Checkpoint:
+def one_rank_checkpoint(path: str | Path, rank: int) -> Checkpoint:
     """A checkpoint holding only `rank`'s tensors (validated as `load_checkpoint` validates them)."""
+    path = Path(path)
     cfg = read_config(path)
     if not 0 <= rank < cfg.world_size:
         raise UsageError(f"rank {rank} is outside the checkpoint's world size {cfg.world_size} ({path})")

@@ -15,8 +15,8 @@ one token after the slot's cached positions). `reuse` starts a slot with the fir
 of another slot's cache (prefix caching: a shared prompt prefix is copied, not computed again).
 
 Two implementations serve this interface: the portable one over `ShardedModel` (CPU or
-GPU, any tensor-parallel size, one process per rank when served) and the fast single-GPU
-one (static cache, CUDA graphs). The executor knows nothing else about the model.
+GPU, any tensor-parallel size, one process per rank when served) and the fast GPU one (static
+cache, CUDA graphs; one GPU, or one GPU per rank). The executor knows nothing else about the model.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ What differs from NVIDIA's command, for a CPU machine and for supervision:
 - `--backend-directory` when the python backend lives outside /opt/tritonserver;
 - `--exit-timeout-secs` bounds how long a SIGTERM'd server waits for in-flight requests;
 - mpirun listens on loopback alone (`--mca oob_tcp_if_include lo`, `btl_tcp_if_include lo`),
-  as do the ranks' torch.distributed sockets (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME);
+  as do the ranks' torch.distributed sockets (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME); NCCL runs with
+  NVLink multicast off (NCCL_NVLS_ENABLE=0) unless the environment says otherwise;
 - mpirun runs with `--noprefix` (Open MPI started by absolute path would otherwise put its
   own bin/ first on the ranks' PATH, so the python stubs would find the system python3),
   `--bind-to none` (Open MPI would pin each rank to one core, starving a CPU engine),

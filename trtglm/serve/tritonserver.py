@@ -30,7 +30,8 @@ CONTAINER_BINARY = Path("/opt/tritonserver/bin/tritonserver")
 BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
 STUB = "triton_python_backend_stub"
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-EXPORTED_VARS = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+EXPORTED_VARS = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
+                 "NCCL_NVLS_ENABLE", "TRTGLM_RUNTIME")
 # ^ what mpirun passes to every rank
 
 
@@ -156,6 +157,7 @@ def server_env(base: dict[str, str], launch_id: str, python_bin: str | None = No
     env["TRTGLM_LAUNCH_ID"] = launch_id
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # the ranks share one host: talk over loopback
         env.setdefault(name, "lo")
+    env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off: the GPU hosts this runs on do not allow it
     return env
 
 

@@ -649,7 +649,9 @@ def _graph(body, calls: int) -> torch.cuda.CUDAGraph:
     body()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # Thread-local: a tensor-parallel rank tunes between collectives, whose events PyTorch's NCCL watchdog thread
+    # polls meanwhile; only this thread's calls must be capture-safe.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for _ in range(calls):
             body()
     return graph

@@ -1,4 +1,5 @@
-"""`FastModel`: ChatGLM3 on one GPU behind the `SlotModel` interface (slots.py), built for speed.
+"""`FastModel`: ChatGLM3 on one GPU behind the `SlotModel` interface (slots.py), built for speed; a
+tensor-parallel checkpoint runs one `FastModel` per GPU, one process each (parallel.py).
 
 - Static KV cache (`StaticCache`, runtime/cache.py): per layer `[max_batch + 1, kv_heads,
   max_seq_len, head]`; the extra slot is scratch that padding rows of a decode step (and
@@ -28,8 +29,11 @@
 - Weight-only int8 / int4 (linear.py) for the qkv, dense, fc and proj weights; Triton and Gluon
   matmuls (kernels.py, gluon_gemv.py).
 
-The computation is `ShardedModel`'s at tp 1 (model.py): same RMSNorm, rotary, SwiGLU and
-checkpoint layout ([Q; K; V] rows, fc rows [up; gate]).
+The computation is `ShardedModel`'s (model.py): same RMSNorm, rotary, SwiGLU and checkpoint layout
+([Q; K; V] rows, fc rows [up; gate]). At tp N each rank holds its own shard, the outputs of `dense` and
+`proj` are summed across the ranks and the lm_head's vocabulary chunks gathered (parallel.py), inside the
+CUDA graphs too; every rank must make the same calls in the same order (rank 0 takes the requests and the
+others follow its steps: trtglm.runtime.distributed). At tp 1 there are no collectives at all.
 """
 
 from __future__ import annotations
@@ -52,9 +56,10 @@ from trtglm.runtime.cache import StaticCache
 from trtglm.runtime.checkpoint import CheckpointConfig, load_checkpoint
 from trtglm.runtime.fast.linear import Linear
 from trtglm.runtime.fast.ops import TritonOps, select_ops
+from trtglm.runtime.fast.parallel import RankGroup
 from trtglm.runtime.fast.shapes import (batch_buckets, check_shape_options, prefill_groups, prefill_widths, resolve_dtype,
                                         resolve_weight_only)
-from trtglm.runtime.model import rotary_tables
+from trtglm.runtime.model import one_rank_checkpoint, rotary_tables
 from trtglm.runtime.slots import check_copy, check_reuse, check_start, prefill_starts
 
 log = logging.getLogger(__name__)
@@ -74,16 +79,19 @@ class FastLayer:
 
 
 class FastModel:
-    """A single-GPU ChatGLM3 `SlotModel` over a tp-1 TensorRT-LLM checkpoint's tensors."""
+    """A ChatGLM3 `SlotModel` on one GPU over one rank's tensors of a TensorRT-LLM checkpoint: all of a tp-1 one, or
+    this process's rank of a tp-N one with `process_group` (its N ranks, one per process)."""
 
     def __init__(self, cfg: CheckpointConfig, tensors: dict[str, torch.Tensor], *, max_batch: int = 64,
                  max_seq_len: int = 2048, dtype: str | torch.dtype | None = None, device: str | torch.device = "cuda",
                  weight_only: str | None = None, kernels: str = "auto", graphs: bool | None = None,
-                 tune: bool | None = None):
+                 tune: bool | None = None, process_group: torch.distributed.ProcessGroup | None = None):
         self.device = torch.device(device)
         self.config, self.dtype = cfg, resolve_dtype(dtype, cfg)
         self.quant_algo = resolve_weight_only(weight_only, cfg)
         check_shape_options(cfg, max_batch, max_seq_len, self.device)
+        self.ranks = _rank_group(cfg, process_group)
+        self.heads = cfg.heads_per_rank
         self.max_batch, self.max_seq_len, self.vocab_size = max_batch, max_seq_len, cfg.vocab_size
         self.ops = select_ops(self.device, kernels)
         # Timing the matmul kernels' block shapes costs seconds at start-up and pays on every step.
@@ -145,10 +153,11 @@ class FastModel:
                 fc=linear(p + "mlp.fc"),
                 proj=linear(p + "mlp.proj"),
             ))
-        log.info("fast model: %d layers, %s%s, %.2f GB of weights read per decode step, %s kernels, on %s",
+        log.info("fast model: %d layers, %s%s, %.2f GB of weights read per decode step, %s kernels, on %s%s",
                  cfg.num_layers, str(dtype).removeprefix("torch."),
                  f", weight-only {self.quant_algo}" if self.quant_algo else "", self.weight_bytes / 1e9,
-                 self.ops.name, self.device)
+                 self.ops.name, self.device,
+                 f", rank {self.ranks.rank} of tp {self.ranks.world_size}" if self.ranks else "")
 
     @property
     def linears(self) -> list[Linear]:
@@ -166,16 +175,22 @@ class FastModel:
         """Residual stream `[T, hidden]` through every layer (`attend(layer, qkv rows)`: rotary, the cache write and
         attention); returns (stream, last layer's MLP output)."""
         cfg, ops, delta = self.config, self.ops, None
+        total = self.ranks.all_reduce if self.ranks else None  # the ranks' partial sums of dense and proj
         for i, w in enumerate(self.layers):
             x, h = ops.add_rms_norm(x, delta, w.input_norm, cfg.norm_epsilon)
             delta = w.dense(attend(i, w.qkv(h)))
+            if total:
+                delta = total(delta)
             x, h = ops.add_rms_norm(x, delta, w.post_norm, cfg.norm_epsilon)
             delta = w.proj(w.fc(h), swiglu=True)
+            if total:
+                delta = total(delta)
         return x, delta
 
     def _logits(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         _, h = self.ops.add_rms_norm(x, delta, self.final_norm, self.config.norm_epsilon)
-        return self.lm_head(h, out_dtype=torch.float32)
+        logits = self.lm_head(h, out_dtype=torch.float32)
+        return self.ranks.gather_columns(logits) if self.ranks else logits
 
     def _decode_step(self, n: int) -> torch.Tensor:
         """One token for each of the first n entries of the input buffers (static shapes: graph-capturable)."""
@@ -185,7 +200,7 @@ class FastModel:
 
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
             return self.ops.decode_qkv_attention(qkv, slots, positions, self.cos, self.sin, self.cache.keys[i],
-                                                 self.cache.values[i], self.config.num_heads)
+                                                 self.cache.values[i], self.heads)
 
         return self._logits(*self._run_layers(x, attend))
 
@@ -217,7 +232,7 @@ class FastModel:
 
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
             q = self.ops.rope_cache(qkv, token_slots, token_positions, self.cos, self.sin, self.cache.keys[i],
-                                    self.cache.values[i], self.config.num_heads)
+                                    self.cache.values[i], self.heads)
             q = q.view(n, width, *q.shape[1:]).transpose(1, 2)
             keys = self.cache.keys[i][slot_ids, :, :start + width]
             values = self.cache.values[i][slot_ids, :, :start + width]
@@ -245,8 +260,7 @@ class FastModel:
 
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
             keys, values = self.cache.keys[i], self.cache.values[i]
-            q = self.ops.rope_cache(qkv, token_slots, token_positions, self.cos, self.sin, keys, values,
-                                    self.config.num_heads)
+            q = self.ops.rope_cache(qkv, token_slots, token_positions, self.cos, self.sin, keys, values, self.heads)
             out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=dev)
             if single:
                 out[single_rows] = self.ops.decode_attention(q[single_rows], keys, values, token_slots[single_rows],
@@ -412,20 +426,24 @@ class FastModel:
                 self._prefill_padded(width)
         torch.cuda.current_stream(self.device).wait_stream(side)
         warmed = time.monotonic()
-        if self.tuned and not self._tuned_in_step:
+        # In-step tuning times each rank's own choice of steps: ranks would disagree on how many (collectives) to run.
+        if self.tuned and not self._tuned_in_step and not self.ranks:
             self._tune_in_step()
             self._tuned_in_step = True  # later captures (other launch settings) keep these layouts
         tuned = time.monotonic()
         pool = torch.cuda.graph_pool_handle()
+        # With collectives, PyTorch's NCCL watchdog thread polls its events during the capture: only this thread's
+        # calls must be capture-safe.
+        capture = {"pool": pool, "capture_error_mode": "thread_local" if self.ranks else "global"}
         for n in tqdm(list(reversed(self.buckets)), desc="capture", unit="graph", disable=None, leave=False):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, **capture):
                 logits = self._decode_step(n)
             self._graphs[n] = (graph, logits)
         for width in tqdm(list(reversed(self.prefill_widths)), desc="capture prefill", unit="graph", disable=None,
                           leave=False):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, **capture):
                 logits = self._prefill_padded(width)
             self._prefill_graphs[width] = (graph, logits)
         torch.cuda.synchronize(self.device)
@@ -502,7 +520,21 @@ class FastModel:
             self._check_token_ids(tokens)
 
 
-def load_fast_model(path: str | Path, **options) -> FastModel:
-    """A `FastModel` from a tp-1 checkpoint folder; `options` as for `FastModel`."""
-    ckpt = load_checkpoint(path)
+def load_fast_model(path: str | Path, rank: int | None = None, **options) -> FastModel:
+    """A `FastModel` from a checkpoint folder: a tp-1 one, or with `rank` only that rank's file (and `options`'
+    process_group joining the other ranks' processes); `options` as for `FastModel`."""
+    ckpt = load_checkpoint(path) if rank is None else one_rank_checkpoint(path, rank)
     return FastModel(ckpt.config, ckpt.ranks[0], **options)
+
+
+def _rank_group(cfg: CheckpointConfig, process_group: torch.distributed.ProcessGroup | None) -> RankGroup | None:
+    """The collectives of a tp-N model (None at tp 1: no collectives, no extra work)."""
+    if process_group is None:
+        if cfg.tp_size != 1:
+            raise UsageError(f"a tp_size {cfg.tp_size} checkpoint runs one rank per process: each needs its rank "
+                             f"and the process group of all {cfg.tp_size} (trtglm launch --world-size {cfg.tp_size})")
+        return None
+    ranks = RankGroup(process_group)
+    if ranks.world_size != cfg.tp_size:
+        raise UsageError(f"a tp_size {cfg.tp_size} checkpoint needs {cfg.tp_size} ranks, not {ranks.world_size}")
+    return ranks if ranks.world_size > 1 else None

@@ -67,13 +67,11 @@ def resolve_weight_only(weight_only: str | None, cfg: CheckpointConfig) -> str |
 
 
 def check_shape_options(cfg: CheckpointConfig, max_batch: int, max_seq_len: int, device: torch.device) -> None:
-    if cfg.tp_size != 1:
-        raise UsageError(f"the fast runtime runs tp_size 1 checkpoints on one GPU; this one has tp_size {cfg.tp_size}")
     if max_batch < 1 or max_seq_len < 2:
         raise UsageError(f"need max_batch >= 1 and max_seq_len >= 2, not {max_batch} and {max_seq_len}")
     if max_seq_len > cfg.max_position_embeddings:
         raise UsageError(f"max_seq_len {max_seq_len} exceeds max_position_embeddings {cfg.max_position_embeddings}")
-    if cfg.num_heads % cfg.num_kv_heads:
-        raise UsageError(f"{cfg.num_heads} heads are not a multiple of {cfg.num_kv_heads} KV heads")
+    if cfg.heads_per_rank % cfg.kv_heads_per_rank:
+        raise UsageError(f"{cfg.heads_per_rank} heads per rank are not a multiple of {cfg.kv_heads_per_rank} KV heads")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("device cuda requested but CUDA is not available")
