@@ -105,7 +105,8 @@ def reference_logits(fixture_dir, hf_cfg, calls: dict[str, torch.Tensor]) -> dic
             "decode": torch.stack([s[1:] for s in spans], dim=1),
             "mixed": torch.stack([full[0][len(prompt_ids[0]) + STEPS],
                                   logits(prompt_ids[1][:MIXED_CHUNK])[-1]]),
-            "score": logits(prompt_ids[0])}
+            "score": logits(prompt_ids[0]),
+            "every_position": logits(prompt_ids[1])}
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
