@@ -475,3 +475,37 @@ def test_end_to_end_grpc_client_prints_transformers_logits(server, glm_reference
                                               stops=(USER, 520))
     check_printed_logits(run.stdout, "context_logits", context[None])
     check_printed_logits(run.stdout, "generation_logits", generation[None, None])
+
+
+@pytest.fixture(scope="module", params=["trtglm", "nvidia-v0.19.0"])
+def two_rank_server(request, tmp_path_factory):
+    """A tp-2 engine served by two ranks (`trtglm launch --world-size 2`, mpirun), in trtglm's and NVIDIA's
+    v0.19.0 layouts."""
+    root = tmp_path_factory.mktemp("nvidia-clients-tp2")
+    engine = build_tiny_engine(root / "engine", tp=2)
+    server = Server(patch_repo(engine, None, root / "repo", TEMPLATES[request.param](root)), 2, root / "state")
+    yield server
+    server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+@pytest.mark.parametrize("streaming", [False, True], ids=["whole", "streamed"])
+def test_end_to_end_grpc_client_against_two_ranks(two_rank_server, conversation, model, streaming):
+    """At world size 2 the clients get the same exact answers: one prompt, then a batch of three."""
+    stream = ["--streaming"] * streaming
+    run = run_client(two_rank_server, "--model-name", model, "-p", conversation["messages"][0]["content"], "-o", "64",
+                     "--exclude-input-in-output", "--check-outputs", "--expected-outputs",
+                     json.dumps([conversation["answer"]]), *stream)
+    assert run.returncode == 0 and "Received an error" not in run.stdout, run.stdout + run.stderr
+    expected = [fixture_answers()[question] for question in BATCH]
+    run = run_client(two_rank_server, "--model-name", model, "-p", json.dumps(BATCH), "-o", "64", "--batch-inputs",
+                     "--exclude-input-in-output", "--check-outputs", "--expected-outputs", json.dumps(expected),
+                     *stream)
+    assert run.returncode == 0 and "Received an error" not in run.stdout, run.stdout + run.stderr
+
+
+@pytest.mark.slow
+def test_inflight_batcher_llm_client_against_two_ranks(two_rank_server, conversation, fixture_dir, tmp_path):
+    prompt, answer = answer_ids(fixture_dir, conversation)
+    run_ids_client(two_rank_server, prompt, tmp_path, STREAMED["streamed"], answer)
