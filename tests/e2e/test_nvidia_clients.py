@@ -7,7 +7,8 @@ under its batch_index; refused where tensorrt_llm is not decoupled), checked by 
 holds it: not streamed and not excluded);
 inflight_batcher_llm_client.py on the `tensorrt_llm` model with token ids, its own --check-output against
 the fixture's answer ids, and --return-log-probs, --return-context-logits and --return-generation-logits
-against transformers' GlmForCausalLM."""
+against transformers' GlmForCausalLM. A tp-2 engine served by two ranks gives both clients the same exact
+answers, in trtglm's layout and NVIDIA's v0.19.0 one."""
 
 from __future__ import annotations
 
