@@ -76,7 +76,7 @@ def test_bad_options_are_refused(tmp_path):
     with pytest.raises(UsageError, match="--max-seq-len 256 is too short"):
         run(tp="1", out=str(tmp_path), device="cpu", max_seq_len=256)
     if not torch.cuda.is_available():
-        with pytest.raises(DependencyError, match="CUDA GPU"):
+        with pytest.raises(DependencyError, match="bench tp needs a CUDA GPU"):
             run(tp="1,2", out=str(tmp_path))
     proc = run_cli("bench", "tp", "--tp", "1,x", "--device", "cpu", "--out", tmp_path)
     assert proc.returncode == UsageError.exit_code

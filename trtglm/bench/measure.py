@@ -284,11 +284,12 @@ def gemv_probe(config: tuple = (0, 16, 512, 8, 3), word_config: tuple = (8, 2, 1
         torch.cuda.synchronize()
         log.info("gemv probe: %s, %s", algo or "bf16", chosen)
 
-def cuda_device() -> torch.device:
+def cuda_device(bench: str = "runtime") -> torch.device:
+    """The GPU that `trtglm bench BENCH` measures on; DependencyError naming that bench without one or Triton."""
     if not torch.cuda.is_available():
-        raise DependencyError("bench runtime needs a CUDA GPU (torch.cuda.is_available() is False)")
+        raise DependencyError(f"bench {bench} needs a CUDA GPU (torch.cuda.is_available() is False)")
     try:
         import triton  # noqa: F401
     except ImportError:
-        raise DependencyError("bench runtime needs Triton (pip install triton)") from None
+        raise DependencyError(f"bench {bench} needs Triton (pip install triton)") from None
     return torch.device("cuda", torch.cuda.current_device())

@@ -118,7 +118,7 @@ def _sizes_that_fit(sizes: tuple[int, ...], device: str) -> tuple[int, ...]:
         return sizes
     from trtglm.bench.measure import cuda_device
 
-    cuda_device()  # a clear error without a GPU or Triton
+    cuda_device("tp")  # a clear error without a GPU or Triton
     gpus = torch.cuda.device_count()
     fit = tuple(size for size in sizes if size <= gpus)
     for size in sorted(set(sizes) - set(fit)):
