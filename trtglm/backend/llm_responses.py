@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import numpy as np
 
@@ -76,6 +76,10 @@ class Timing:
     clock). trtglm's cache holds each sequence in one slot of max_seq_len, allocated for it and never reused:
     one block; there are no draft tokens."""
 
+    OUTPUTS = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",
+               "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
+               "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
+
     def __init__(self, arrival_ns: int):
         self.arrival_ns = arrival_ns
         self.scheduled_ns = self.first_token_ns = self.last_token_ns = 0
@@ -88,11 +92,8 @@ class Timing:
             self.first_token_ns = self.first_token_ns or self.last_token_ns
 
     def arrays(self) -> dict[str, np.ndarray]:
-        values = {"kv_cache_alloc_new_blocks": 1, "kv_cache_reused_blocks": 0, "kv_cache_alloc_total_blocks": 1,
-                  "arrival_time_ns": self.arrival_ns, "first_scheduled_time_ns": self.scheduled_ns,
-                  "first_token_time_ns": self.first_token_ns, "last_token_time_ns": self.last_token_ns,
-                  "acceptance_rate": 0.0, "total_accepted_draft_tokens": 0, "total_draft_tokens": 0}
-        return {name: np.array([[value]]) for name, value in values.items()}
+        values = (1, 0, 1, self.arrival_ns, self.scheduled_ns, self.first_token_ns, self.last_token_ns, 0.0, 0, 0)
+        return {name: np.array([[value]]) for name, value in zip(self.OUTPUTS, values, strict=True)}
 
 
 class Logits:
@@ -101,6 +102,8 @@ class Logits:
     `[1, beam 1, tokens, vocab]`, or streamed, of the response's new tokens `[1, tokens, beam 1, vocab]`
     (TensorRT-LLM keeps a streamed request's rows token-major). Empty arrays where the request asked for
     none: the model sends them only when the request's return_* flag asks."""
+
+    OUTPUTS = ("context_logits", "generation_logits")
 
     def __init__(self, streaming: bool):
         self.streaming = streaming
@@ -124,15 +127,17 @@ class Logits:
 
 
 class Reply:
-    """Turns one request's executor Outputs into responses (`send(arrays, final)` or `fail(message)`)."""
+    """Turns one request's executor Outputs into responses (`send(arrays, final)` or `fail(message)`). The perf
+    metrics and logits are kept only when `wanted` (the output names the response will carry; None: all)
+    holds some of them: a streamed response goes out for every token."""
 
     def __init__(self, streaming: bool, send: Callable[[dict, bool], None], fail: Callable[[str], None],
-                 arrival_ns: int = 0):
+                 arrival_ns: int = 0, wanted: Collection[str] | None = None):
         self.streaming, self.send, self.fail = streaming, send, fail
         self.ids: list[int] = []
         self.log_probs: list[float] = []
-        self.logits = Logits(streaming)
-        self.timing = Timing(arrival_ns)
+        self.logits = Logits(streaming) if _asks(wanted, Logits.OUTPUTS) else None
+        self.timing = Timing(arrival_ns) if _asks(wanted, Timing.OUTPUTS) else None
         self.gone = False  # a response could not be sent: the client is gone
 
     def __call__(self, output: Output) -> None:
@@ -151,16 +156,24 @@ class Reply:
         before = len(self.ids)
         self.ids += output.tokens
         self.log_probs += output.log_probs
-        self.logits.update(output)
-        self.timing.update(output)
+        for kept in (self.logits, self.timing):
+            if kept is not None:
+                kept.update(output)
         if output.error or output.reason == "cancelled":
             self.fail(output.error or "the request was cancelled")
         elif output.beams:
-            self.send({**self.logits.arrays(), **beam_arrays(output.beams)}, True)
+            self.send({**self._kept(self.logits), **beam_arrays(output.beams)}, True)
         elif self.streaming:
             self.send({**response_arrays(self.ids[before:], self.log_probs[before:], self.ids, sum(self.log_probs),
-                                         output.finished), **self.timing.arrays(), **self.logits.arrays()},
-                      output.finished)
+                                         output.finished), **self._kept(self.timing, self.logits)}, output.finished)
         elif output.finished:
             self.send({**response_arrays(self.ids, self.log_probs, self.ids, sum(self.log_probs), True),
-                       **self.timing.arrays(), **self.logits.arrays()}, True)
+                       **self._kept(self.timing, self.logits)}, True)
+
+    @staticmethod
+    def _kept(*parts: Timing | Logits | None) -> dict[str, np.ndarray]:
+        return {name: array for part in parts if part is not None for name, array in part.arrays().items()}
+
+
+def _asks(wanted: Collection[str] | None, outputs: tuple[str, ...]) -> bool:
+    return wanted is None or not set(outputs).isdisjoint(wanted)

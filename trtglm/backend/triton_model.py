@@ -184,7 +184,8 @@ class TritonPythonModel:
         def sequence_reply(index: int) -> Reply:
             return Reply(streaming, lambda arrays, last: send(index, self._response({**arrays, **extras[index]},
                                                                                     wanted), last),
-                         lambda message: send(index, self.io.error_response(TrtglmError(message)), True), arrival)
+                         lambda message: send(index, self.io.error_response(TrtglmError(message)), True), arrival,
+                         wanted)
 
         for index, sequence in enumerate(sequences):
             reply = sequence_reply(index)
@@ -236,7 +237,8 @@ class TritonPythonModel:
                 responses[index] = self.io.error_response(TrtglmError(message))
 
             try:
-                waiting.append(self.executor.submit(sequences[0], Reply(False, send, fail, arrival), lambda: False))
+                waiting.append(self.executor.submit(sequences[0], Reply(False, send, fail, arrival, wanted),
+                                                    lambda: False))
             except Exception as e:
                 responses[index] = self._error(e)
         for handle in waiting:

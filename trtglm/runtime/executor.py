@@ -32,9 +32,9 @@ Each new token goes to its request's callback as an `Output` (the new tokens, th
 probabilities, whether it is finished and why). A request finishes at `end_id` (which is not
 returned), after a stop word (which is returned, as TensorRT-LLM returns it), after
 `max_new_tokens`, or when cancelled. Tokens are chosen by TensorRT-LLM's rules (sampling.py:
-embedding bias, bad words, `end_id` and one-token stop words banned before `min_length`, then greedy or the request's
-own seeded temperature / top-k / top-p sampling, and log probabilities of the distribution
-the token was chosen from).
+embedding bias, bad words, `end_id` and one-token stop words banned before `min_length`, then
+greedy or the request's own seeded temperature / top-k / top-p sampling, and log probabilities
+of the distribution the token was chosen from).
 
 Logits, as TensorRT-LLM returns them (float32, the model's whole padded vocabulary), only for a
 request that asks: `context_logits` runs its prompt chunks on their own (`SlotModel.prefill_all`,
@@ -591,4 +591,3 @@ class Executor:
         for sequence in sequences:
             self._deliver(sequence, Output([], finished=True, reason="error", error=message))
             sequence.handle.done.set()
-
