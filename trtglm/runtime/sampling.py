@@ -6,7 +6,8 @@ the sequence ends with all but its last token, `end_id` and one-token stop words
 tokens exist). `Sampler` then chooses: greedy when the temperature is 0 or top_k is 1, otherwise
 temperature, then top-k, then top-p, drawn with a generator of its own seeded by the request (the
 same seed gives the same tokens). `log_prob` is the log probability of the chosen token under the
-distribution it was chosen from (after bias, bans and temperature). Beam search, which does not sample, is beams.py.
+distribution it was chosen from (after bias, bans and temperature). Beam search, which does not
+sample, is beams.py.
 """
 
 from __future__ import annotations
