@@ -59,6 +59,11 @@ def genai_perf_env() -> dict[str, str]:
     return env
 
 
+# perf_analyzer 2.51 now and then leaves its profile export empty after a streamed gRPC run in which every request
+# succeeded (about 1 run in 50 of 8 requests; the server sent no non-finite value, checked at the source); genai-perf
+# then fails reading it. Such a run is made once more; any other failure fails the test at once.
+EMPTY_EXPORT = "Input is a zero-length, empty document"
+
 LAYOUTS = {"trtglm": lambda root: None, "nvidia-v0.19.0": lambda root: upstream_copy(root, "v0.19.0")}  # -> template
 
 
@@ -91,10 +96,12 @@ def run_genai_perf(env: dict, server, model: str, way: str, tokenizer: Path, art
     """`genai-perf profile` of `model` the `way` given (WAYS) with `prompts` flags: its metrics
     (profile_export_genai_perf.json) and perf_analyzer's record of each request (profile_export.json)."""
     protocol, flags = WAYS[way]
-    run = subprocess.run(["genai-perf", "profile", "-m", model, *(f.format(model=model) for f in flags),
-                          "-u", f"127.0.0.1:{getattr(server, f'{protocol}_port')}", "--tokenizer", str(tokenizer),
-                          "--request-count", str(REQUESTS), "--concurrency", "2", "--artifact-dir", str(artifacts),
-                          *prompts], env=env, capture_output=True, text=True, timeout=300)
+    command = ["genai-perf", "profile", "-m", model, *(f.format(model=model) for f in flags),
+               "-u", f"127.0.0.1:{getattr(server, f'{protocol}_port')}", "--tokenizer", str(tokenizer),
+               "--request-count", str(REQUESTS), "--concurrency", "2", "--artifact-dir", str(artifacts), *prompts]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    if run.returncode != 0 and EMPTY_EXPORT in run.stdout + run.stderr:
+        run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
     metrics = json.loads(next(artifacts.rglob("profile_export_genai_perf.json")).read_text())
     record = json.loads(next(artifacts.rglob("profile_export.json")).read_text())

@@ -24,7 +24,7 @@ from trtglm.runtime.model import load_model
 
 # One rank's program: a ServedEngine from the OMPI environment; rank 0 answers the prompts (all submitted
 # at once, so they are batched) and writes the tokens (mode "beams:W": every beam of a beam search W wide);
-# every rank reports how it ended.
+# every rank reports how it ended, then exits as a served rank's engine process does.
 RANK_PROGRAM = '''
 import json, os, sys, time
 from trtglm.backend.engine import ServedEngine
@@ -57,7 +57,9 @@ else:
     engine.follower.join(60)
     report["follower_alive"] = engine.follower.is_alive()
 engine.close()
-json.dump(report, open(os.path.join(out_dir, f"rank{rank}.json"), "w"))
+with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+    json.dump(report, f)
+os._exit(0)  # as the engine's process ends (backend/engine_process.py): no teardown of gloo's threads at exit
 '''
 
 
