@@ -32,7 +32,7 @@
 # SERVING_CONFIG, SERVING_DEADLINE (seconds, default 510: no measurement starts after it minus the
 # time kept for the second launch), SERVING_WORK (default /tmp/trtglm-served), SERVING_SETS (profile
 # overrides, e.g. "build.max_seq_len=2048"), SERVING_FLAGS (more `bench served` flags, e.g.
-# "--requests 64 --mixed-requests 0").
+# "--requests 64 --mixed-requests 0"), SERVING_PIPELINE (more pipeline flags, e.g. "--launches 1 --keep-caches").
 # `tp` (not in the default set; a machine with 2 or 4 GPUs): bench tp, the fast runtime tensor-parallel at
 # tp 1, 2 and 4 (those above the GPU count skipped), one process per GPU over NCCL with NVLink multicast
 # off, on random 6B weights: tp 2 and 4 logits and 128 greedy steps of three prompts against tp 1's, the
@@ -145,5 +145,5 @@ if [[ " $PARTS " == *" serving "* ]]; then
     python3 -m trtglm.bench.pipeline --out "$DEST" --config "${SERVING_CONFIG:-configs/chatglm3-6b-bf16-tp1.yaml}" \
         $SERVING_SOURCE ${TOKENIZER_DIR:+--tokenizer-dir "$TOKENIZER_DIR"} --work-dir "${SERVING_WORK:-/tmp/trtglm-served}" \
         $(for value in ${SERVING_SETS:-}; do printf -- '--set %s ' "$value"; done) \
-        --deadline "${SERVING_DEADLINE:-510}" -- ${SERVING_FLAGS:-} 2>&1 | tee "$DEST/serving-log.txt"
+        --deadline "${SERVING_DEADLINE:-510}" ${SERVING_PIPELINE:-} -- ${SERVING_FLAGS:-} 2>&1 | tee "$DEST/serving-log.txt"
 fi

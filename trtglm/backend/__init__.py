@@ -11,10 +11,12 @@
   responses leave through `outbox`;
 - `triton_io`: what the python models share (parameters, tensors, error responses, sibling stubs);
 - `contract`: the serving contract as data (model and parameter names, every model's tensors,
-  the ensemble's wiring), which the models take their names from and rendering checks.
+  the ensemble's wiring), which the models take their names from and rendering checks;
+- `cpus`: a physical core of its own for each engine's step loop on GPU machines (the supervisor
+  plans them, the engine's process moves onto its core).
 
 The rendered repository's `1/model.py` files import these modules by name. This package may
 import trtglm.chatglm, trtglm.runtime, trtglm.engine.manifest and trtglm.errors, never
 trtglm.repo (build time) or trtglm.serve (the supervisor outside tritonserver); those two read
-only `contract` from here.
+only `contract` and `cpus` from here.
 """

@@ -46,6 +46,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 import torch
 
+from trtglm.backend.cpus import pin_engine
 from trtglm.errors import TrtglmError, UsageError
 from trtglm.runtime.executor import (CANCEL_CHECK_S, ExecutorStats, ExecutorStopped, Handle, Output,
                                      OutputCallback, QueueFullError, Request, check_request)
@@ -386,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-reuse", action="store_true")
     args = parser.parse_args(argv)
     log_to_stderr()
+    pin_engine()  # before the engine starts its threads, which take this thread's CPUs
     wire = Wire(Connection(args.fd))
     try:
         engine = ServedEngine(args.engine_dir, max_queue=args.max_queue, kv_cache_reuse=args.kv_cache_reuse)

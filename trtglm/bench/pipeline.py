@@ -2,7 +2,7 @@
 
     python3 -m trtglm.bench.pipeline --out DEST [--synth 6b | --model-dir HF] [--tokenizer-dir DIR]
         [--config configs/chatglm3-6b-bf16-tp1.yaml] [--set build.engine=torch ...] [--work-dir DIR]
-        [--launches 2] [--deadline SECONDS] [-- FLAGS OF `trtglm bench served`]
+        [--launches 2] [--keep-caches] [--deadline SECONDS] [-- FLAGS OF `trtglm bench served`]
 
 Steps, each timed (`steps` in served.json):
 
@@ -13,9 +13,12 @@ Steps, each timed (`steps` in served.json):
 3. `trtglm patch-repo` (with --tokenizer-dir when given);
 4. `trtglm launch --detach` on free loopback ports, timed with its phases (launch_timing.py),
    with empty caches (TRITON_CACHE_DIR and XDG_CACHE_HOME under the work folder: no Triton kernel
-   compiled, no kernel tuning stored, no python-stub environment prepared): the cold launch;
+   compiled, no kernel tuning stored, no python-stub environment prepared): the cold launch
+   (--keep-caches keeps an earlier run's: a warm first launch);
 5. `trtglm bench served` against it in this process (served.py: overhead, fixed and mixed
-   workloads over HTTP SSE and gRPC, each next to its in-process run);
+   workloads over HTTP SSE and gRPC, each next to its in-process run), on the CPUs the launch
+   left to the server (trtglm.backend.cpus: a client runs off the engine's core, as clients on
+   other machines do);
 6. `trtglm stop`; then, with --launches 2, a second launch (those caches now filled) timed the
    same way, and `trtglm stop`.
 
@@ -40,7 +43,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from trtglm.backend.cpus import engine_cpus_env
 from trtglm.bench import launch_timing, served, served_report
+from trtglm.serve.checks import resolve_world_size
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +149,18 @@ class Pipeline:
         self.save()
         if result["returncode"] != 0:
             raise RuntimeError(f"launch ({label}) failed:\n{result['output']}")
+        self.keep_off_engine_cores()
         return result
+
+    def keep_off_engine_cores(self) -> None:
+        """Run the clients (and the in-process runs) off the cores the launch gave its engine, as clients on other
+        machines would be: the launch's plan, made from the same CPUs (trtglm.backend.cpus)."""
+        if "client_cpus" in self.results:
+            return  # a later launch plans from this process's CPUs, already without the engine's
+        _, server_cpus = engine_cpus_env(resolve_world_size(self.repo, None), self.env)
+        if server_cpus:
+            os.sched_setaffinity(0, server_cpus)
+            self.results["client_cpus"] = sorted(server_cpus)
 
     def save_server_log(self, label: str) -> None:
         """Rank 0's log of launch `label` as it is now, in DEST/server-LABEL.log."""
@@ -186,8 +202,9 @@ class Pipeline:
             tokenizer = ["--tokenizer-dir", str(Path(self.o.tokenizer_dir).resolve())] if self.o.tokenizer_dir else []
             self.trtglm("patch-repo", "patch-repo", "--engine-dir", str(engine), "--output-repo", str(self.repo),
                         "--force", *tokenizer)
-            for path in self.caches.values():  # a cold launch: nothing compiled, tuned or prepared yet
-                shutil.rmtree(path, ignore_errors=True)
+            if not self.o.keep_caches:  # a cold launch: nothing compiled, tuned or prepared yet
+                for path in self.caches.values():
+                    shutil.rmtree(path, ignore_errors=True)
             cold = self.launch("cold")
             try:
                 self.measure(cold["ports"], cold["launch_s"])
@@ -258,6 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", action="append", default=[], help="profile override (build.engine=torch is added)")
     parser.add_argument("--work-dir", default="/tmp/trtglm-served")
     parser.add_argument("--launches", type=int, default=2, choices=(1, 2))
+    parser.add_argument("--keep-caches", action="store_true",
+                        help="keep the kernel and tuning caches of an earlier run (the first launch is then warm)")
     parser.add_argument("--launch-timeout", type=float, default=480.0)
     parser.add_argument("--deadline", type=float, default=0.0,
                         help="seconds after which no new measurement starts (0: none)")

@@ -58,6 +58,7 @@ import psutil
 from tqdm import tqdm
 
 from trtglm.backend.contract import HISTORY_CHAT
+from trtglm.backend.cpus import engine_cpus_env
 from trtglm.errors import TrtglmError
 from trtglm.serve.command import LLM_MODEL
 from trtglm.serve.launch_spec import LaunchSpec
@@ -138,6 +139,10 @@ class Supervisor:
     def start(self) -> None:
         self._reset_logs()
         env = server_env(dict(os.environ), self.spec.launch_id, self.spec.python_bin)
+        engine_env, server_cpus = engine_cpus_env(self.spec.world_size, env)
+        env.update(engine_env)
+        if server_cpus:  # this process's children (the server, its stubs, the OpenAI API) inherit them
+            os.sched_setaffinity(0, server_cpus)
         argv = self.spec.command(env)
         log.debug("server command: %s", shlex.join(argv))
         if self.spec.world_size == 1:

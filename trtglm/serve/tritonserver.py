@@ -31,7 +31,7 @@ BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
 STUB = "triton_python_backend_stub"
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 EXPORTED_VARS = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
-                 "NCCL_NVLS_ENABLE", "TRTGLM_RUNTIME")
+                 "NCCL_NVLS_ENABLE", "TRTGLM_RUNTIME", "TRTGLM_ENGINE_CPUS")
 # ^ what mpirun passes to every rank
 
 
