@@ -35,7 +35,7 @@ MAX_BATCH, MAX_SEQ_LEN = 4, 64
 # One rank: join the others (gloo on the CPU, NCCL on GPUs), load only this rank's file, make the calls; rank 0
 # writes the logits.
 RANK_PROGRAM = '''
-import sys, torch
+import os, sys, torch
 from safetensors.torch import save_file
 from support.slot_calls import prompts, run_calls
 from trtglm.runtime.distributed import RankInfo, join
@@ -52,6 +52,7 @@ results = run_calls(model, prompts(model.vocab_size), steps)
 if rank == 0:
     save_file(results, out)
 ranks.close()
+os._exit(0)  # as a served rank's engine process ends (trtglm.runtime.distributed.Distributed.close)
 '''
 
 

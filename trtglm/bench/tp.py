@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -171,6 +172,8 @@ def _rank_main(rank: int, size: int, opts: Options, work: str, meeting: str) -> 
                   "weight_gb_per_rank": model.weight_bytes / 1e9, "timings": timings, "collectives": collectives}
         (Path(work) / f"tp{size}.json").write_text(json.dumps(report))
     joined.close()
+    sys.stdout.flush()
+    os._exit(0)  # as a served rank's engine process ends: no teardown of CUDA graphs and NCCL at exit
 
 
 def _die_with_parent() -> None:

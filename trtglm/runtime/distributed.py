@@ -127,7 +127,10 @@ class Distributed:
             dist.barrier(group=self.control)
         except RuntimeError as e:  # a peer is gone already: nothing to wait for
             log.debug("leaving without the others: %s", str(e).splitlines()[0])
-        dist.destroy_process_group()
+        if dist.get_backend(self.collectives.group) != "nccl":
+            # NCCL's communicators stay: their teardown can wait without end on collectives that captured CUDA graphs
+            # still hold, and every caller ends its process next (os._exit: no teardown at exit either).
+            dist.destroy_process_group()
         if self.init_method.startswith("file://"):
             # gloo's file store removes its file only when its last user is collected, which
             # interpreter exit does not promise; every rank is past the barrier, so it is unused.
