@@ -60,10 +60,21 @@ def test_unreadable_topology_counts_each_cpu_as_a_core(tmp_path):
     assert engines == [(7,)] and server == set(range(7))
 
 
-def test_off_or_without_a_gpu_nothing_is_planned(monkeypatch):
+def test_off_or_without_a_gpu_nothing_is_planned(monkeypatch, tmp_path):
     assert cpus.engine_cpus_env(1, {cpus.ENV: "off"}) == ({}, None)
+    monkeypatch.setattr(cpus, "GPU_DEVICE", tmp_path)  # a device node that is there
+    assert cpus.engine_cpus_env(1, {"CUDA_VISIBLE_DEVICES": ""}) == ({}, None)
+    assert cpus.engine_cpus_env(1, {"CUDA_VISIBLE_DEVICES": "-1"}) == ({}, None)
     monkeypatch.setattr(cpus, "GPU_DEVICE", Path("/nonexistent/nvidiactl"))
     assert cpus.engine_cpus_env(1, {}) == ({}, None)
+
+
+def test_a_gpu_machine_passes_each_ranks_core_to_the_engines(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpus, "GPU_DEVICE", tmp_path)
+    monkeypatch.setattr(cpus, "SYSFS_CPUS", hyperthreaded(tmp_path / "sys", 8))
+    monkeypatch.setattr(cpus.os, "sched_getaffinity", lambda pid: set(range(16)))
+    env, server = cpus.engine_cpus_env(2, {"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert env == {cpus.ENV: "6,14;7,15"} and server == set(range(16)) - {6, 7, 14, 15}
 
 
 RANK_CPUS = """

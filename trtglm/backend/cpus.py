@@ -13,7 +13,8 @@ OpenAI API on the others:
 - the engine's process (started by the tensorrt_llm stub) moves itself onto its rank's CPUs before it
   starts any thread (`pin_engine`).
 
-TRTGLM_ENGINE_CPUS=off, or fewer than MIN_CPUS CPUs, or no GPU, leaves every process on every CPU.
+TRTGLM_ENGINE_CPUS=off, or fewer than MIN_CPUS CPUs, or no GPU (none there, or CUDA_VISIBLE_DEVICES empty),
+leaves every process on every CPU; an engine that runs on the CPU stays on every CPU too.
 """
 
 from __future__ import annotations
@@ -64,14 +65,20 @@ def plan(local_ranks: int, allowed: set[int], sysfs: Path = SYSFS_CPUS) -> tuple
 
 def engine_cpus_env(local_ranks: int, environ: dict[str, str]) -> tuple[dict[str, str], set[int] | None]:
     """(variables to add to the server's environment, the server's CPUs or None to leave them be)."""
-    if environ.get(ENV, "").lower() == "off" or not GPU_DEVICE.exists():
+    if environ.get(ENV, "").lower() == "off" or not gpus_visible(environ):
         return {}, None
-    engines, server = plan(local_ranks, set(os.sched_getaffinity(0)))
+    engines, server = plan(local_ranks, set(os.sched_getaffinity(0)), SYSFS_CPUS)
     if not engines:
         return {}, None
     value = ";".join(",".join(map(str, core)) for core in engines)
     log.info("engines on CPUs %s (one core a rank); the server on the other %d", value, len(server))
     return {ENV: value}, server
+
+
+def gpus_visible(environ: dict[str, str]) -> bool:
+    """Whether the ranks will see a GPU: the driver's device is there and CUDA_VISIBLE_DEVICES hides none of it."""
+    hidden = environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1")
+    return GPU_DEVICE.exists() and not hidden
 
 
 def pin_engine(environ: dict[str, str] | None = None) -> tuple[int, ...] | None:

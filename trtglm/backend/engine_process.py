@@ -387,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-reuse", action="store_true")
     args = parser.parse_args(argv)
     log_to_stderr()
-    pin_engine()  # before the engine starts its threads, which take this thread's CPUs
+    if torch.cuda.is_available():  # a CPU engine needs every core it has
+        pin_engine()  # before the engine starts its threads, which take this thread's CPUs
     wire = Wire(Connection(args.fd))
     try:
         engine = ServedEngine(args.engine_dir, max_queue=args.max_queue, kv_cache_reuse=args.kv_cache_reuse)
