@@ -20,7 +20,7 @@ ALLOWED = {
     "runtime": {"chatglm", "errors", "files"},
     "backend": {"chatglm", "engine", "errors", "files", "runtime"},
     "repo": {"backend.contract", "chatglm", "engine", "errors", "files"},
-    "serve": {"backend.contract", "chatglm", "client", "engine", "errors", "files"},
+    "serve": {"backend.contract", "backend.cpus", "chatglm", "client", "engine", "errors", "files"},
     "client": {"errors"},
     "bench": EVERYTHING - {"cli", "bench"},
     "cli": EVERYTHING - {"cli"},
