@@ -113,7 +113,7 @@ def test_bls_reply_pieces_and_accumulated_text(tok, answers):
             tokens, lengths = batch([i])
             pieces.append(deltas.add(tokens, lengths)[0][0])
             texts.append(accumulated.add(tokens, lengths)[0][0])
-        assert "".join(pieces) + deltas.finish()[0][0] == answer
+        assert "".join(pieces) + deltas.ends(streamed=True)[0, 0] == answer
         shown = [t for t in texts if t]
         assert shown[-1] == answer and all(answer.startswith(t) for t in shown)
 

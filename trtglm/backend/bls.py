@@ -164,9 +164,6 @@ class Reply:
             return {key: self._shown(key, stream.finish()) for key, stream in sorted(self.streams.items())}
         return {key: reply_text(self.tokenizer, ids) for key, ids in sorted(self.ids.items())}
 
-    def finish(self) -> list[list[str]]:
-        return _grid(self.ends(True))
-
     def collect(self, output_ids: np.ndarray, lengths: np.ndarray, sequence: int | None = None,
                 row: int | None = None) -> None:
         """Not streamed: remember ids (a response may carry all ids or the next part of them)."""
