@@ -9,6 +9,7 @@
 #   PARTS=inflight scripts/bench_gpu.sh [DEST]
 #   PARTS=serving scripts/bench_gpu.sh [DEST]
 #   PARTS=tp scripts/bench_gpu.sh [DEST]
+#   PARTS=sampling [BASELINE_TREE=.baseline] scripts/bench_gpu.sh [DEST]
 #
 # PARTS picks the parts (each takes five to seven minutes on an H200): `runtime` (bench runtime),
 # `kernels` (bench matmul, pdl, prefill, step-parts, Nsight Compute), `inflight` (bench inflight: the
@@ -41,6 +42,20 @@
 # run of its own, PyTorch's one-shot all-reduce over symmetric memory beside NCCL's
 # (DEST/tp-symmetric-memory*). Knobs: TP_SIZES (default 1,2,4), TP_FLAGS (more `bench tp` flags, e.g.
 # "--weight-only int4" or "--no-tune").
+# `sampling` (not in the default set): what sampled and log-prob requests cost next to greedy ones, served:
+# synth-model 6b (fp16) → build-engine configs/chatglm3-6b-fp16-tp1.yaml (torch engine) → for this tree, then
+# for BASELINE_TREE when set (a copy of an earlier commit's trtglm/, configs/ and triton_model_repo/, e.g.
+# `git archive BASE trtglm configs triton_model_repo | tar -x -C .baseline`, carried): patch-repo, launch
+# --detach, `trtglm bench sampling` against it (256 streamed requests of 128 prompt ids and 128 new tokens at 64
+# in flight through ensemble HTTP, greedy / temperature 0.8 top_p 0.8 / temperature 0.8 top_k 50 /
+# return_log_probs, in rounds; tokens and decode steps from the server's counters), stop; then the same cases
+# in-process on random 6B weights, and the sampling tests on the GPU. Results DEST/sampling-this/,
+# DEST/sampling-baseline/, DEST/sampling-in-process/ (sampling.json each) and DEST/sampling.txt. Knobs:
+# SAMPLING_WORK (default /tmp/trtglm-sampling), SAMPLING_ROUNDS (default 3), SAMPLING_BASELINE_FLAGS (default
+# "--rounds 1"; e.g. "--cases greedy --rounds 3"), SAMPLING_CONFIG,
+# SAMPLING_MODEL (an HF folder instead of random weights), SAMPLING_LOAD (the served load's flags), SAMPLING_IN_PROCESS
+# (the in-process run's model and load flags); a dry run on a CPU: SAMPLING_MODEL=tests/fixtures/tiny-chatglm3
+# SAMPLING_CONFIG=configs/tiny.yaml TOKENIZER_DIR=tests/fixtures/tiny-chatglm3 and small loads.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${1:-${OUT:-out/bench-gpu}}
@@ -52,7 +67,15 @@ if ! python3 -c "import fire" 2>/dev/null; then
         .whl/fire-*.whl .whl/termcolor-*.whl
     export PYTHONPATH=/tmp/trtglm-site${PYTHONPATH:+:$PYTHONPATH}
 fi
-if [[ " $PARTS " == *" serving "* ]] && [ -d .whl ]; then
+served() { [[ " $PARTS " == *" serving "* || " $PARTS " == *" sampling "* ]]; }
+tokenizer_65k() {  # the 65k tokenizer that random 6B weights need (TOKENIZER_DIR, else carried or beside)
+    if [ -n "${TOKENIZER_DIR:-}" ]; then echo "$TOKENIZER_DIR"; return; fi
+    for candidate in .whl/tokenizer-65k shared/gpu/tokenizer-65k ../shared/gpu/tokenizer-65k; do
+        if [ -f "$candidate/tokenizer.model" ]; then echo "$candidate"; return; fi
+    done
+    echo "bench_gpu.sh: no tokenizer-65k (set TOKENIZER_DIR)" >&2; exit 3
+}
+if served && [ -d .whl ]; then
     # Every wheel of .whl/ that this python3 can install (numpy's is left to the stubs' pip, below).
     mapfile -t wheels < <(python3 - <<'PY'
 import glob, os
@@ -134,16 +157,55 @@ if [[ " $PARTS " == *" tp "* ]]; then
 fi
 if [[ " $PARTS " == *" serving "* ]]; then
     SERVING_SOURCE=${SERVING_SOURCE:---synth 6b}
-    if [ -z "${TOKENIZER_DIR:-}" ] && [[ $SERVING_SOURCE == --synth* ]]; then
-        for candidate in .whl/tokenizer-65k shared/gpu/tokenizer-65k ../shared/gpu/tokenizer-65k; do
-            if [ -f "$candidate/tokenizer.model" ]; then TOKENIZER_DIR=$candidate; break; fi
-        done
-        [ -n "${TOKENIZER_DIR:-}" ] || { echo "bench_gpu.sh: no tokenizer-65k (set TOKENIZER_DIR)" >&2; exit 3; }
-    fi
+    if [[ $SERVING_SOURCE == --synth* ]]; then TOKENIZER_DIR=$(tokenizer_65k); fi
     python3 -c "from trtglm.serve.tritonserver import find_tritonserver; print('tritonserver:', find_tritonserver())"
     # shellcheck disable=SC2086  # SERVING_SOURCE and SERVING_FLAGS are word lists
     python3 -m trtglm.bench.pipeline --out "$DEST" --config "${SERVING_CONFIG:-configs/chatglm3-6b-bf16-tp1.yaml}" \
         $SERVING_SOURCE ${TOKENIZER_DIR:+--tokenizer-dir "$TOKENIZER_DIR"} --work-dir "${SERVING_WORK:-/tmp/trtglm-served}" \
         $(for value in ${SERVING_SETS:-}; do printf -- '--set %s ' "$value"; done) \
         --deadline "${SERVING_DEADLINE:-510}" ${SERVING_PIPELINE:-} -- ${SERVING_FLAGS:-} 2>&1 | tee "$DEST/serving-log.txt"
+fi
+if [[ " $PARTS " == *" sampling "* ]]; then
+    work=${SAMPLING_WORK:-/tmp/trtglm-sampling} tokenizer=$(realpath "$(tokenizer_65k)") root=$PWD
+    mkdir -p "$work"
+    export TRTGLM_STATE_DIR=$work/state TRITON_CACHE_DIR=$work/triton-cache XDG_CACHE_HOME=$work/cache
+    site=$(tr ':' '\n' <<< "$PYTHONPATH" | grep -v "^$root$" | paste -sd: - || true)  # the wheels, not this tree
+    load=${SAMPLING_LOAD:---requests 256 --concurrency 64 --prompt-len 128 --new-tokens 128}
+    started=$SECONDS
+    phase() { echo "[sampling $((SECONDS - started)) s] $*" | tee -a "$DEST/sampling.txt"; }
+    model=${SAMPLING_MODEL:-$work/model}
+    phase "model ${SAMPLING_MODEL:-synth-model 6b (fp16)}, build-engine ${SAMPLING_CONFIG:-configs/chatglm3-6b-fp16-tp1.yaml}"
+    if [ -z "${SAMPLING_MODEL:-}" ] && [ ! -f "$model/.trtglm-synth-done" ]; then
+        python3 -m trtglm synth-model --preset 6b --dtype float16 --out "$model" --force
+        cp "$tokenizer/tokenizer.model" "$tokenizer/tokenizer_config.json" "$model/"
+        touch "$model/.trtglm-synth-done"
+    fi
+    python3 -m trtglm build-engine --config "${SAMPLING_CONFIG:-configs/chatglm3-6b-fp16-tp1.yaml}" \
+        --model-dir "$model" --output-dir "$work/engine" --set build.engine=torch --force
+    for tree in "$root" ${BASELINE_TREE:+"$(realpath "$BASELINE_TREE")"}; do  # this tree's cold launch first
+        label=$([ "$tree" = "$root" ] && echo this || echo baseline)
+        flags=$([ "$label" = this ] && echo "--rounds ${SAMPLING_ROUNDS:-3}" || echo "${SAMPLING_BASELINE_FLAGS:---rounds 1}")
+        in_tree() { (cd "$tree" && PYTHONPATH=$tree${site:+:$site} python3 -m trtglm "$@"); }
+        phase "$label ($tree $(cat "$tree/COMMIT" 2>/dev/null || git -C "$tree" rev-parse --short HEAD)): launch"
+        in_tree patch-repo --engine-dir "$work/engine" --tokenizer-dir "$tokenizer" --output-repo "$work/repo-$label" \
+            --force
+        if ! in_tree launch --repo "$work/repo-$label" --detach --timeout 400 --http-port 18000 --grpc-port 18001 \
+                --metrics-port 18002 --no-openai --log-dir "$work/logs-$label"; then
+            phase "$label: launch failed"; tail -n 40 "$work"/logs-"$label"/* 2>/dev/null || true; continue
+        fi
+        phase "$label: bench sampling $flags"
+        # shellcheck disable=SC2086  # word lists
+        python3 -m trtglm bench sampling --url http://127.0.0.1:18000 --metrics-url http://127.0.0.1:18002/metrics \
+            $load $flags --timeout 120 --out "$DEST/sampling-$label" 2>&1 | grep -v "^round" \
+            | tee -a "$DEST/sampling.txt" || phase "$label: failed"
+        in_tree stop --repo "$work/repo-$label" || true
+    done
+    phase "in-process: ${SAMPLING_IN_PROCESS:-random 6B bf16 weights}"
+    # shellcheck disable=SC2086  # word lists
+    python3 -m trtglm bench sampling ${SAMPLING_IN_PROCESS:---preset 6b $load} --rounds 2 \
+        --out "$DEST/sampling-in-process" 2>&1 | grep -v "^round" | tee -a "$DEST/sampling.txt" \
+        || phase "in-process: failed"
+    phase "the sampling tests on the GPU"
+    python3 -m pytest -q -p no:cacheprovider tests/runtime/test_sampling.py 2>&1 | tail -n 15 | tee -a "$DEST/sampling.txt"
+    phase done
 fi

@@ -8,19 +8,20 @@ from pathlib import Path
 
 from conftest import REPO
 
-EVERYTHING = {"errors", "files", "chatglm", "convert", "profile", "engine", "runtime", "backend", "repo", "serve",
-              "client", "bench", "cli"}
+EVERYTHING = {"errors", "files", "request_config", "chatglm", "convert", "profile", "engine", "runtime", "backend",
+              "repo", "serve", "client", "bench", "cli"}
 ALLOWED = {
     "errors": set(),
     "files": {"errors"},
+    "request_config": {"errors"},
     "chatglm": {"errors", "files"},
     "convert": {"chatglm", "errors", "files"},
     "profile": {"chatglm", "errors"},
     "engine": {"chatglm", "convert", "errors", "files", "profile"},
-    "runtime": {"chatglm", "errors", "files"},
-    "backend": {"chatglm", "engine", "errors", "files", "runtime"},
+    "runtime": {"chatglm", "errors", "files", "request_config"},
+    "backend": {"chatglm", "engine", "errors", "files", "request_config", "runtime"},
     "repo": {"backend.contract", "chatglm", "engine", "errors", "files"},
-    "serve": {"backend.contract", "backend.cpus", "chatglm", "client", "engine", "errors", "files"},
+    "serve": {"backend.contract", "backend.cpus", "chatglm", "client", "engine", "errors", "files", "request_config"},
     "client": {"errors"},
     "bench": EVERYTHING - {"cli", "bench"},
     "cli": EVERYTHING - {"cli"},

@@ -19,6 +19,7 @@ from support.engines import MAX_NEW, build_tiny_engine, chat_prompts, unsplit_an
 from trtglm.backend.engine import engine_info
 from trtglm.backend.engine_process import EngineProcess, Limits, Wire
 from trtglm.errors import UsageError
+from trtglm.request_config import SamplingConfig
 from trtglm.runtime.executor import CANCEL_CHECK_S
 from trtglm.runtime.request import ExecutorStats, Output, QueueFullError, Request
 
@@ -102,7 +103,7 @@ def test_bad_requests_and_a_full_queue_are_refused_at_once(engine, prompts):
         engine.submit(Request(list(range(1, engine.limits.max_seq_len + 1)), 4), lambda output: None)
     with pytest.raises(UsageError, match="outside the vocabulary"):
         engine.submit(Request([10**6], 4), lambda output: None)
-    long = Request(prompts[0], 200, min_length=200)  # never stops early
+    long = Request(prompts[0], 200, sampling=SamplingConfig(min_tokens=200))  # never stops early
     cancelled = threading.Event()
     runs = [collect(engine, long, cancelled.is_set) for _ in range(engine.limits.capacity)]
     with pytest.raises(QueueFullError, match="busy"):
@@ -122,7 +123,7 @@ def test_a_failing_callback_stops_its_request_in_the_engine(engine, prompts):
         calls.append(output)
         raise ConnectionError("the client is gone")
 
-    handle = engine.submit(Request(prompts[0], 200, min_length=200), gone)
+    handle = engine.submit(Request(prompts[0], 200, sampling=SamplingConfig(min_tokens=200)), gone)
     assert handle.done.wait(10) and len(calls) == 1
     deadline = time.monotonic() + 10
     while engine.stats().active and time.monotonic() < deadline:
@@ -168,7 +169,7 @@ def test_a_bad_engine_folder_fails_the_start_with_one_line(tmp_path):
 def test_when_the_engine_process_dies_requests_end_with_an_error_and_the_owner_is_told(engine_dir, prompts):
     deaths: list[str] = []
     process = EngineProcess.start(str(engine_dir), on_death=deaths.append)
-    outputs, handle = collect(process, Request(prompts[0], 200, min_length=200))
+    outputs, handle = collect(process, Request(prompts[0], 200, sampling=SamplingConfig(min_tokens=200)))
     while not outputs:
         time.sleep(0.01)
     os.kill(process.process.pid, signal.SIGKILL)

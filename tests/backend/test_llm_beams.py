@@ -25,8 +25,9 @@ def arrays(batch: int = 1, **scalars) -> dict[str, np.ndarray]:
 
 def test_beam_requests_carry_the_width_and_the_length_penalty():
     request, streaming = engine_request(arrays(beam_width=4, len_penalty=0.5, early_stopping=False))
-    assert (request.beam_width, request.length_penalty, request.early_stopping, streaming) == (4, 0.5, 0, False)
-    plain, _ = engine_request(arrays())
+    beams = request.sampling
+    assert (beams.beam_width, beams.length_penalty, beams.early_stopping, streaming) == (4, 0.5, 0, False)
+    plain = engine_request(arrays())[0].sampling
     assert (plain.beam_width, plain.length_penalty, plain.early_stopping) == (1, 1.0, 1)  # TensorRT-LLM's defaults
 
 

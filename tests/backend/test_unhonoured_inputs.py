@@ -59,9 +59,10 @@ def test_decoder_ids_of_one_pad_id_are_what_nvidias_preprocessing_sends_a_decode
 
 
 def test_min_tokens_and_seed_are_min_length_and_random_seed_under_their_newer_names():
-    newer, _ = engine_request(arrays(min_tokens=np.array([[3]], np.int32), seed=np.array([[11]], np.uint64)))
-    older, _ = engine_request(arrays(min_length=np.array([[3]], np.int32), random_seed=np.array([[11]], np.uint64)))
-    assert (newer.min_length, newer.seed) == (older.min_length, older.seed) == (3, 11)
+    newer = engine_request(arrays(min_tokens=np.array([[3]], np.int32), seed=np.array([[11]], np.uint64)))[0].sampling
+    older = engine_request(arrays(min_length=np.array([[3]], np.int32),
+                                  random_seed=np.array([[11]], np.uint64)))[0].sampling
+    assert (newer.min_tokens, newer.seed) == (older.min_tokens, older.seed) == (3, 11)
     with pytest.raises(UsageError, match="^min_length and min_tokens are the same input under two names; give one$"):
         engine_request(arrays(min_tokens=np.array([[3]], np.int32), min_length=np.array([[2]], np.int32)))
 
@@ -89,9 +90,9 @@ def test_num_return_sequences_makes_sequences_seeded_one_apart():
 
     sampled = {"runtime_top_k": np.array([[8]], np.int32), "num_return_sequences": np.array([[3]], np.int32)}
     requests, _ = engine_requests(arrays(**sampled, random_seed=np.array([[40]], np.uint64)))
-    assert [r.seed for r in requests] == [40, 41, 42] and all(list(r.prompt) == [5, 6, 7] for r in requests)
+    assert [r.sampling.seed for r in requests] == [40, 41, 42] and all(list(r.prompt) == [5, 6, 7] for r in requests)
     unseeded, _ = engine_requests(arrays(**sampled))
-    assert [r.seed for r in unseeded] == [0, 1, 2]  # TensorRT-LLM's seed when unset is 0
+    assert [r.sampling.seed for r in unseeded] == [0, 1, 2]  # TensorRT-LLM's seed when unset is 0
     with pytest.raises(UsageError, match="^num_return_sequences must be between 1 and"):
         engine_requests(arrays(num_return_sequences=np.array([[0]], np.int32)))
     two_prompts = {"input_ids": np.array([[5, 6], [7, 8]], np.int32), "input_lengths": np.array([[2], [2]], np.int32),

@@ -207,7 +207,7 @@ GENERATE_CASES = [
      "temperature >= 0"),
     ("top_p a string", {"text_input": "hi", "max_tokens": 8, "top_p": "high"}, 500, TRITON_JSON),
     ("repetition_penalty 0", {"text_input": "hi", "max_tokens": 8, "repetition_penalty": 0.0}, 400,
-     "repetition_penalty must be greater than 0"),
+     "repetition_penalty must be a finite number greater than 0"),
     ("beam_width 4", {"text_input": "hi", "max_tokens": 8, "beam_width": 4}, 400,
      "beam_width 4 is outside 1..1 (the engine's max_beam_width)"),
     ("min_length -1", {"text_input": "hi", "max_tokens": 8, "min_length": -1}, 400,

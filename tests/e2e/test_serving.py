@@ -52,8 +52,9 @@ def test_request_tensors_become_an_executor_request():
         streaming=np.array([[True]]), return_log_probs=np.array([True]), min_length=np.array([2], np.int32)))
     assert list(request.prompt) == [5, 6, 7] and request.max_new_tokens == 4 and request.end_id == 2
     assert request.stop_words == [[518], [520], [30, 31]] and request.bad_words == [[9]]
-    assert request.embedding_bias is None and request.min_length == 2 and request.log_probs and streaming
-    assert request.temperature == 0  # neither runtime_top_k nor runtime_top_p: greedy, as TensorRT-LLM
+    assert request.embedding_bias is None and request.sampling.min_tokens == 2 and streaming
+    assert request.output.return_log_probs and not request.output.return_context_logits
+    assert request.sampling.temperature == 0  # neither runtime_top_k nor runtime_top_p: greedy, as TensorRT-LLM
 
 
 @pytest.mark.parametrize("sampling, expected", [
@@ -62,18 +63,18 @@ def test_request_tensors_become_an_executor_request():
     ({"temperature": np.array([0.7], np.float32)}, (0.0, 0, 1.0)),  # temperature alone: still greedy
 ])
 def test_sampling_follows_tensorrt_llms_rules(sampling, expected):
-    request, _ = engine_request(arrays(**sampling, random_seed=np.array([2**63 + 5], np.uint64)))
-    assert (request.temperature, request.top_k) == pytest.approx(expected[:2])
-    assert request.top_p == pytest.approx(expected[2]) and request.seed == 2**63 + 5
+    chosen = engine_request(arrays(**sampling, random_seed=np.array([2**63 + 5], np.uint64)))[0].sampling
+    assert (chosen.temperature, chosen.top_k) == pytest.approx(expected[:2])
+    assert chosen.top_p == pytest.approx(expected[2]) and chosen.seed == 2**63 + 5
 
 
 def test_penalties_reach_the_executor_request():
-    request, _ = engine_request(arrays(repetition_penalty=np.array([1.2], np.float32),
-                                       presence_penalty=np.array([0.5], np.float32),
-                                       frequency_penalty=np.array([0.25], np.float32)))
-    assert (request.repetition_penalty, request.presence_penalty, request.frequency_penalty) == \
+    penalised = engine_request(arrays(repetition_penalty=np.array([1.2], np.float32),
+                                      presence_penalty=np.array([0.5], np.float32),
+                                      frequency_penalty=np.array([0.25], np.float32)))[0].sampling
+    assert (penalised.repetition_penalty, penalised.presence_penalty, penalised.frequency_penalty) == \
         pytest.approx((1.2, 0.5, 0.25))
-    plain, _ = engine_request(arrays())
+    plain = engine_request(arrays())[0].sampling
     assert (plain.repetition_penalty, plain.presence_penalty, plain.frequency_penalty) == (1.0, 0.0, 0.0)
 
 

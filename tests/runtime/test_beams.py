@@ -12,7 +12,7 @@ from support.references import four_prompts, glm_reference, tp1_model  # noqa: F
 from support.tokenizer import tok  # noqa: F401 (fixture)
 
 from trtglm.errors import UsageError
-from trtglm.runtime.beams import early_stopping_mode
+from trtglm.request_config import OutputConfig, SamplingConfig, early_stopping_mode
 from trtglm.runtime.generate import beam_search
 
 NEW = 20
@@ -139,8 +139,9 @@ def test_the_executor_answers_every_beam_with_other_requests_running(tp1_model, 
     executor = Executor(ShardedSlotModel(tp1_model, max_batch=2 * width + 2, max_seq_len=256), max_beam_width=width)
     outputs = {}
     for i, prompt in enumerate(four_prompts):
-        executor.submit(Request(prompt, NEW, end_id=end_id, beam_width=width, length_penalty=0.5, early_stopping=0,
-                                log_probs=True), outputs.setdefault(("beams", i), []).append)
+        beams = SamplingConfig(beam_width=width, length_penalty=0.5, early_stopping=0)
+        executor.submit(Request(prompt, NEW, end_id=end_id, sampling=beams, output=OutputConfig(return_log_probs=True)),
+                        outputs.setdefault(("beams", i), []).append)
         executor.submit(Request(prompt, NEW, end_id=end_id), outputs.setdefault(("greedy", i), []).append)
     run_all(executor)
     for i, prompt in enumerate(four_prompts):
@@ -163,8 +164,8 @@ def test_a_beam_search_waits_for_enough_free_slots_and_frees_them(tp1_model, fou
     executor = Executor(ShardedSlotModel(tp1_model, max_batch=4, max_seq_len=256), max_beam_width=4)
     first, second, third = [], [], []
     executor.submit(Request(four_prompts[0], NEW, end_id=end_id), first.append)
-    executor.submit(Request(four_prompts[1], NEW, end_id=end_id, beam_width=4), second.append)
-    executor.submit(Request(four_prompts[2], NEW, end_id=end_id, beam_width=2), third.append)
+    executor.submit(Request(four_prompts[1], NEW, end_id=end_id, sampling=SamplingConfig(beam_width=4)), second.append)
+    executor.submit(Request(four_prompts[2], NEW, end_id=end_id, sampling=SamplingConfig(beam_width=2)), third.append)
     executor.step()
     assert executor.stats().active == 1 and executor.stats().queued == 2  # 3 slots free: not enough for 4 beams
     run_all(executor)
@@ -179,7 +180,7 @@ def test_beam_widths_past_the_limit_are_refused(tp1_model, four_prompts):
 
     executor = Executor(ShardedSlotModel(tp1_model, max_batch=4, max_seq_len=256), max_beam_width=2)
     with pytest.raises(UsageError, match=r"beam_width 3 is outside 1..2 \(the engine's max_beam_width\)"):
-        executor.submit(Request(four_prompts[0], NEW, beam_width=3), lambda output: None)
+        executor.submit(Request(four_prompts[0], NEW, sampling=SamplingConfig(beam_width=3)), lambda output: None)
     with pytest.raises(UsageError, match="max_beam_width must be 1 to the 4 slots"):
         Executor(ShardedSlotModel(tp1_model, max_batch=4, max_seq_len=256), max_beam_width=5)
 
@@ -206,8 +207,8 @@ def test_beams_take_presence_and_frequency_penalties_on_each_beams_history(tp1_m
     answers = []
     for prompt in four_prompts:
         answers.append([])
-        executor.submit(Request(prompt, NEW, end_id=end_id, beam_width=2, presence_penalty=1.0,
-                                frequency_penalty=0.5), answers[-1].append)
+        penalised = SamplingConfig(beam_width=2, presence_penalty=1.0, frequency_penalty=0.5)
+        executor.submit(Request(prompt, NEW, end_id=end_id, sampling=penalised), answers[-1].append)
     run_all(executor)
     for prompt, (answer,) in zip(four_prompts, answers):
         ids, _ = transformers_beams(glm_reference, prompt, 2, end_id, 1.0, True,
@@ -258,7 +259,7 @@ def test_beams_decode_in_the_same_pass_as_another_requests_prompt_chunks(tp1_mod
     model = Passes(ShardedSlotModel(tp1_model, max_batch=3, max_seq_len=256))
     executor = Executor(model, max_num_tokens=8, max_beam_width=2)
     beams, plain = [], []
-    executor.submit(Request(four_prompts[0], NEW, end_id=end_id, beam_width=2), beams.append)
+    executor.submit(Request(four_prompts[0], NEW, end_id=end_id, sampling=SamplingConfig(beam_width=2)), beams.append)
     while not executor.stats().generated_tokens:  # its prompt in chunks of 8, then the first beam step
         executor.step()
     long_prompt = [t for p in four_prompts for t in p]
@@ -282,7 +283,7 @@ def test_a_beam_search_reserves_kv_cache_room_for_every_beam(tp1_model, four_pro
                         tokens_per_block=16, max_beam_width=2)
     plain, beams = [], []
     executor.submit(Request(prompt, NEW, end_id=end_id), plain.append)
-    executor.submit(Request(prompt, NEW, end_id=end_id, beam_width=2), beams.append)
+    executor.submit(Request(prompt, NEW, end_id=end_id, sampling=SamplingConfig(beam_width=2)), beams.append)
     executor.step()
     assert executor.stats().active == 1 and executor.stats().queued == 1  # slots are free, room for one beam only
     run_all(executor)
@@ -291,7 +292,7 @@ def test_a_beam_search_reserves_kv_cache_room_for_every_beam(tp1_model, four_pro
     longer = Request(prompt, NEW + 16, end_id=end_id)
     executor.check(longer)
     with pytest.raises(UsageError, match=r"needs \d+ KV-cache positions \(prompt and output, for each beam\)"):
-        executor.check(dataclasses.replace(longer, beam_width=2))
+        executor.check(dataclasses.replace(longer, sampling=SamplingConfig(beam_width=2)))
 
 
 def served_in_turn(tp1_model, prompts, widths, end_id, reuse: bool, slots: int) -> tuple[list, list[int]]:
@@ -305,7 +306,7 @@ def served_in_turn(tp1_model, prompts, widths, end_id, reuse: bool, slots: int) 
     answers = []
     for prompt, width in zip(prompts, widths, strict=True):
         out = []
-        executor.submit(Request(prompt, NEW, end_id=end_id, beam_width=width), out.append)
+        executor.submit(Request(prompt, NEW, end_id=end_id, sampling=SamplingConfig(beam_width=width)), out.append)
         run_all(executor)
         answers.append([b.tokens for b in out[-1].beams] or [t for o in out for t in o.tokens])
     return answers, model.reused

@@ -28,6 +28,7 @@ from trtglm.runtime.model import load_model
 RANK_PROGRAM = '''
 import json, os, sys, time
 from trtglm.backend.engine import ServedEngine
+from trtglm.request_config import SamplingConfig
 from trtglm.runtime.distributed import rendezvous
 from trtglm.runtime.request import Request
 
@@ -46,7 +47,8 @@ if rank == 0:
     def take(output, i):
         tokens[i].extend([b.tokens for b in output.beams] if output.beams else output.tokens)
 
-    handles = [engine.executor.submit(Request(p, new, end_id=2, stop_words=[[518], [520]], beam_width=width),
+    handles = [engine.executor.submit(Request(p, new, end_id=2, stop_words=[[518], [520]],
+                                                      sampling=SamplingConfig(beam_width=width)),
                                       lambda output, i=i: take(output, i))
                for i, p in enumerate(prompts)]
     for handle in handles:

@@ -11,9 +11,12 @@ import torch
 from support.references import four_prompts, glm_reference, tp1_model  # noqa: F401 (fixtures)
 
 from trtglm.errors import UsageError
+from trtglm.request_config import OutputConfig, SamplingConfig
 from trtglm.runtime.executor import Executor, Request
 from trtglm.runtime.request import MAX_LOGITS_ENV, check_request
 from trtglm.runtime.slot_runtime import ShardedSlotModel
+
+BOTH = OutputConfig(return_context_logits=True, return_generation_logits=True)  # every logits output
 
 NEW = 12
 
@@ -40,7 +43,7 @@ def test_context_and_generation_logits_are_transformers(tp1_model, glm_reference
     slots = ShardedSlotModel(tp1_model, max_batch=4, max_seq_len=256)
     executor = Executor(slots, max_num_tokens=8, kv_cache_reuse=True, tokens_per_block=4)
     served(executor, [Request(four_prompts[0], 2)])  # leaves the first prompt in the prefix cache
-    asking = [Request(prompt, NEW, context_logits=True, generation_logits=True) for prompt in four_prompts[:2]]
+    asking = [Request(prompt, NEW, output=BOTH) for prompt in four_prompts[:2]]
     outputs = served(executor, [asking[0], Request(four_prompts[2], NEW), asking[1], Request(four_prompts[3], NEW)])
     for request, collected in zip(asking, (outputs[0], outputs[2])):
         tokens = [t for output in collected for t in output.tokens]
@@ -56,8 +59,9 @@ def test_context_and_generation_logits_are_transformers(tp1_model, glm_reference
 
 
 def test_generation_logits_are_the_raw_ones_before_penalties_and_sampling(tp1_model, glm_reference, four_prompts):
-    request = Request(four_prompts[1], NEW, temperature=0.7, top_k=5, seed=3, repetition_penalty=1.5,
-                      presence_penalty=0.5, embedding_bias=torch.full((576,), 2.0), generation_logits=True)
+    sampling = SamplingConfig(temperature=0.7, top_k=5, seed=3, repetition_penalty=1.5, presence_penalty=0.5)
+    request = Request(four_prompts[1], NEW, embedding_bias=torch.full((576,), 2.0), sampling=sampling,
+                      output=OutputConfig(return_generation_logits=True))
     collected, = served(Executor(ShardedSlotModel(tp1_model, max_batch=1, max_seq_len=256)), [request])
     tokens = [t for output in collected for t in output.tokens]
     _, generation = reference_logits(glm_reference, request.prompt, tokens)
@@ -68,7 +72,7 @@ def test_generation_logits_are_the_raw_ones_before_penalties_and_sampling(tp1_mo
 def test_a_beam_search_gets_its_context_logits_and_each_beams_generation_logits(tp1_model, glm_reference,
                                                                                  four_prompts):
     """Each beam's rows follow its own tokens, whichever beams it continued on the way."""
-    request = Request(four_prompts[0], 8, beam_width=3, context_logits=True, generation_logits=True)
+    request = Request(four_prompts[0], 8, sampling=SamplingConfig(beam_width=3), output=BOTH)
     collected, = served(Executor(ShardedSlotModel(tp1_model, max_batch=3, max_seq_len=256), max_beam_width=3),
                         [request])
     beams = collected[-1].beams
@@ -89,14 +93,14 @@ def test_a_request_that_does_not_ask_runs_no_extra_pass(tp1_model, four_prompts)
 
 def test_logits_past_the_cap_are_refused_in_one_line(monkeypatch):
     """ChatGLM3's 65024-id rows: 256 MiB holds 1032 of them, context and generation together."""
-    check_request(Request([1] * 1000, 32, context_logits=True, generation_logits=True), 65024, 8192)
+    check_request(Request([1] * 1000, 32, output=BOTH), 65024, 8192)
     with pytest.raises(UsageError, match=r"^return_context_logits and return_generation_logits: 1033 rows of 65024 "
                                          r"float32 logits take 256\.2 MiB, more than the 256 MiB a request may ask "
                                          rf"for \({MAX_LOGITS_ENV}\); shorten"):
-        check_request(Request([1] * 1000, 33, context_logits=True, generation_logits=True), 65024, 8192)
+        check_request(Request([1] * 1000, 33, output=BOTH), 65024, 8192)
     check_request(Request([1] * 4000, 5000), 65024, 8192)  # asking for none: no cap
     monkeypatch.setenv(MAX_LOGITS_ENV, "1024")
-    check_request(Request([1] * 4000, 5000, context_logits=True), 65024, 8192)
+    check_request(Request([1] * 4000, 5000, output=OutputConfig(return_context_logits=True)), 65024, 8192)
     monkeypatch.setenv(MAX_LOGITS_ENV, "lots")
     with pytest.raises(UsageError, match=f"^{MAX_LOGITS_ENV} must be a whole number of MiB, not 'lots'$"):
-        check_request(Request([1] * 4, 5, context_logits=True), 65024, 8192)
+        check_request(Request([1] * 4, 5, output=OutputConfig(return_context_logits=True)), 65024, 8192)

@@ -16,6 +16,7 @@ from trtglm.chatglm.reference import load_reference
 from trtglm.chatglm.weights import HFWeights
 from trtglm.convert.writer import convert_checkpoint
 from trtglm.errors import ModelFileError, UsageError
+from trtglm.request_config import SamplingConfig
 from trtglm.runtime.cache import KVCache
 from trtglm.runtime.generate import full_logits, generate
 from trtglm.runtime.model import load_model
@@ -223,7 +224,7 @@ def test_stop_ids_and_end_id_stop_without_the_stop_token(model_tp2, tokens):
 
 def test_sampling_is_reproducible_with_a_seed(model_tp2, tokens):
     def sample(seed, **kw):
-        return generate(model_tp2, tokens, max_new_tokens=10, temperature=1.5, seed=seed, **kw)
+        return generate(model_tp2, tokens, max_new_tokens=10, sampling=SamplingConfig(temperature=1.5, seed=seed, **kw))
 
     assert sample(3) == sample(3)
     assert len({tuple(sample(seed)) for seed in range(4)}) > 1
@@ -234,7 +235,7 @@ def test_sampling_is_reproducible_with_a_seed(model_tp2, tokens):
 
 @pytest.mark.parametrize("limit", [{"top_k": 3}, {"top_p": 0.5}])
 def test_sampling_stays_within_top_k_and_top_p(model_tp2, tokens, limit):
-    new = generate(model_tp2, tokens, max_new_tokens=12, temperature=3.0, seed=11, **limit)
+    new = generate(model_tp2, tokens, max_new_tokens=12, sampling=SamplingConfig(temperature=3.0, seed=11, **limit))
     logits = full_logits(model_tp2, tokens + new)[len(tokens) - 1:-1]
     probs = torch.softmax(logits / 3.0, dim=-1)
     for row, token in zip(probs, new):
@@ -255,14 +256,15 @@ def test_bad_words_ban_a_words_last_token_once_the_rest_was_generated():
 
 
 def test_logits_processing_adds_the_bias_then_bans():
-    logits = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float16)
-    out = processed(logits, torch.tensor([0.5, 0.0, -1.0]), banned=[3, 99])  # a shorter bias, an id past the row
-    assert out.dtype == torch.float32 and out.tolist() == [1.5, 2.0, 2.0, float("-inf")]
-    assert logits.tolist() == [1.0, 2.0, 3.0, 4.0]  # the model's row is left as it was
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0]], dtype=torch.float16)
+    # a shorter bias, an id past the row; each row its own bans
+    out = processed(logits, torch.tensor([0.5, 0.0, -1.0]), banned=[[3, 99], [0]])
+    assert out.dtype == torch.float32 and out.tolist() == [[1.5, 2.0, 2.0, float("-inf")], [float("-inf"), 2, 2, 4]]
+    assert logits.tolist() == [[1.0, 2.0, 3.0, 4.0]] * 2  # the model's rows are left as they were
     with pytest.raises(UsageError, match="every token is excluded"):
-        processed(logits, None, banned=[0, 1, 2, 3])
+        processed(logits, None, banned=[[0, 1, 2, 3], []])
     with pytest.raises(UsageError, match="NaN"):
-        processed(logits, torch.tensor([float("nan")]), banned=[])
+        processed(logits, torch.tensor([float("nan")]), banned=[[], []])
 
 
 def test_generation_refuses_bad_requests(model_tp2, tokens):

@@ -3,10 +3,19 @@ text as pieces arrive: stop strings, held-back text, tool calls. Served answers:
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from pydantic import ValidationError
 
-from trtglm.serve.openai_api import ChoiceText, Piece, client_model, validation_error
+from support.repos import make_engine
+
+from trtglm.chatglm.chat import chat_ids, chatglm2_ids
+from trtglm.chatglm.tokenizer import ChatGLMTokenizer
+from trtglm.repo import patch_repo
+from trtglm.request_config import OutputConfig, SamplingConfig
+from trtglm.serve.openai_api import (Api, Ask, ChoiceText, Piece, client_model, served_model, triton_inputs,
+                                     validation_error)
 from trtglm.serve.openai_protocol import (ApiError, ChatRequest, CompletionRequest, chatglm_messages,
                                           refuse_unsupported)
 
@@ -91,7 +100,7 @@ def test_out_of_range_fields_are_400s_naming_the_field(fields, param):
 
 
 def pieces(reply: ChoiceText, *texts: str) -> list[str]:
-    return [reply.add(Piece(text, (-0.1,))) for text in texts]
+    return [reply.add(Piece(text, 1, ())) for text in texts]
 
 
 def test_text_that_may_begin_a_stop_string_waits_and_the_answer_ends_before_it():
@@ -137,3 +146,55 @@ def test_the_api_answers_through_the_model_that_streams_exact_text(tmp_path, bac
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.pbtxt").write_text(text)
     assert client_model(tmp_path) == expected
+
+
+def test_a_request_is_one_sampling_config_sent_as_the_ensembles_inputs():
+    request = chat(temperature=0.8, top_p=0.9, seed=2**63 - 1, presence_penalty=0.5, n=2)
+    assert request.sampling_config(1) == SamplingConfig(temperature=0.8, top_p=0.9, seed=0, presence_penalty=0.5)
+    arrays = triton_inputs(Ask([{"role": "user", "content": "hi"}], 16, request.sampling_config(0), OutputConfig(),
+                               (), False))
+    assert {name: array.tolist() for name, array in arrays.items() if name != "text_input"} == {
+        "max_tokens": [[16]], "stream": [[False]], "temperature": [[pytest.approx(0.8)]], "top_k": [[0]],
+        "top_p": [[pytest.approx(0.9)]], "random_seed": [[2**63 - 1]], "presence_penalty": [[0.5]]}
+    assert arrays["random_seed"].dtype.name == "uint64" and arrays["top_k"].dtype.name == "int32"
+    greedy = triton_inputs(Ask([], 4, chat(temperature=0).sampling_config(), OutputConfig(True), (), True))
+    assert set(greedy) == {"text_input", "max_tokens", "stream", "return_log_probs"}  # greedy: TensorRT-LLM's default
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory, fixture_dir):
+    """Repositories of the fixture's engine as ChatGLM3 and as a ChatGLM2 engine would be rendered."""
+    root = tmp_path_factory.mktemp("served")
+    return {version: patch_repo(make_engine(root / version, "torch", fixture_dir, model={"chatglm_version": version}),
+                                fixture_dir, root / version / "repo") for version in ("chatglm3", "chatglm2")}
+
+
+@pytest.mark.parametrize("version, prompt_ids", [("chatglm3", chat_ids), ("chatglm2", chatglm2_ids)])
+def test_prompts_are_counted_in_the_engines_own_format(rendered, fixture_dir, version, prompt_ids):
+    served = served_model(rendered[version])
+    tokenizer = ChatGLMTokenizer(fixture_dir)
+    messages = [{"role": "user", "content": "What color is the sky?"}, {"role": "assistant", "content": "Blue."},
+                {"role": "user", "content": "And the grass?"}]
+    api = Api(served, triton=None, tokenizer=tokenizer)
+    assert served.chatglm_version == version and served.trtglm_engine
+    assert api.prompt_length(messages, "messages") == len(prompt_ids(tokenizer, messages))
+    assert len(chatglm2_ids(tokenizer, messages)) != len(chat_ids(tokenizer, messages))
+
+
+@pytest.mark.parametrize("fields, asked", [({}, False), ({"logprobs": True}, True)])
+def test_log_probs_are_asked_for_only_when_the_client_asks(rendered, fixture_dir, fields, asked):
+    api = Api(served_model(rendered["chatglm3"]), triton=None, tokenizer=ChatGLMTokenizer(fixture_dir))
+    ask, = api.asks(chat(**fields), [{"role": "user", "content": "hi"}], 8)
+    assert ask.output.return_log_probs is asked and ("return_log_probs" in triton_inputs(ask)) is asked
+    completion = CompletionRequest(model="tiny", prompt="hi", **({"logprobs": 0} if asked else {}))
+    assert api.asks(completion, [], 8)[0].output.return_log_probs is asked
+    nvidia = dataclasses.replace(api.served, trtglm_engine=False)  # its engine sends log probs only when asked
+    assert Api(nvidia, None, api.tokenizer).asks(chat(**fields), [], 8)[0].output.return_log_probs
+
+
+def test_tokens_are_counted_from_every_response_with_or_without_log_probs():
+    reply = ChoiceText(stops=(), tool_names=(), limit=3)
+    reply.add(Piece("The", 1, ()))
+    reply.add(Piece("", 1, ()))  # a byte of a character still to come
+    reply.add(Piece(" sky", 1, ()))
+    assert reply.tokens == 3 and reply.log_probs == [] and reply.finish_reason(None) == "length"

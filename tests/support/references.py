@@ -5,6 +5,7 @@ reference's greedy reply with its logits."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -14,6 +15,18 @@ from trtglm.chatglm.chat import chat_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.convert.writer import convert_checkpoint
 from trtglm.runtime.model import load_model
+
+
+FLOAT32_UNIT = 2.0 ** -24  # float32's unit roundoff
+
+
+def reordered_float32_atol(config, reference: torch.Tensor, headroom: float = 4.0) -> float:
+    """How far float32 logits may move when the same computation adds up in another order (a prompt prefilled in
+    chunks, other rows in the batch, another CPU's vector width): each addition rounds by up to one unit roundoff
+    of its result, and the errors add up like a random walk over the additions a logit passes through, about
+    num_layers × (hidden + ffn) of them, scaled by the logits' magnitude; `headroom` for the walk's spread."""
+    additions = config.num_layers * (config.hidden_size + config.intermediate_size)
+    return headroom * FLOAT32_UNIT * math.sqrt(additions) * float(reference.abs().max())
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from trtglm.errors import TrtglmError, UsageError
 from trtglm.runtime.distributed import (Collectives, Distributed, LeaderSlotModel, RankInfo, StepChannel, follow,
                                         join, rank_info)
 from trtglm.runtime.executor import Executor, Output, Request
+from trtglm.request_config import OutputConfig, SamplingConfig
 from trtglm.runtime.slots import SlotModel
 
 log = logging.getLogger(__name__)
@@ -149,13 +150,17 @@ class ServedEngine:
         log.info("rank %d: engine set up in %.2f s", self.info.rank, time.monotonic() - started)
 
     def warm_up(self) -> None:
-        outputs: list[Output] = []
-        vocab = self.model.vocab_size
-        request = Request([t % vocab for t in WARM_UP_PROMPT], max_new_tokens=2)
-        handle = self.executor.submit(request, outputs.append)
-        handle.done.wait()
-        if outputs and outputs[-1].error:
-            raise TrtglmError(f"warm-up failed: {outputs[-1].error}")
+        """Requests of each way to choose a token (greedy; sampled by temperature alone; by top-p with log
+        probabilities), so that what a step compiles on first use (the sampler's GPU kernel) is ready first."""
+        prompt = [t % self.model.vocab_size for t in WARM_UP_PROMPT]
+        requests = [Request(prompt, 2), Request(prompt, 2, sampling=SamplingConfig(temperature=1.0, seed=0)),
+                    Request(prompt, 2, sampling=SamplingConfig(temperature=0.8, top_p=0.8, seed=0),
+                            output=OutputConfig(return_log_probs=True))]
+        for request in requests:  # one at a time: the queue may hold only one
+            outputs: list[Output] = []
+            self.executor.submit(request, outputs.append).done.wait()
+            if outputs and outputs[-1].error:
+                raise TrtglmError(f"warm-up failed: {outputs[-1].error}")
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop taking requests; rank 0 tells the followers to stop; leave the process groups."""

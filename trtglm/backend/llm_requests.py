@@ -32,7 +32,8 @@ import torch
 from trtglm.backend.contract import CONTRACT, FLAGGED_OUTPUTS, TENSORRT_LLM, flag_set, names, refusal
 from trtglm.chatglm.chat import word_sequences
 from trtglm.errors import UsageError, int32_range_error
-from trtglm.runtime.executor import Request
+from trtglm.request_config import OutputConfig, SamplingConfig
+from trtglm.runtime.request import Request
 
 INPUTS = names(CONTRACT[TENSORRT_LLM].inputs)
 # NVIDIA's backend refuses a batch of several prompts in one request unless decoupled, in these words
@@ -70,7 +71,7 @@ def engine_requests(arrays: Mapping[str, np.ndarray | None]) -> tuple[list[Reque
     streaming = {stream for _, stream in parsed}
     if len(streaming) > 1:
         raise UsageError("streaming must be the same for every sequence of a request")
-    if len({request.beam_width for request, _ in parsed}) > 1:
+    if len({request.sampling.beam_width for request, _ in parsed}) > 1:
         raise UsageError("beam_width must be the same for every sequence of a request")
     count = return_sequences(arrays)
     requests = [request for request, _ in parsed]
@@ -97,7 +98,9 @@ def return_sequences(arrays: Mapping[str, np.ndarray | None]) -> int:
 
 def sampled_copies(request: Request, count: int) -> list[Request]:
     """TensorRT-LLM's child requests: sequence k samples with the request's seed (0 when unset) + k."""
-    return [dataclasses.replace(request, seed=(request.seed or 0) + k) for k in range(count)]
+    seed = request.sampling.seed or 0
+    return [dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, seed=seed + k))
+            for k in range(count)]
 
 
 def _row_request(arrays: Mapping[str, np.ndarray | None], row: int, batch: int) -> tuple[Request, bool]:
@@ -136,28 +139,32 @@ def engine_request(arrays: Mapping[str, np.ndarray | None]) -> tuple[Request, bo
     sampled = top_k > 0 or top_p > 0
     end_id = int(_one(arrays, "end_id", -1))
     bias, seed = arrays.get("embedding_bias"), _one_of(arrays, SEED, None)
-    request = Request(
-        prompt=[int(t) for t in ids[0, :length]],
-        max_new_tokens=output_len,
-        end_id=end_id if end_id >= 0 else None,
-        stop_words=_words(arrays, "stop_words_list"),
-        bad_words=_words(arrays, "bad_words_list"),
-        min_length=min_length,
-        embedding_bias=torch.from_numpy(np.asarray(bias, np.float32).reshape(-1).copy())
-        if bias is not None and bias.size else None,
+    sampling = SamplingConfig(
         temperature=float(_one(arrays, "temperature", 1.0)) if sampled else 0.0,
         top_k=top_k,
         top_p=top_p if top_p > 0 else 1.0,
         seed=int(seed) if seed is not None else None,
-        log_probs=bool(_one(arrays, "return_log_probs", False)),
+        min_tokens=min_length,
         repetition_penalty=float(_one(arrays, "repetition_penalty", 1.0)),
         presence_penalty=float(_one(arrays, "presence_penalty", 0.0)),
         frequency_penalty=float(_one(arrays, "frequency_penalty", 0.0)),
         beam_width=beams,
         length_penalty=float(_one(arrays, "len_penalty", 1.0)),
         early_stopping=int(_one(arrays, "early_stopping", 1)),
-        context_logits=bool(_one(arrays, "return_context_logits", False)),
-        generation_logits=bool(_one(arrays, "return_generation_logits", False)),
+    )
+    output = OutputConfig(return_log_probs=bool(_one(arrays, "return_log_probs", False)),
+                          return_context_logits=bool(_one(arrays, "return_context_logits", False)),
+                          return_generation_logits=bool(_one(arrays, "return_generation_logits", False)))
+    request = Request(
+        prompt=[int(t) for t in ids[0, :length]],
+        max_new_tokens=output_len,
+        end_id=end_id if end_id >= 0 else None,
+        stop_words=_words(arrays, "stop_words_list"),
+        bad_words=_words(arrays, "bad_words_list"),
+        embedding_bias=torch.from_numpy(np.asarray(bias, np.float32).reshape(-1).copy())
+        if bias is not None and bias.size else None,
+        sampling=sampling,
+        output=output,
     )
     return request, streaming
 

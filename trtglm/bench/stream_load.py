@@ -115,13 +115,15 @@ class NoAnswer(ServerError):
     """No response within the run's timeout."""
 
 
-def run_http(url: str, model: str, workload: Workload, timeout: float = 600.0) -> tuple[list[Trace], float]:
-    """The workload over HTTP `generate_stream` (server-sent events), a new connection per request."""
+def run_http(url: str, model: str, workload: Workload, timeout: float = 600.0,
+             fields: dict | None = None) -> tuple[list[Trace], float]:
+    """The workload over HTTP `generate_stream` (server-sent events), a new connection per request; `fields`:
+    more request fields for every request (e.g. sampling settings)."""
     server, path = http_client.Server.parse(url), f"/v2/models/{check_model(model)}/generate_stream"
 
     def send(index: int, trace: Trace) -> None:
         body = json.dumps({"text_input": workload.texts[index], "max_tokens": workload.max_tokens[index],
-                           "stream": True}, ensure_ascii=False).encode("utf-8")
+                           "stream": True, **(fields or {})}, ensure_ascii=False).encode("utf-8")
         trace.submitted = time.perf_counter()
         try:
             _stream_http(server, path, body, timeout, model, trace)

@@ -107,6 +107,27 @@ def inflight(fixture: Path | None = None, preset: Literal["tiny", "6b", "6b-32k"
     bench_inflight(**flags)
 
 
+def sampling(url: str | None = None, metrics_url: str | None = None, model: str = "ensemble",
+             fixture: Path | None = None, preset: Literal["tiny", "6b", "6b-32k"] = "6b",
+             cases: str = "greedy,top-p,top-k,log-probs", rounds: PosInt = 2, requests: PosInt = 64,
+             concurrency: PosInt = 64, prompt_len: PosInt = 32, new_tokens: PosInt = 48, seed: CountInt = 0,
+             timeout: PosFloat = 600.0, out: str | None = None):
+    """What sampled and log-prob requests cost next to greedy ones, in the same run.
+
+    Cases (comma-separated, greedy included): greedy, top-p (temperature 0.8, top_p 0.8: ChatGLM3's
+    defaults), top-k (temperature 0.8, top_k 50), log-probs (greedy with return_log_probs); --rounds
+    of each in turn. In-process (no --url): the executor over --fixture DIR (e.g.
+    tests/fixtures/tiny-chatglm3) or random --preset weights (GPU), random prompts of --prompt-len
+    ids, no end id, exactly --new-tokens each. Served: --url and --metrics-url of a launch, streamed
+    to --model's generate_stream, tokens from the server's counters. Prints tokens/s, wall ms per
+    decode step and each case over greedy; --out DIR writes sampling.json.
+    """
+    flags = dict(locals())
+    from trtglm.bench.sampling import bench_sampling
+
+    bench_sampling(**{**flags, "fixture": str(fixture) if fixture else None})
+
+
 def matmul(portable: bool = False, kinds: str = "bf16,int8,int4", rows: str = "1", out: str | None = None):
     """The decode matmuls on their own, on the GPU: every block shape of each kernel, 1 or more --rows."""
     from trtglm.bench.matmul import run
@@ -163,5 +184,5 @@ def convert(work_dir: str = "/tmp/trtglm-bench", json: str | None = None, repeat
 
 
 KINDS = {"serving": serving, "serving-local": serving_local, "served": served, "runtime": runtime, "inflight": inflight,
-         "matmul": matmul, "pdl": pdl, "prefill": prefill, "step-parts": step_parts, "tp": tp,
+         "sampling": sampling, "matmul": matmul, "pdl": pdl, "prefill": prefill, "step-parts": step_parts, "tp": tp,
          "convert": convert}

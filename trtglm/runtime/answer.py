@@ -14,6 +14,7 @@ from pathlib import Path
 from trtglm.chatglm import chat
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import ModelFileError, UsageError
+from trtglm.request_config import SamplingConfig
 
 
 class LocalChat:
@@ -33,7 +34,7 @@ class LocalChat:
             raise ModelFileError(f"{checkpoint}: chatglm_version {version!r} is not one of {', '.join(chat.PROMPT_IDS)}")
         self.prompt_ids = chat.PROMPT_IDS[version]  # ChatGLM3's or ChatGLM2's format
         self.options = dict(max_new_tokens=max_new_tokens, stop_ids=chat.stop_ids(self.tokenizer),
-                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+                            sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
 
     def pieces(self, messages: Sequence[dict]) -> Iterator[str]:
         """The reply to `messages`, in pieces as its ids are generated."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trtglm.errors import UsageError
+from trtglm.request_config import early_stopping_mode
 
 UNREACHABLE = -1.0e9  # the score of a beam that may not be chosen (transformers' and TensorRT-LLM's constant)
 
@@ -35,15 +36,6 @@ class Beam:
     score: float  # cum_log_prob / len(tokens) ** length_penalty: what beams are ranked by
     log_probs: list[float] = field(default_factory=list)  # each token's
     logits: list = field(default_factory=list, compare=False)  # the raw logits row each token was chosen from
-
-
-def early_stopping_mode(value: bool | int | str) -> bool | str:
-    """True, False or "never" from a bool, TensorRT-LLM's integer (1, 0, other) or transformers' string."""
-    if isinstance(value, str):
-        if value != "never":
-            raise UsageError(f"early_stopping must be true, false or never, not {value!r}")
-        return value
-    return {1: True, 0: False}.get(int(value), "never")
 
 
 class BeamSearch:

@@ -31,19 +31,21 @@ one that holds it) instead of computed, and prefilling starts after it.
 Each new token goes to its request's callback as an `Output` (the new tokens, their log
 probabilities, whether it is finished and why). A request finishes at `end_id` (which is not
 returned), after a stop word (which is returned, as TensorRT-LLM returns it), after
-`max_new_tokens`, or when cancelled. Tokens are chosen by TensorRT-LLM's rules (sampling.py:
-embedding bias, bad words, `end_id` and one-token stop words banned before `min_length`, then
-greedy or the request's own seeded temperature / top-k / top-p sampling, and log probabilities
-of the distribution the token was chosen from).
+`max_new_tokens`, or when cancelled. Tokens are chosen by TensorRT-LLM's rules, every row of a
+step in one batched pass on the model's device with one host transfer (sampling.TokenChooser,
+which takes each request's settings into its slot at admission: embedding bias, penalties, bad
+words, `end_id` and one-token stop words banned before `min_tokens`, then greedy or the request's
+own seeded temperature / top-k / top-p sampling, and log probabilities of the distribution the
+token was chosen from).
 
 Logits, as TensorRT-LLM returns them (float32, the model's whole padded vocabulary), only for a
-request that asks: `context_logits` runs its prompt chunks on their own (`SlotModel.prefill_all`,
+request that asks (`OutputConfig`): context logits run its prompt chunks on their own (`SlotModel.prefill_all`,
 never from the prefix cache) keeping every position's logits, which its first Output carries;
-`generation_logits` gives each Output the raw logits (before bias, penalties, bans and
+generation logits give each Output the raw logits (before bias, penalties, bans and
 temperature) each of its tokens was chosen from (a beam search: each beam's, `Beam.logits`).
 Other requests' passes are unchanged.
 
-A beam search (`beam_width` > 1, beams.py) takes `beam_width` slots at admission, and KV-cache
+A beam search (`SamplingConfig.beam_width` > 1, beams.py) takes `beam_width` slots at admission, and KV-cache
 room for `beam_width` whole lengths (each beam's slot holds the prompt and its own output). Its
 prompt is prefilled into its first slot (reusing a cached prefix as any request's does: every
 beam's slot holds the same prompt, so the first slot's prompt blocks stay valid whichever beams
@@ -74,7 +76,7 @@ from trtglm.runtime.beams import Beam, BeamSearch, continued_slots, ends_with_an
 from trtglm.runtime.prefix import PrefixIndex
 from trtglm.runtime.request import (ExecutorStats, ExecutorStopped, Handle, Output, OutputCallback, QueueFullError,
                                     Request, check_request, fitted)
-from trtglm.runtime.sampling import BadWords, Penalties, Sampler, held_until_min_length, processed
+from trtglm.runtime.sampling import BadWords, TokenChooser, held_until_min_tokens, processed
 from trtglm.runtime.slots import SlotModel
 
 log = logging.getLogger(__name__)
@@ -86,25 +88,23 @@ class _Sequence:
     """A request's state while queued and running."""
 
     def __init__(self, handle: Handle, request: Request, on_output: OutputCallback,
-                 is_cancelled: Callable[[], bool] | None, device: torch.device):
+                 is_cancelled: Callable[[], bool] | None):
         self.handle, self.request, self.on_output, self.is_cancelled = handle, request, on_output, is_cancelled
         self.history = [int(t) for t in request.prompt]  # prompt + generated, for word matching
         self.prefilled = 0  # prompt tokens in the slot's cache so far
         self.generated = 0
         self.slot: int | None = None
         self.scheduled_ns: int | None = None  # when it got its slot, until its first Output carries it
-        self.sampler = Sampler(request.temperature, request.top_k, request.top_p, request.seed, device)
-        self.penalties = Penalties(request.repetition_penalty, request.presence_penalty, request.frequency_penalty,
-                                   request.temperature)
         self.stops_by_last = _by_last_token(request.stop_words)
         self.bad_words = BadWords(request.bad_words)
         self.kv_blocks = 0  # KV-cache blocks reserved for it while it holds a slot
         self.held: list[int] = []  # a beam search's slots besides `slot`
-        self.beams = BeamSearch(request.beam_width, request.max_new_tokens, request.length_penalty,
-                                request.early_stopping, ends_with_any(request.end_id, request.stop_words)) \
-            if request.beam_width > 1 else None
+        sampling = request.sampling
+        self.beams = BeamSearch(sampling.beam_width, request.max_new_tokens, sampling.length_penalty,
+                                sampling.early_stopping, ends_with_any(request.end_id, request.stop_words)) \
+            if sampling.beam_width > 1 else None
         self.beam_slots: list[int] = []  # the slot of each running beam
-        self.context_rows: list[np.ndarray] | None = [] if request.context_logits else None  # per prompt chunk
+        self.context_rows: list[np.ndarray] | None = [] if request.output.return_context_logits else None  # per chunk
         self.step_logits: np.ndarray | None = None  # the raw logits row of the token being chosen, when asked
 
     @property
@@ -124,12 +124,11 @@ class _Sequence:
                 return True
         return False
 
-    def banned(self, history: list[int] | None = None) -> list[int]:
-        """The ids banned after `history` (default: this sequence's)."""
-        history = self.history if history is None else history
+    def banned(self, history: list[int]) -> list[int]:
+        """The ids banned after `history` (a beam's: this sequence's and the beam's tokens)."""
         banned = self.bad_words.banned(history)
-        if len(history) - len(self.request.prompt) < self.request.min_length:
-            banned += held_until_min_length(self.request.end_id, self.request.stop_words)
+        if len(history) - len(self.request.prompt) < self.request.sampling.min_tokens:
+            banned += held_until_min_tokens(self.request.end_id, self.request.stop_words)
         return banned
 
     def decode_pieces(self) -> list[tuple[int, list[int], int]]:
@@ -142,20 +141,20 @@ class _Sequence:
     def beam_step(self, logits: torch.Tensor, vocab_limit: int) -> list[int]:
         """Advance the beam search by the logits of its beams (`[beams, vocab]`, processed here, ids from
         `vocab_limit` on never chosen); each new beam's parent. Penalties count each beam's own history."""
-        raw = logits.float().cpu().numpy() if self.request.generation_logits else None
-        logits, request, rows = logits[:, :vocab_limit], self.request, []
-        for row, tokens in zip(logits, self.beams.running):
-            history = self.history + tokens
-            penalties = Penalties(request.repetition_penalty, request.presence_penalty, request.frequency_penalty)
-            if penalties.active:
-                penalties.start(history, row.numel(), row.device)
-            rows.append(processed(row, request.embedding_bias, self.banned(history), penalties))
-        return self.beams.step(torch.log_softmax(torch.stack(rows), dim=-1), raw)
+        request = self.request
+        raw = logits.float().cpu().numpy() if request.output.return_generation_logits else None
+        histories = [self.history + tokens for tokens in self.beams.running]
+        sampling = request.sampling  # beams do not sample: the penalties are not scaled by a temperature
+        penalties = (sampling.repetition_penalty, sampling.presence_penalty, sampling.frequency_penalty) \
+            if sampling.penalised else None
+        rows = processed(logits[:, :vocab_limit], request.embedding_bias, [self.banned(h) for h in histories],
+                         penalties, histories)
+        return self.beams.step(torch.log_softmax(rows, dim=-1), raw)
 
     def beam_output(self) -> Output:
         """The finished search's answer: every beam, best first, without its end id (as a single sequence's);
         log probabilities (each token's, and the sum with the end id's) only when asked for."""
-        end_id, asked, found, beams = self.request.end_id, self.request.log_probs, self.beams.result(), []
+        end_id, asked, found, beams = self.request.end_id, self.request.output.return_log_probs, self.beams.result(), []
         for beam in found:
             cut = len(beam.tokens) - (end_id is not None and beam.tokens[-1] == end_id)
             beams.append(Beam(beam.tokens[:cut], beam.cum_log_prob if asked else 0.0, beam.score,
@@ -163,12 +162,6 @@ class _Sequence:
         best, ended = beams[0], found[0].tokens
         reason = "end_id" if len(ended) > len(best.tokens) else "stop_word" if self.beams.ends(ended) else "length"
         return Output(best.tokens, best.log_probs, finished=True, reason=reason, beams=beams)
-
-    def plain_greedy(self) -> bool:
-        """Greedy with nothing to adjust: the next token is the row's argmax."""
-        request = self.request
-        return (self.sampler.greedy and request.embedding_bias is None and not request.log_probs
-                and not self.penalties.active and not self.banned())
 
     def stop_word_ends(self) -> bool:
         return any(self.history[-len(w):] == w for w in self.stops_by_last.get(self.history[-1], ()))
@@ -213,6 +206,7 @@ class Executor:
         self.prefixes = PrefixIndex(tokens_per_block, model.max_batch) if kv_cache_reuse else None
         self.vocab_limit = min(vocab_limit or model.vocab_size, model.vocab_size)
         self.device = torch.device(device)
+        self.chooser = TokenChooser(model.max_batch, self.vocab_limit, self.device)
         self._lock = threading.Condition()
         self._queue: deque[_Sequence] = deque()
         self._active: dict[int, _Sequence] = {}  # slot -> sequence
@@ -236,7 +230,7 @@ class Executor:
         self.check(request)
         request = fitted(request, self.model.max_seq_len)
         handle = Handle(next(self._numbers))
-        sequence = _Sequence(handle, request, on_output, is_cancelled, self.device)
+        sequence = _Sequence(handle, request, on_output, is_cancelled)
         with self._lock:
             if self._stopping or self._failed:
                 raise ExecutorStopped(self._failed or "the executor is stopping")
@@ -257,7 +251,7 @@ class Executor:
                              f"output, for each beam); the cache holds {self.kv_blocks * self.tokens_per_block}")
 
     def _blocks_for(self, request: Request) -> int:
-        return request.beam_width * -(-(len(request.prompt) + request.max_new_tokens) // self.tokens_per_block)
+        return request.sampling.beam_width * -(-(len(request.prompt) + request.max_new_tokens) // self.tokens_per_block)
 
     def stats(self) -> ExecutorStats:
         with self._lock:
@@ -303,7 +297,7 @@ class Executor:
         try:
             self._drop_cancelled()
             decoding = sorted((s for s in self._active.values() if not s.unprefilled), key=lambda s: s.handle.id)
-            decode_tokens = sum(s.request.beam_width for s in decoding)
+            decode_tokens = sum(s.request.sampling.beam_width for s in decoding)
             chunks = self._plan_prefill(max(1, self.max_num_tokens - decode_tokens))
             if decoding or chunks:
                 self._forward(decoding, chunks)
@@ -347,7 +341,7 @@ class Executor:
         prompt tokens are left (the last admitted may start with a chunk of its prompt)."""
         admitted = []
         with self._lock:
-            while self._queue and budget > 0 and len(self._free_slots()) >= self._queue[0].request.beam_width:
+            while self._queue and budget > 0 and len(self._free_slots()) >= self._queue[0].request.sampling.beam_width:
                 sequence = self._queue[0]
                 blocks = self._blocks_for(sequence.request)
                 if blocks > self._free_kv_blocks:
@@ -356,6 +350,8 @@ class Executor:
                 self._free_kv_blocks -= blocks
                 sequence.kv_blocks = blocks
                 self._place(sequence)
+                if sequence.beams is None:
+                    self.chooser.admit(sequence.slot, sequence.request, sequence.history)
                 sequence.scheduled_ns = time.time_ns()
                 self._hold(sequence)
                 admitted.append(sequence)
@@ -371,7 +367,7 @@ class Executor:
         else:
             prompt = sequence.request.prompt
             # context logits need every prompt position computed
-            match = None if sequence.request.context_logits else self.prefixes.longest(prompt)
+            match = None if sequence.context_rows is not None else self.prefixes.longest(prompt)
             sequence.slot = self.prefixes.choose_slot(free, match)
             kept = match.length if match is not None and sequence.slot in match.sources else 0
             self.prefixes.take(sequence.slot, kept)
@@ -385,7 +381,7 @@ class Executor:
     def _hold(self, sequence: _Sequence) -> None:
         """A beam search's other slots (with prefix caching the least recently used, whose prefixes are
         forgotten: beams overwrite them)."""
-        for _ in range(sequence.request.beam_width - 1):
+        for _ in range(sequence.request.sampling.beam_width - 1):
             free = self._free_slots()
             slot = free[0] if self.prefixes is None else self.prefixes.choose_slot(free, None)
             if self.prefixes is not None:
@@ -442,7 +438,7 @@ class Executor:
         rows = list(range(decode_rows)) + [decode_rows + i for i in complete]
         if rows and len(rows) < len(slots):
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        widths = [s.request.beam_width for s in decoding] + [1] * len(complete)
+        widths = [s.request.sampling.beam_width for s in decoding] + [1] * len(complete)
         self._take_rows(decoding + [chunks[i][0] for i in complete], logits, widths)
 
     def _take_rows(self, sequences: list[_Sequence], logits: torch.Tensor, widths: list[int]) -> None:
@@ -451,13 +447,12 @@ class Executor:
         firsts = list(itertools.accumulate(widths, initial=0))
         plain = [i for i, s in enumerate(sequences) if s.beams is None]
         for i in plain:
-            if sequences[i].request.generation_logits:
+            if sequences[i].request.output.return_generation_logits:
                 sequences[i].step_logits = logits[firsts[i]].float().cpu().numpy()
         if plain:
             rows = logits if len(plain) == len(logits) else \
                 logits.index_select(0, torch.tensor([firsts[i] for i in plain], device=logits.device))
-            for i, choice in zip(plain, self._choose_all([sequences[i] for i in plain], rows), strict=True):
-                self._take(sequences[i], choice)
+            self._choose_all([sequences[i] for i in plain], rows)
         for i, sequence in enumerate(sequences):
             if sequence.beams is not None:
                 self._beam_step(sequence, logits[firsts[i]:firsts[i + 1]])
@@ -478,33 +473,19 @@ class Executor:
         if sources:
             self.model.copy(sources, targets)
 
-    def _choose_all(self, sequences: list[_Sequence], logits: torch.Tensor) -> list[tuple[int, float] | str]:
-        """(token, log-prob) per row, or the error that ended that row's request alone. Plain greedy rows
-        share one argmax and one device sync; the rest (sampling, bias, banned words, log-probs) go one by
-        one. Padded ids past `vocab_limit` are never chosen."""
-        logits = logits[:, :self.vocab_limit]
-        plain = [i for i, s in enumerate(sequences) if s.plain_greedy()]
-        choices: dict[int, tuple[int, float]] = {}
-        if plain:
-            rows = logits.index_select(0, torch.tensor(plain, device=logits.device))
-            choices = {i: (token, 0.0) for i, token in zip(plain, rows.argmax(dim=-1).tolist())}
-        return [choices[i] if i in choices else self._choose_alone(s, logits[i]) for i, s in enumerate(sequences)]
+    def _choose_all(self, sequences: list[_Sequence], logits: torch.Tensor) -> None:
+        """Each sequence's next token from its row of `logits`, all in one pass (sampling.TokenChooser); a row whose
+        settings leave nothing to choose ends its request alone, with the error."""
+        tokens, log_probs, errors = self.chooser.choose([s.slot for s in sequences], logits)
+        for sequence, token, log_prob, error in zip(sequences, tokens, log_probs, errors, strict=True):
+            if error is not None:
+                log.warning("request %d: %s", sequence.handle.id, error)
+                self._finish(sequence, Output([], finished=True, reason="error",
+                                              error=f"no next token could be chosen: {error}"))
+            else:
+                self._advance(sequence, token, log_prob)
 
     # --- one request's token ------------------------------------------------------------------------
-
-    def _take(self, sequence: _Sequence, choice: tuple[int, float] | str) -> None:
-        if isinstance(choice, str):
-            self._finish(sequence, Output([], finished=True, reason="error", error=choice))
-        else:
-            self._advance(sequence, *choice)
-
-    def _choose_alone(self, sequence: _Sequence, row: torch.Tensor) -> tuple[int, float] | str:
-        """`_choose`, or the message that ends this request alone when its settings leave nothing to choose."""
-        try:
-            return self._choose(sequence, row)
-        except Exception as e:
-            log.warning("request %d: %s", sequence.handle.id, e)
-            return f"no next token could be chosen: {e}"
 
     def _advance(self, sequence: _Sequence, token: int, log_prob: float) -> None:
         request = sequence.request
@@ -512,30 +493,24 @@ class Executor:
             self._finish(sequence, Output([], finished=True, reason="end_id"))
             return
         sequence.history.append(token)
-        sequence.penalties.add(token)
         sequence.generated += 1
         self._stats.generated_tokens += 1
         reason = "stop_word" if sequence.stop_word_ends() else \
             "length" if sequence.generated >= request.max_new_tokens else None
-        output = Output([token], [log_prob] if request.log_probs else [], finished=reason is not None, reason=reason,
+        output = Output([token], [log_prob] if request.output.return_log_probs else [], finished=reason is not None,
+                        reason=reason,
                         generation_logits=None if sequence.step_logits is None else sequence.step_logits[None])
         if reason is not None:
             self._finish(sequence, output)
         elif not self._deliver(sequence, output):
             self._finish(sequence, Output([], finished=True, reason="cancelled"))
 
-    def _choose(self, sequence: _Sequence, row: torch.Tensor) -> tuple[int, float]:
-        if sequence.penalties.active and sequence.penalties.counts is None:
-            sequence.penalties.start(sequence.history, row.numel(), row.device)
-        logits = processed(row, sequence.request.embedding_bias, sequence.banned(), sequence.penalties)
-        token = int(sequence.sampler(logits[None])[0])
-        return token, sequence.sampler.log_prob(logits, token) if sequence.request.log_probs else 0.0
-
     def _finish(self, sequence: _Sequence, output: Output) -> None:
         if sequence.slot is not None and self._active.get(sequence.slot) is sequence:
             del self._active[sequence.slot]
             self._free_kv_blocks += sequence.kv_blocks
             self.model.release(sequence.slot)
+            self.chooser.release(sequence.slot)
             for slot in sequence.held:
                 del self._held[slot]
                 self.model.release(slot)
@@ -566,6 +541,7 @@ class Executor:
         running = list(self._active.values())
         self._active.clear()
         self._held.clear()
+        self.chooser.release_all()
         self._free_kv_blocks = self.kv_blocks
         if self.prefixes is not None:
             self.prefixes.clear()  # a failed pass may have left any slot's positions half written
@@ -587,6 +563,7 @@ class Executor:
             self._queue.clear()
             self._active.clear()
             self._held.clear()
+            self.chooser.release_all()
             self._free_kv_blocks = self.kv_blocks
         for sequence in sequences:
             self._deliver(sequence, Output([], finished=True, reason="error", error=message))

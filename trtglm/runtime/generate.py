@@ -11,7 +11,7 @@ continues (beams.py has the rules).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 from typing import Iterable, Iterator, Sequence
 
 import torch
@@ -20,7 +20,9 @@ from trtglm.errors import UsageError
 from trtglm.runtime.cache import KVCache
 from trtglm.runtime.model import ShardedModel
 from trtglm.runtime.beams import Beam, BeamSearch, ends_with_any
-from trtglm.runtime.sampling import Sampler, held_until_min_length, processed
+from trtglm.request_config import SamplingConfig, check_sampling
+from trtglm.runtime.request import Request
+from trtglm.runtime.sampling import TokenChooser, held_until_min_tokens, processed
 
 
 def full_logits(model: ShardedModel, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -31,20 +33,20 @@ def full_logits(model: ShardedModel, tokens: Sequence[int] | torch.Tensor) -> to
 
 
 def generate(model: ShardedModel, prompts: Sequence[int] | Sequence[Sequence[int]], max_new_tokens: int = 16,
-             end_id: int | None = None, stop_ids: Iterable[int] = (), temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int | None = None) -> list[int] | list[list[int]]:
+             end_id: int | None = None, stop_ids: Iterable[int] = (), sampling: SamplingConfig = SamplingConfig()
+             ) -> list[int] | list[list[int]]:
     """New token ids for one prompt (a list of ids) or a batch (a list of lists).
 
-    Greedy when temperature is 0 or top_k is 1, otherwise sampled (temperature, then top-k,
-    then top-p) with a generator seeded by `seed`. A sequence ends at `end_id` or any of
-    `stop_ids` (the stop token is not returned) or after `max_new_tokens`.
+    Tokens are chosen as the served executor chooses them (sampling.TokenChooser): greedy unless `sampling`
+    samples, prompt i drawing with seed `sampling.seed + i`. A sequence ends at `end_id` or any of `stop_ids`
+    (the stop token is not returned) or after `max_new_tokens`.
     """
     if isinstance(prompts, torch.Tensor):
         prompts = prompts.tolist()
     single = len(prompts) > 0 and isinstance(prompts[0], int)
     batch = [list(prompts)] if single else [list(p) for p in prompts]
     outputs: list[list[int]] = [[] for _ in batch]
-    for chosen in _steps(model, batch, max_new_tokens, end_id, stop_ids, Sampling(temperature, top_k, top_p, seed)):
+    for chosen in _steps(model, batch, max_new_tokens, end_id, stop_ids, sampling):
         for output, token in zip(outputs, chosen):
             if token is not None:
                 output.append(token)
@@ -52,33 +54,28 @@ def generate(model: ShardedModel, prompts: Sequence[int] | Sequence[Sequence[int
 
 
 def stream(model: ShardedModel, prompt: Sequence[int], max_new_tokens: int = 16, end_id: int | None = None,
-           stop_ids: Iterable[int] = (), temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-           seed: int | None = None) -> Iterator[int]:
+           stop_ids: Iterable[int] = (), sampling: SamplingConfig = SamplingConfig()) -> Iterator[int]:
     """`generate`'s new ids for one prompt, each as soon as it is chosen."""
-    for (token,) in _steps(model, [list(prompt)], max_new_tokens, end_id, stop_ids,
-                           Sampling(temperature, top_k, top_p, seed)):
+    for (token,) in _steps(model, [list(prompt)], max_new_tokens, end_id, stop_ids, sampling):
         if token is not None:
             yield token
 
 
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int | None
-
-
 def _steps(model: ShardedModel, batch: list[list[int]], max_new_tokens: int, end_id: int | None,
-           stop_ids: Iterable[int], sampling: Sampling) -> Iterator[list[int | None]]:
+           stop_ids: Iterable[int], sampling: SamplingConfig) -> Iterator[list[int | None]]:
     """Each decode step's new id per sequence (None once the sequence has ended: a stop id is not given)."""
-    _check_request(model, batch, max_new_tokens, sampling.temperature, sampling.top_k, sampling.top_p)
+    _check_request(model, batch, max_new_tokens, sampling)
     stops = set(stop_ids) | ({end_id} if end_id is not None else set())
-    sampler = Sampler(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed, model.device)
+    chooser = TokenChooser(len(batch), model.config.vocab_size, model.device)
+    for row, prompt in enumerate(batch):
+        seed = None if sampling.seed is None else sampling.seed + row
+        chooser.admit(row, Request(prompt, max_new_tokens, sampling=dataclasses.replace(sampling, seed=seed)), prompt)
     logits, positions, cache = _prefill(model, batch, max_new_tokens)
     done = [False] * len(batch)
     for step in range(max_new_tokens):
-        chosen = sampler(logits).tolist()
+        chosen, _, errors = chooser.choose(range(len(batch)), logits)
+        if any(errors):
+            raise UsageError(next(e for e in errors if e))
         done = [ended or token in stops for ended, token in zip(done, chosen)]
         yield [None if ended else token for ended, token in zip(done, chosen)]
         if all(done) or step == max_new_tokens - 1:
@@ -95,16 +92,15 @@ def beam_search(model: ShardedModel, prompt: Sequence[int], beam_width: int, max
     one-token stop words are banned until `min_length` tokens exist; a finished beam's tokens end with its end
     id or stop word."""
     prompt = [int(t) for t in prompt]
-    _check_request(model, [prompt], max_new_tokens, 0.0, 0, 1.0)
+    _check_request(model, [prompt], max_new_tokens, SamplingConfig())
     search = BeamSearch(beam_width, max_new_tokens, length_penalty, early_stopping,
                         ends_with_any(end_id, stop_words))
     cache = KVCache.for_model(model, beam_width, len(prompt) + max_new_tokens)
     logits = model.forward(torch.tensor([prompt], device=model.device), cache.row(0, 0), last_only=True)[:, -1]
     cache.advance(len(prompt))
     while True:
-        early = held_until_min_length(end_id, stop_words) if search.generated < min_length else []
-        rows = [processed(row, None, early) for row in logits]
-        parents = search.step(torch.log_softmax(torch.stack(rows), dim=-1))
+        early = held_until_min_tokens(end_id, stop_words) if search.generated < min_length else []
+        parents = search.step(torch.log_softmax(processed(logits, None, [early] * len(logits)), dim=-1))
         if search.done:
             return search.result()
         cache.reorder(parents)
@@ -114,7 +110,7 @@ def beam_search(model: ShardedModel, prompt: Sequence[int], beam_width: int, max
 
 
 def _check_request(model: ShardedModel, batch: list[list[int]], max_new_tokens: int,
-                   temperature: float, top_k: int, top_p: float) -> None:
+                   sampling: SamplingConfig) -> None:
     cfg = model.config
     if not batch or any(not p for p in batch):
         raise UsageError("every prompt needs at least one token")
@@ -127,8 +123,7 @@ def _check_request(model: ShardedModel, batch: list[list[int]], max_new_tokens: 
     if longest > cfg.max_position_embeddings:
         raise UsageError(f"prompt + max_new_tokens = {longest} exceeds max_position_embeddings "
                          f"{cfg.max_position_embeddings}")
-    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-        raise UsageError("need temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+    check_sampling(sampling)
 
 
 def _prefill(model: ShardedModel, batch: list[list[int]], max_new_tokens: int

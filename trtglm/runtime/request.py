@@ -1,5 +1,6 @@
 """What the executor (executor.py) takes and gives: `Request` (TensorRT-LLM's request fields that
-trtglm's runtime honours), `Output` (what one step gave a request), the `Handle` that cancels
+trtglm's runtime honours, its settings grouped in trtglm.request_config's `SamplingConfig` and
+`OutputConfig`), `Output` (what one step gave a request), the `Handle` that cancels
 one, the executor's errors and counters, and `check_request`, which refuses a request a model
 cannot serve before it is queued."""
 
@@ -16,7 +17,8 @@ import numpy as np
 import torch
 
 from trtglm.errors import TrtglmError, UsageError
-from trtglm.runtime.beams import Beam, early_stopping_mode
+from trtglm.request_config import OutputConfig, SamplingConfig, check_sampling
+from trtglm.runtime.beams import Beam
 
 log = logging.getLogger(__name__)
 
@@ -31,28 +33,16 @@ class ExecutorStopped(TrtglmError):
 
 @dataclass(frozen=True)
 class Request:
-    """One sequence to generate (TensorRT-LLM's request fields that trtglm's runtime honours)."""
+    """One sequence to generate (TensorRT-LLM's executor `Request`: the fields that trtglm's runtime honours)."""
 
     prompt: Sequence[int]
     max_new_tokens: int
     end_id: int | None = None
     stop_words: Sequence[Sequence[int]] = ()
     bad_words: Sequence[Sequence[int]] = ()
-    min_length: int = 0
     embedding_bias: torch.Tensor | None = None  # [vocab] added to the logits
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    log_probs: bool = False
-    repetition_penalty: float = 1.0  # TensorRT-LLM's penalties (sampling.Penalties)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    beam_width: int = 1  # above 1: beam search (beams.py), one slot per beam
-    length_penalty: float = 1.0  # beam search only
-    early_stopping: bool | int | str = 1  # beam search only; TensorRT-LLM's default 1 (True)
-    context_logits: bool = False  # return the logits of every prompt position (computed only when asked)
-    generation_logits: bool = False  # return the logits each generated token was chosen from
+    sampling: SamplingConfig = SamplingConfig()
+    output: OutputConfig = OutputConfig()
 
 
 @dataclass
@@ -141,14 +131,7 @@ def check_request(request: Request, vocab: int, max_seq_len: int, max_beam_width
     bad = [t for t in (*prompt, *words, *ends) if not 0 <= int(t) < vocab]
     if bad:
         raise UsageError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-    if request.temperature < 0 or request.top_k < 0 or not 0 < request.top_p <= 1:
-        raise UsageError("need temperature >= 0, runtime_top_k >= 0 and 0 < runtime_top_p <= 1")
-    if not request.repetition_penalty > 0:
-        raise UsageError(f"repetition_penalty must be greater than 0, not {request.repetition_penalty:g}")
-    if not 1 <= request.beam_width <= max_beam_width:
-        raise UsageError(f"beam_width {request.beam_width} is outside 1..{max_beam_width} (the engine's "
-                         "max_beam_width)")
-    early_stopping_mode(request.early_stopping)
+    check_sampling(request.sampling, max_beam_width)
     check_logits(request, vocab, max_seq_len)
     if request.embedding_bias is not None and request.embedding_bias.numel() > vocab:
         raise UsageError(f"embedding_bias has {request.embedding_bias.numel()} values, more than the vocabulary "
@@ -159,8 +142,9 @@ def check_logits(request: Request, vocab: int, max_seq_len: int) -> None:
     """UsageError when the logits `request` asks for would take more than the cap (MAX_LOGITS_MIB; its output
     length cut to what fits in `max_seq_len`, as `fitted` cuts it)."""
     output = min(request.max_new_tokens, max_seq_len - len(request.prompt))
-    rows = {"return_context_logits": len(request.prompt) if request.context_logits else 0,
-            "return_generation_logits": request.beam_width * output if request.generation_logits else 0}
+    asked = request.output
+    rows = {"return_context_logits": len(request.prompt) if asked.return_context_logits else 0,
+            "return_generation_logits": request.sampling.beam_width * output if asked.return_generation_logits else 0}
     size, cap = sum(rows.values()) * vocab * LOGITS_ITEM_BYTES, max_logits_mib()
     if size > cap << 20:
         asked = " and ".join(name for name, count in rows.items() if count)

@@ -11,10 +11,15 @@ can kill the BLS model's stub: docs/troubleshooting.md), else from `tensorrt_llm
 NVIDIA's backend only the BLS model streams exact text), else from `ensemble`. The request's messages go as a JSON chat in
 `text_input` (openai_protocol.py builds it; the served preprocessing applies ChatGLM3's template
 with trtglm.chatglm.chat, which counts the prompt's tokens here too); a completion's prompt is one
-user turn. `n` choices are `n` requests (seed + i each when a seed is given). Every request asks
-for log probabilities: their count is `completion_tokens` (every generated token, the stop token
-that ended the reply included), and `finish_reason` is "length" when that count reached the
-token limit (max_tokens, or what the engine's max_seq_len leaves after the prompt). Stop strings
+user turn; the prompt's tokens are counted in the engine's own prompt format (ChatGLM2's for a
+ChatGLM2 engine). `n` choices are `n` requests (seed + i each when a seed is given). A request's
+settings go as one `SamplingConfig` and one `OutputConfig` (trtglm.request_config), which asks for
+log probabilities only when the client asks (`logprobs`): trtglm's runtime sends one
+`output_log_probs` value per generated token in every response (zeros unless asked), whose count is
+`completion_tokens` (every generated token, the stop token that ended the reply included); NVIDIA's
+engine sends them only when asked, so with it every request asks. `finish_reason` is "length" when
+that count reached the token limit (max_tokens, or what the engine's max_seq_len leaves after the
+prompt). Stop strings
 go to the engine as stop words, and the answer is cut where the first one starts (streamed text
 that may begin one is held back until it is known). With tools offered, a reply whose first line
 is a tool's name is held back and, when its rest reads as the call's arguments, answered as
@@ -44,15 +49,16 @@ from pathlib import Path
 
 import numpy as np
 
-from trtglm.backend.contract import (BLS, ENSEMBLE, MAX_INPUT_LEN, MAX_SEQ_LEN, PREPROCESSING, PYTHON,
-                                     TENSORRT_LLM, TOKENIZER_DIR)
-from trtglm.chatglm.chat import chat_ids, may_call_tool, tool_call
+from trtglm.backend.contract import (BLS, CHATGLM_VERSION, ENSEMBLE, MAX_INPUT_LEN, MAX_SEQ_LEN, PREPROCESSING,
+                                     PYTHON, TENSORRT_LLM, TOKENIZER_DIR)
+from trtglm.chatglm.chat import PROMPT_IDS, may_call_tool, tool_call
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
 from trtglm.engine.manifest import read_manifest
+from trtglm.request_config import OutputConfig, SamplingConfig, client_inputs
 from trtglm.serve.checks import MANIFEST, engine_dir, model_config
 from trtglm.serve.openai_protocol import (ApiError, ChatRequest, CompletionRequest, Sampling, chatglm_messages,
-                                          completion_messages, refuse_unsupported)
+                                          completion_messages, refuse_unsupported, wants_log_probs)
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +73,16 @@ TRITON_STATUS = {"StatusCode.INVALID_ARGUMENT": 400, "StatusCode.UNAVAILABLE": 5
 
 @dataclass(frozen=True)
 class Served:
-    """The model behind the API: its id, the Triton model answering, the tokenizer and the engine's limits."""
+    """The model behind the API: its id, the Triton model answering, the tokenizer, the engine's limits and prompt
+    format, and whether its engine is trtglm's runtime (which counts every token without log probabilities)."""
 
     model_id: str
     triton_model: str
     tokenizer_dir: str
     max_input_len: int
     max_seq_len: int
+    chatglm_version: str = "chatglm3"
+    trtglm_engine: bool = True
 
 
 def served_model(repo: Path) -> Served | None:
@@ -85,16 +94,22 @@ def served_model(repo: Path) -> Served | None:
               for key, value in model_config(repo / PREPROCESSING / "config.pbtxt").parameters.items()}
     return Served(model_id=model_id(repo), triton_model=triton_model,
                   tokenizer_dir=params[TOKENIZER_DIR], max_input_len=int(params[MAX_INPUT_LEN]),
-                  max_seq_len=int(params[MAX_SEQ_LEN]))
+                  max_seq_len=int(params[MAX_SEQ_LEN]), chatglm_version=params.get(CHATGLM_VERSION) or "chatglm3",
+                  trtglm_engine=engine_backend(repo) == PYTHON)
 
 
 def client_model(repo: Path) -> str | None:
     """The Triton model that answers the API (see the module's doc); None when there is none."""
     present = [m for m in (ENSEMBLE, BLS) if (repo / m / "config.pbtxt").is_file()]
-    engine_config = repo / TENSORRT_LLM / "config.pbtxt"
-    if ENSEMBLE in present and engine_config.is_file() and model_config(engine_config).backend == PYTHON:
+    if ENSEMBLE in present and engine_backend(repo) == PYTHON:
         return ENSEMBLE
     return BLS if BLS in present else next(iter(present), None)
+
+
+def engine_backend(repo: Path) -> str | None:
+    """The backend serving tensorrt_llm (python: trtglm's runtime); None without its config."""
+    engine_config = repo / TENSORRT_LLM / "config.pbtxt"
+    return model_config(engine_config).backend if engine_config.is_file() else None
 
 
 def model_id(repo: Path) -> str:
@@ -112,15 +127,12 @@ def model_id(repo: Path) -> str:
 
 @dataclass(frozen=True)
 class Ask:
-    """One request to Triton: a ChatGLM3 chat and the sampling options."""
+    """One request to Triton: a ChatGLM3 chat and its settings."""
 
     messages: list[dict]
     max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int | None
-    presence_penalty: float
-    frequency_penalty: float
+    sampling: SamplingConfig
+    output: OutputConfig
     stop: tuple[str, ...]
     stream: bool
 
@@ -128,7 +140,8 @@ class Ask:
 @dataclass(frozen=True)
 class Piece:
     text: str
-    log_probs: tuple[float, ...]
+    tokens: int  # generated tokens this response carries
+    log_probs: tuple[float, ...]  # theirs, when asked for
 
 
 def triton_inputs(ask: Ask) -> dict[str, np.ndarray]:
@@ -136,15 +149,10 @@ def triton_inputs(ask: Ask) -> dict[str, np.ndarray]:
     arrays = {
         "text_input": np.array([[json.dumps({"messages": ask.messages}, ensure_ascii=False).encode()]], dtype=object),
         "max_tokens": np.array([[ask.max_tokens]], dtype=np.int32),
-        "temperature": np.array([[ask.temperature]], dtype=np.float32),
-        "top_p": np.array([[ask.top_p]], dtype=np.float32),
-        "presence_penalty": np.array([[ask.presence_penalty]], dtype=np.float32),
-        "frequency_penalty": np.array([[ask.frequency_penalty]], dtype=np.float32),
-        "return_log_probs": np.array([[True]]),
         "stream": np.array([[ask.stream]]),
+        **{name: np.array([[value]], dtype=dtype) for name, (value, dtype) in
+           client_inputs(ask.sampling, ask.output).items()},
     }
-    if ask.seed is not None:
-        arrays["random_seed"] = np.array([[ask.seed]], dtype=np.uint64)
     if ask.stop:
         arrays["stop_words"] = np.array([[word.encode() for word in ask.stop]], dtype=object)
     return arrays
@@ -184,8 +192,8 @@ class Triton:
             async for result, error in responses:
                 if error is not None:
                     raise _triton_error(error)
-                piece = _piece(result)
-                if piece.text or piece.log_probs:
+                piece = _piece(result, ask.output.return_log_probs)
+                if piece.text or piece.tokens:
                     yield piece
                 if result.get_response().parameters["triton_final_response"].bool_param:
                     return
@@ -198,11 +206,12 @@ def _triton_type(array: np.ndarray) -> str:
             np.uint64: "UINT64"}[array.dtype.type]
 
 
-def _piece(result) -> Piece:
+def _piece(result, asked_log_probs: bool) -> Piece:
     text = result.as_numpy("text_output")
     log_probs = result.as_numpy("output_log_probs")
     joined = b"".join(text.reshape(-1)).decode("utf-8") if text is not None else ""
-    return Piece(joined, tuple(float(v) for v in log_probs.reshape(-1)) if log_probs is not None else ())
+    values = tuple(float(v) for v in log_probs.reshape(-1)) if log_probs is not None else ()
+    return Piece(joined, len(values), values if asked_log_probs else ())
 
 
 def _triton_error(error) -> ApiError:
@@ -227,6 +236,7 @@ class ChoiceText:
     limit: int
     text: str = ""
     sent: int = 0
+    tokens: int = 0  # generated so far
     log_probs: list[float] = field(default_factory=list)
     stopped: bool = False
 
@@ -234,6 +244,7 @@ class ChoiceText:
         """Text that can be sent now."""
         if self.stopped:
             return ""
+        self.tokens += piece.tokens
         self.log_probs += piece.log_probs
         self.text += piece.text
         cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
@@ -256,7 +267,7 @@ class ChoiceText:
     def finish_reason(self, call: dict | None) -> str:
         if call is not None:
             return "tool_calls"
-        return "length" if not self.stopped and len(self.log_probs) >= self.limit else "stop"
+        return "length" if not self.stopped and self.tokens >= self.limit else "stop"
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -289,7 +300,7 @@ class Api:
             raise ApiError(400, f"the prompt ({size:,} bytes) is longer than the engine's max_input_len "
                                 f"({self.served.max_input_len} tokens) can hold", param, "context_length_exceeded")
         try:
-            count = len(chat_ids(self.tokenizer, messages))
+            count = len(PROMPT_IDS[self.served.chatglm_version](self.tokenizer, messages))
         except UsageError as e:
             raise ApiError(400, str(e), param) from None
         if count > self.served.max_input_len:
@@ -305,10 +316,9 @@ class Api:
                            "context_length_exceeded")
         return min(requested, room) if requested is not None else room
 
-    def asks(self, request: Sampling, messages: list[dict], limit: int) -> list[Ask]:
-        return [Ask(messages, limit, request.temperature, request.top_p,
-                    None if request.seed is None else (request.seed + i) % 2**63, request.presence_penalty,
-                    request.frequency_penalty, tuple(request.stop_words()), request.stream)
+    def asks(self, request: ChatRequest | CompletionRequest, messages: list[dict], limit: int) -> list[Ask]:
+        output = OutputConfig(return_log_probs=wants_log_probs(request) or not self.served.trtglm_engine)
+        return [Ask(messages, limit, request.sampling_config(i), output, tuple(request.stop_words()), request.stream)
                 for i in range(request.n)]
 
 
@@ -384,7 +394,7 @@ class Answering:
         """The text of one choice that can be sent, as pieces arrive."""
         async for piece in self.api.triton.pieces(ask):
             text = reply.add(piece)
-            counts[index] = len(reply.log_probs)
+            counts[index] = reply.tokens
             if text:
                 yield text
 
@@ -419,7 +429,7 @@ class Chat(Answering):
             pairs = token_log_probs(self.api.tokenizer, reply.text, call, reply.log_probs)
             choice["logprobs"] = {"content": [{"token": token, "logprob": value, "bytes": list(token.encode()),
                                                "top_logprobs": []} for token, value in pairs]}
-        return choice, len(reply.log_probs)
+        return choice, reply.tokens
 
     async def choice_chunks(self, index: int, ask: Ask, counts: list[int]) -> AsyncIterator[dict]:
         yield self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
@@ -467,7 +477,7 @@ class Completion(Answering):
             offsets = np.cumsum([0] + [len(token) for token, _ in pairs[:-1]]).tolist()
             choice["logprobs"] = {"tokens": [t for t, _ in pairs], "token_logprobs": [v for _, v in pairs],
                                   "top_logprobs": None, "text_offset": offsets}
-        return choice, len(reply.log_probs)
+        return choice, reply.tokens
 
     async def choice_chunks(self, index: int, ask: Ask, counts: list[int]) -> AsyncIterator[dict]:
         reply = self.choice_text(index)

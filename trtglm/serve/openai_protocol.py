@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from trtglm.chatglm.chat import tool_call_content, tools_message
+from trtglm.request_config import SamplingConfig
 
 MAX_STOP_WORDS = 4  # as OpenAI's API
 
@@ -119,6 +120,12 @@ class Sampling(Lenient):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def sampling_config(self, choice: int = 0) -> SamplingConfig:
+        """The settings of choice `choice` of `n` (seed + choice when a seed is given)."""
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty,
+                              seed=None if self.seed is None else (self.seed + choice) % 2**63)
+
 
 class ChatRequest(Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
@@ -163,7 +170,6 @@ def refuse_unsupported(request: ChatRequest | CompletionRequest) -> None:
         if request.tool_choice == "required" or isinstance(request.tool_choice, NamedToolChoice):
             raise ApiError(422, "tool_choice can be 'auto' or 'none': ChatGLM3 decides itself whether to call a tool",
                            "tool_choice", "unsupported_value")
-        wants_log_probs = request.logprobs
     else:
         if request.logprobs:
             raise ApiError(422, "logprobs > 0 is not supported: the served models give the chosen token's log "
@@ -171,10 +177,14 @@ def refuse_unsupported(request: ChatRequest | CompletionRequest) -> None:
         if request.echo or request.suffix:
             raise ApiError(422, "echo and suffix are not supported", "echo" if request.echo else "suffix",
                            "unsupported_value")
-        wants_log_probs = request.logprobs is not None
-    if wants_log_probs and request.stream:
+    if wants_log_probs(request) and request.stream:
         raise ApiError(422, "log probabilities are given for answers that are not streamed", "logprobs",
                        "unsupported_value")
+
+
+def wants_log_probs(request: ChatRequest | CompletionRequest) -> bool:
+    """Whether the client asks for the chosen tokens' log probabilities."""
+    return request.logprobs if isinstance(request, ChatRequest) else request.logprobs is not None
 
 
 def chatglm_messages(request: ChatRequest) -> list[dict]:
