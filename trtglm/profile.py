@@ -107,7 +107,9 @@ class ServeSection:
     decoupled: bool = True  # streaming responses (needed for `stream: true`)
     preprocessing_instances: int = field(default=1, metadata=_at_least(1))
     postprocessing_instances: int = field(default=1, metadata=_at_least(1))
-    bls_instances: int = field(default=1, metadata=_at_least(1))
+    # the BLS and history models answer one request per instance at a time (backend/bls.py says why): 0 gives them
+    # one instance per sequence the engine runs at once (its max_batch_size)
+    bls_instances: int = field(default=0, metadata=_at_least(0))
     kv_cache_free_gpu_mem_fraction: float = field(default=0.9, metadata={"min": 0.01, "max": 1.0})
     batch_scheduler_policy: str = field(default="guaranteed_no_evict",
                                         metadata=_choices("guaranteed_no_evict", "max_utilization"))

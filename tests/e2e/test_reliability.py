@@ -437,3 +437,111 @@ def test_1000_requests_at_64_in_flight(server):
     assert errors == [], errors[:5]
     assert rss_after < RSS_GROWTH_LIMIT * rss_warm
 
+
+
+# --- BLS over gRPC streaming, under load and with streams dropped -------------------------------------------------
+
+BLS_STREAMS, BLS_IN_FLIGHT = 2048, 64
+DROP_ROUNDS, DROPPED_STREAMS = 20, 50
+
+
+@pytest.fixture(scope="module")
+def streaming_server(tmp_path_factory):
+    """The fixture's engine in a decoupled repository (the tiny profile as it is: one BLS instance per sequence
+    the engine runs at once)."""
+    pytest.importorskip("pytriton")
+    pytest.importorskip("tritonclient.grpc")
+    root = tmp_path_factory.mktemp("streaming")
+    server = Server(patch_repo(build_tiny_engine(root / "engine"), None, root / "repo"), 1, root / "state")
+    yield server
+    server.stop()
+
+
+class GrpcStream:
+    """One tritonclient gRPC stream: requests one after another on it, each reply's text joined."""
+
+    def __init__(self, server: Server):
+        import queue
+
+        import tritonclient.grpc as grpc
+
+        self.grpc, self.responses = grpc, queue.Queue()
+        self.client = grpc.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+        self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
+
+    def send(self, model: str, conversation: dict, max_tokens: int = 64, request_id: str = "") -> None:
+        arrays = {"text_input": ("BYTES", np.array([[json.dumps({"messages": conversation["messages"]},
+                                                                ensure_ascii=False).encode()]], dtype=object)),
+                  "max_tokens": ("INT32", np.array([[max_tokens]], np.int32)), "stream": ("BOOL", np.array([[True]]))}
+        tensors = []
+        for name, (kind, array) in arrays.items():
+            tensors.append(self.grpc.InferInput(name, list(array.shape), kind))
+            tensors[-1].set_data_from_numpy(array)
+        self.client.async_stream_infer(model, tensors, request_id=request_id, enable_empty_final_response=True)
+
+    def reply(self, timeout: float = 60.0) -> str:
+        """The streamed text of the request sent last, or the error it ended with."""
+        text = ""
+        while True:
+            result, error = self.responses.get(timeout=timeout)
+            if error is not None:
+                return f"error: {error.message()}"
+            pieces = result.as_numpy("text_output")
+            text += b"".join(pieces.reshape(-1)).decode() if pieces is not None else ""
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return text
+
+    def close(self, cancel: bool = False) -> None:
+        self.client.stop_stream(cancel_requests=cancel)
+        self.client.close()
+
+
+def exact_on_streams(server: Server, chosen: list[dict], in_flight: int) -> list[str]:
+    """Every conversation through tensorrt_llm_bls, `in_flight` gRPC streams at a time (each stream's requests
+    one after another, as a client thread sends them): what differed from the fixture's answers."""
+    pending, wrong = list(enumerate(chosen)), []
+
+    def worker() -> None:
+        stream = GrpcStream(server)
+        try:
+            while pending:
+                index, conversation = pending.pop()
+                stream.send("tensorrt_llm_bls", conversation)
+                text = stream.reply()
+                if text != conversation["answer"]:
+                    wrong.append(f"{index}: {text!r} (expected {conversation['answer']!r})")
+        finally:
+            stream.close()
+
+    with ThreadPoolExecutor(in_flight) as pool:
+        for future in [pool.submit(worker) for _ in range(in_flight)]:
+            future.result()
+    return wrong
+
+
+def test_2048_bls_streams_over_grpc_at_64_in_flight_answer_exactly(streaming_server):
+    chosen = (conversations() * (BLS_STREAMS // len(conversations()) + 1))[:BLS_STREAMS]
+    wrong = exact_on_streams(streaming_server, chosen, BLS_IN_FLIGHT)
+    assert wrong == [], wrong[:5]
+
+
+def test_bls_streams_dropped_at_once_leave_it_answering(streaming_server):
+    """50 gRPC streams dropped together (their requests cancelled) mid-reply, 20 times over: no BLS process dies
+    or is replaced, and then every answer is exact."""
+    bls_processes = bls_stubs(streaming_server)
+    long_one = {"messages": [{"role": "user", "content": "Tell me a long story about the sea."}]}
+    for _ in range(DROP_ROUNDS):
+        streams = [GrpcStream(streaming_server) for _ in range(DROPPED_STREAMS)]
+        for stream in streams:
+            stream.send("tensorrt_llm_bls", long_one, max_tokens=200)
+        for stream in streams:  # every one under way
+            result, error = stream.responses.get(timeout=60)
+            assert error is None, error
+        with ThreadPoolExecutor(DROPPED_STREAMS) as pool:
+            list(pool.map(lambda stream: stream.close(cancel=True), streams))
+    assert exact_on_streams(streaming_server, conversations(), 8) == []
+    assert bls_stubs(streaming_server) == bls_processes
+
+
+def bls_stubs(server: Server) -> set[int]:
+    return {p.pid for p in repo_processes(server.repo) if "tensorrt_llm_bls" in " ".join(p.cmdline())}

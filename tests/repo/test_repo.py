@@ -98,6 +98,14 @@ def test_profile_serve_section_reaches_the_configs(tmp_path, tok):
     assert parameter(configs["tensorrt_llm"], "kv_cache_free_gpu_mem_fraction") == "0.5"
 
 
+def test_bls_instances_0_gives_one_per_sequence_the_engine_runs_at_once(tmp_path, tok):
+    """Each BLS (and history) instance answers one request at a time (backend/bls.py)."""
+    engine = make_engine(tmp_path, "torch", tok, serve={"bls_instances": 0}, limits={"max_batch_size": 12})
+    configs = read_configs(patch_repo(engine, tok, tmp_path / "repo"))
+    assert configs["tensorrt_llm_bls"].instance_group[0].count == 12
+    assert configs[HISTORY_CHAT].instance_group[0].count == 12
+
+
 def test_torch_engine_uses_the_python_backend_and_its_model_file(tmp_path, tok):
     template = template_copy(tmp_path)
     repo = patch_repo(make_engine(tmp_path, "torch", tok), tok, tmp_path / "repo", template=template)
@@ -246,7 +254,8 @@ def test_upstream_copy_is_filled_and_gets_trtglm_models(tmp_path, trt_engine, to
     assert configs["tensorrt_llm_bls"].model_transaction_policy.decoupled is True
     for model in ("preprocessing", "postprocessing", "tensorrt_llm_bls", HISTORY_CHAT):
         assert parameter(configs[model], "tokenizer_dir") == str(tok.resolve())
-        assert configs[model].instance_group[0].count == 1
+        # the BLS and history models: one instance per sequence the engine runs at once
+        assert configs[model].instance_group[0].count == (1 if "processing" in model else LIMITS["max_batch_size"])
     assert parameter(configs["preprocessing"], "max_input_len") == str(LIMITS["max_input_len"])
     files = tree(repo)
     for name in TRTGLM_MODEL_FILES:

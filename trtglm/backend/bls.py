@@ -12,11 +12,17 @@ NVIDIA's BLS model passes on), each prompt of a batch comes in responses of its 
 batch_index (decoupled only: a repository that is not refuses a batch in tensorrt_llm), and with
 num_return_sequences each sequence with its sequence_index.
 
-In a decoupled repository each request runs in a worker thread, so requests overlap and the
-engine can batch them in flight; otherwise requests are answered in order, one response each.
+Each instance answers one request at a time, on the thread Triton calls `execute` on, as NVIDIA's
+BLS model does: Triton 2.51's python-backend stub wedges (every thread waiting on the server for
+good) or corrupts its heap when several threads of one model send responses, ask whether a request
+is cancelled and start BLS requests at once under load. Requests overlap across instances, and the
+engine batches them in flight: a repository has one instance per sequence the engine runs at once
+(the profile's serve.bls_instances, 0: the engine's max_batch_size). A decoupled repository streams
+each request's responses; otherwise each request gets one response.
 
-The engine's responses are awaited WAIT_S at a time, checking in between that the engine's
-python-backend process still runs: when it has died (Triton 2.51 then never answers, nor
+The engine's responses are read by a thread of their own (which calls nothing else of Triton's)
+and awaited WAIT_S at a time, checking in between that the engine's python-backend process still
+runs: when it has died (Triton 2.51 then never answers, nor
 restarts it), the request ends with an error saying so, within about WAIT_S, and later
 requests are refused at once.
 """
@@ -27,7 +33,6 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -225,22 +230,22 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.engine_decoupled = self.decoupled  # tensorrt_llm answers as this model does (the repository's mode)
         self.dtypes = triton_io.output_dtypes(config)
-        self.pool = ThreadPoolExecutor(max_workers=max(1, int(config.get("max_batch_size", 1))),
-                                       thread_name_prefix="bls")
+        self.asked: set[str] | None = None  # the outputs the request in hand asked for (None: all)
 
     def execute(self, requests: list):
+        """One request after another on this thread (see the module's docstring)."""
         if not self.decoupled:
-            return list(self.pool.map(self._answer, requests))
+            return [self._answer(request) for request in requests]
         for request in requests:
-            self.pool.submit(self._stream, request)
+            self._stream(request)
         return None
-
-    def finalize(self) -> None:
-        self.pool.shutdown(wait=True)
 
     # --- one request ----------------------------------------------------------------------------
 
     def _prepare(self, request) -> tuple[dict, dict]:
+        # the outputs this request's client asked for (None: all): a response carrying others crashed the stub
+        # under gRPC streaming load on a GPU machine (Triton 2.51, Python 3.12 stub); one request at a time
+        self.asked = triton_io.requested_outputs(request)
         client = triton_io.input_arrays(request, (*TO_PREPROCESSING, *PASSED, *REPLY_FORM.values(),
                                                   *names(BLS_ONLY_INPUTS)))
         for tensor in BLS_ONLY_INPUTS:
@@ -323,18 +328,20 @@ class TritonPythonModel:
             arrived = [outputs for outputs in arrived if "output_ids" in outputs and "sequence_length" in outputs]
             if arrived:
                 yield arrived
-            if _cancelled(request):
+            if triton_io.cancelled(request):
                 responses.cancel()
                 raise UsageError("request cancelled")
 
     def _outputs(self, response) -> dict[str, np.ndarray]:
+        """The response's output arrays, copied: `as_numpy()` views the response's shared memory, which is freed
+        with the response, and a view kept past it (log probs sent on later) crashed the stub under load."""
         if response.has_error():
             raise EngineError(f"{self.engine}: {response.error().message()}")
         outputs = {}
         for name in ENGINE_OUTPUTS:
             tensor = pb_utils.get_output_tensor_by_name(response, name)
             if tensor is not None:
-                outputs[name] = tensor.as_numpy()
+                outputs[name] = np.array(tensor.as_numpy(), copy=True)
         return outputs
 
     def _response(self, texts: list[list[str]], log_probs: dict[str, np.ndarray], client: dict, row: int = 0,
@@ -348,6 +355,8 @@ class TritonPythonModel:
         for name, value in (("batch_index", row if batch > 1 else None), ("sequence_index", sequence_index)):
             if value is not None:
                 arrays[name] = np.array([[value]], dtype=np.int32)
+        if self.asked is not None:
+            arrays = {name: array for name, array in arrays.items() if name in self.asked}
         return pb_utils.InferenceResponse(output_tensors=triton_io.output_tensors(arrays, self.dtypes))
 
 
@@ -387,8 +396,3 @@ def asked_outputs(inputs: dict[str, np.ndarray]) -> list[str]:
 def _wants_token_outputs(client: dict) -> bool:
     """Whether the client asks for something of every token (a streamed piece of no text still carries it)."""
     return any(flag_set(client.get(flag)) for flag in ("return_log_probs", "return_generation_logits"))
-
-
-def _cancelled(request) -> bool:
-    is_cancelled = getattr(request, "is_cancelled", None)
-    return bool(is_cancelled and is_cancelled())

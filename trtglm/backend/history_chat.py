@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -36,7 +35,6 @@ from trtglm.chatglm import chat
 from trtglm.errors import UsageError
 
 INPUTS = names(CONTRACT[HISTORY_CHAT].inputs)  # prompt, history, temperature, max_token, history_len
-THREADS = 4  # requests of one execute() answered at once
 
 
 def request_turns(prompt: str, history: list[str], history_len: int) -> tuple[list[dict], list[dict]]:
@@ -82,10 +80,10 @@ class TritonPythonModel(bls.TritonPythonModel):
         self.engine_processes = triton_io.ModelProcesses(self.engine)
         self.engine_decoupled = triton_io.bool_parameter(setup.params, LLM_DECOUPLED, setup.name)
         self.dtypes = triton_io.output_dtypes(setup.config)
-        self.pool = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix=HISTORY_CHAT)
 
     def execute(self, requests: list) -> list:
-        return list(self.pool.map(self._answer, requests))
+        """One request after another on this thread, as the BLS model answers (bls.py says why)."""
+        return [self._answer(request) for request in requests]
 
     def _answer(self, request):
         try:

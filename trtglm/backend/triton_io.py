@@ -100,6 +100,12 @@ def input_arrays(request, names) -> dict[str, np.ndarray | None]:
     return arrays
 
 
+def requested_outputs(request) -> set[str] | None:
+    """The output names the client asked for; None where it asked for none by name (all are sent)."""
+    names = getattr(request, "requested_output_names", lambda: [])()
+    return set(names) or None
+
+
 def output_tensors(arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, np.dtype]) -> list:
     """pb_utils tensors of the arrays whose names the model declares, cast to the declared types."""
     return [pb_utils.Tensor(name, np.ascontiguousarray(array).astype(dtypes[name], copy=False))
@@ -110,6 +116,12 @@ class ModelGone(TrtglmError):
     """A model this one calls has no running process (not the client's fault: UNAVAILABLE)."""
 
     status = "UNAVAILABLE"
+
+
+def cancelled(request) -> bool:
+    """Whether the client cancelled `request` (False where this Triton cannot tell)."""
+    is_cancelled = getattr(request, "is_cancelled", None)
+    return bool(is_cancelled and is_cancelled())
 
 
 def error_response(error: BaseException):

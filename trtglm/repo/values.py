@@ -75,6 +75,8 @@ def placeholder_values(manifest: Mapping, tokenizer_dir: str, version: str,
     values.update(FIXED)
     values.update({name: _limit(manifest, key) for name, key in LIMIT_KEYS.items()})
     values.update({name: _serve(manifest, key) for name, key in SERVE_KEYS.items()})
+    if not values["bls_instance_count"]:  # 0: one BLS instance per sequence the engine runs at once
+        values["bls_instance_count"] = _limit(manifest, "max_batch_size")
     values.update(engine_dir=manifest["engine_dir"], tokenizer_dir=str(tokenizer_dir),
                   triton_backend=BACKENDS[manifest["engine"]], vocab_size=_vocab_size(manifest),
                   encoder_input_features_data_type=_datatype(manifest),

@@ -6,9 +6,8 @@ events, `data: {json}` then `data: [DONE]`), with FastAPI under uvicorn.
 
 Every answer comes from Triton over gRPC streaming (tritonclient's asyncio client), from
 `ensemble` when trtglm's python backend serves tensorrt_llm (its postprocessing then streams exact
-text, and the ensemble stays up under streaming load over gRPC, where Triton 2.51's python backend
-can kill the BLS model's stub: docs/troubleshooting.md), else from `tensorrt_llm_bls` (with
-NVIDIA's backend only the BLS model streams exact text), else from `ensemble`. The request's messages go as a JSON chat in
+text, with no BLS instance between), else from `tensorrt_llm_bls` (with NVIDIA's backend only the
+BLS model streams exact text), else from `ensemble`. The request's messages go as a JSON chat in
 `text_input` (openai_protocol.py builds it; the served preprocessing applies ChatGLM3's template
 with trtglm.chatglm.chat, which counts the prompt's tokens here too); a completion's prompt is one
 user turn; the prompt's tokens are counted in the engine's own prompt format (ChatGLM2's for a
