@@ -84,7 +84,8 @@ class ConvertSection:
 
 @dataclass(frozen=True)
 class BuildSection:
-    engine: str = field(metadata=_choices("tensorrt", "torch"))
+    # auto: `build-engine` builds a TensorRT engine where trtllm-build is on PATH, else one for trtglm's runtime
+    engine: str = field(metadata=_choices("auto", "tensorrt", "torch"))
     max_batch_size: int = field(metadata=_at_least(1))
     max_input_len: int = field(metadata=_at_least(1))
     max_seq_len: int = field(metadata=_at_least(2))
@@ -344,7 +345,7 @@ def _check_engine_features(p: Profile, where: str) -> None:
     if b.use_paged_context_fmha and not (b.context_fmha and b.kv_cache_type == "paged"):
         raise UsageError(f"{where}: build.use_paged_context_fmha needs build.context_fmha true and "
                          "build.kv_cache_type paged")
-    if s.batching_strategy == "inflight_fused_batching" and b.engine == "tensorrt":
+    if s.batching_strategy == "inflight_fused_batching" and b.engine in ("tensorrt", "auto"):
         needs = {"build.kv_cache_type": b.kv_cache_type == "paged",
                  "build.remove_input_padding": b.remove_input_padding,
                  "build.gpt_attention_plugin": b.gpt_attention_plugin != "disable"}

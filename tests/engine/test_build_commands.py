@@ -117,7 +117,7 @@ TRTLLM07 = {
 
 
 def test_every_tensorrt_profile_has_expected_lists():
-    tensorrt = {p.stem for p in CONFIGS.glob("*.yaml") if load_profile(p).build.engine == "tensorrt"}
+    tensorrt = {p.stem for p in CONFIGS.glob("*.yaml") if load_profile(p).build.engine in ("tensorrt", "auto")}
     assert tensorrt == set(TRTLLM_BUILD) == set(TRTLLM07) | NOT_IN_TRTLLM07
 
 

@@ -2,6 +2,7 @@
 stand-in `trtllm-build` (tests/stand_ins) that checks its exact argv and writes an engine folder."""
 
 import json
+import logging
 import os
 import shlex
 import shutil
@@ -20,6 +21,7 @@ from trtglm.convert.staging import staged_output
 from trtglm.engine.build import build_engine
 from trtglm.engine.manifest import read_manifest
 from trtglm.errors import DependencyError, ModelFileError, OutputExistsError, TrtglmError
+from trtglm.profile import load_profile
 
 TINY = REPO / "configs" / "tiny.yaml"
 STAND_INS = REPO / "tests" / "stand_ins"
@@ -226,6 +228,24 @@ def test_without_trtllm_build_the_error_names_the_container(hf, tmp_path, monkey
     assert "\n" not in str(info.value) and not out.exists()
 
 
+@pytest.mark.parametrize("with_trtllm", [True, False])
+def test_engine_auto_builds_tensorrt_where_trtllm_build_is_and_torch_elsewhere(hf, tmp_path, monkeypatch, caplog,
+                                                                              with_trtllm):
+    """The 6B profiles say build.engine auto: NVIDIA's container gets a TensorRT engine, any other machine one for
+    trtglm's runtime, and the log says which."""
+    out = tmp_path / "engine"
+    if with_trtllm:
+        StandIn(tmp_path, monkeypatch).expect(expected_trtllm_argv(out))
+    else:
+        monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with caplog.at_level(logging.INFO, logger="trtglm"):
+        build_engine(TINY, model_dir=hf, output_dir=out, overrides={**TENSORRT, "build.engine": "auto"})
+    expected = "tensorrt" if with_trtllm else "torch"
+    assert read_manifest(out)["engine"] == expected
+    assert f"build.engine auto → {expected}" in caplog.text
+    assert all(load_profile(p).build.engine == "auto" for p in (REPO / "configs").glob("chatglm3-6b-*.yaml"))
+
+
 def test_trtllm07_target_prints_the_v071_command(tmp_path, capsys):
     build_engine(REPO / "configs" / "chatglm3-6b-int8-tp1.yaml", model_dir="/models/chatglm3-6b",
                  output_dir=tmp_path / "e", target="trtllm-0.7")
@@ -375,7 +395,7 @@ def test_cli_build_engine_with_set_and_force(tmp_path, fixture_dir):
 
 def test_cli_dry_run_and_profile_errors(tmp_path, fixture_dir):
     dry = run_cli("build-engine", "--config", "configs/chatglm3-6b-fp16-tp2.yaml", "--model-dir", "/models/x",
-                  "--output-dir", tmp_path / "e", "--dry-run")
+                  "--output-dir", tmp_path / "e", "--set", "build.engine=tensorrt", "--dry-run")
     assert dry.returncode == 0, dry.stderr
     assert "trtllm-build --checkpoint_dir" in dry.stdout and "--tp-size 2" in dry.stdout
     bad = run_cli("build-engine", "--config", "configs/tiny.yaml", "--set", "build.max_input_len=600")

@@ -79,14 +79,14 @@ def test_shipped_profiles_are_complete_and_valid(name):
 
 def test_shipped_profiles_say_what_their_names_say():
     facts = {  # name -> (variant, dtype, weight_only, tp, engine)
-        "chatglm3-6b-fp16-tp1": ("chatglm3-6b", "float16", None, 1, "tensorrt"),
-        "chatglm3-6b-bf16-tp1": ("chatglm3-6b", "bfloat16", None, 1, "tensorrt"),
-        "chatglm3-6b-int8-tp1": ("chatglm3-6b", "float16", "int8", 1, "tensorrt"),
-        "chatglm3-6b-int4-tp1": ("chatglm3-6b", "float16", "int4", 1, "tensorrt"),
-        "chatglm3-6b-fp16-tp2": ("chatglm3-6b", "float16", None, 2, "tensorrt"),
-        "chatglm3-6b-fp16-tp4": ("chatglm3-6b", "float16", None, 4, "tensorrt"),
-        "chatglm3-6b-32k-fp16-tp1": ("chatglm3-6b-32k", "float16", None, 1, "tensorrt"),
-        "chatglm3-6b-128k-fp16-tp1": ("chatglm3-6b-128k", "float16", None, 1, "tensorrt"),
+        "chatglm3-6b-fp16-tp1": ("chatglm3-6b", "float16", None, 1, "auto"),
+        "chatglm3-6b-bf16-tp1": ("chatglm3-6b", "bfloat16", None, 1, "auto"),
+        "chatglm3-6b-int8-tp1": ("chatglm3-6b", "float16", "int8", 1, "auto"),
+        "chatglm3-6b-int4-tp1": ("chatglm3-6b", "float16", "int4", 1, "auto"),
+        "chatglm3-6b-fp16-tp2": ("chatglm3-6b", "float16", None, 2, "auto"),
+        "chatglm3-6b-fp16-tp4": ("chatglm3-6b", "float16", None, 4, "auto"),
+        "chatglm3-6b-32k-fp16-tp1": ("chatglm3-6b-32k", "float16", None, 1, "auto"),
+        "chatglm3-6b-128k-fp16-tp1": ("chatglm3-6b-128k", "float16", None, 1, "auto"),
     }
     for name, expected in facts.items():
         p = load_profile(CONFIGS / f"{name}.yaml")

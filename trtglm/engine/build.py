@@ -38,6 +38,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,7 @@ def build_engine(config: str | Path, model_dir: str | Path | None = None, output
     """Build the engine folder for profile `config`; returns it (None for --dry-run / another target)."""
     if target not in TARGETS:
         raise UsageError(f"--target must be one of {', '.join(TARGETS)}, not {target!r}")
-    profile = load_build_profile(config, model_dir, overrides)
+    profile = load_build_profile(config, model_dir, overrides, tensorrt=target == "trtllm-0.7")
     out = Path(output_dir) if output_dir is not None else DEFAULT_ENGINES / profile.name
     hf = _model_dir(profile)
     if target == "trtllm-0.7":
@@ -90,12 +91,27 @@ def build_engine(config: str | Path, model_dir: str | Path | None = None, output
 
 
 def load_build_profile(config: str | Path, model_dir: str | Path | None = None,
-                       overrides: dict[str, Any] | None = None) -> Profile:
-    """The profile with `--model-dir` (relative to the working directory) applied as `model.dir`."""
+                       overrides: dict[str, Any] | None = None, tensorrt: bool = False) -> Profile:
+    """The profile with `--model-dir` (relative to the working directory) applied as `model.dir`, and
+    build.engine auto resolved (`tensorrt`: to a TensorRT engine whatever this machine has)."""
     overrides = dict(overrides or {})
     if model_dir is not None:
         overrides["model.dir"] = str(Path(model_dir).resolve())
-    return load_profile(config, overrides)
+    profile = load_profile(config, overrides)
+    engine = "tensorrt" if tensorrt and profile.build.engine == "auto" else resolved_engine(profile)
+    return replace(profile, build=replace(profile.build, engine=engine))
+
+
+def resolved_engine(profile: Profile) -> str:
+    """build.engine, `auto` resolved: a TensorRT engine where trtllm-build is on PATH (NVIDIA's container),
+    else one for trtglm's PyTorch runtime, which runs on any GPU (or CPU) with PyTorch; the choice is said."""
+    if profile.build.engine != "auto":
+        return profile.build.engine
+    found = shutil.which(TRTLLM_BUILD)
+    log.info("%s: build.engine auto → %s", profile.path,
+             f"tensorrt ({TRTLLM_BUILD} at {found})" if found else
+             f"torch (no {TRTLLM_BUILD} on PATH: trtglm's PyTorch runtime)")
+    return "tensorrt" if found else "torch"
 
 
 def _model_dir(profile: Profile) -> Path:

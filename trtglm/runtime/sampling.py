@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from trtglm.errors import UsageError
-from trtglm.runtime.gumbel import gumbel_argmax
 from trtglm.request_config import SamplingConfig
+from trtglm.runtime.gumbel import gumbel_argmax
 from trtglm.runtime.request import Request
 
 NEG_INF = float("-inf")
