@@ -28,14 +28,17 @@ LIMITS = {"max_batch_size": 8, "max_input_len": 384, "max_seq_len": 512, "max_nu
 # A stand-in for trtglm's PyTorch runtime behind the python backend: it answers each prompt
 # with the ids script.json gives for it and obeys TensorRT-LLM's rules (generation ends at
 # end_id, which is not returned, or after a stop word, which is; streaming sends each new id
-# in its own response) and trtglm's (generated_ids holds every id so far, is_final marks the
+# in its own response, STEP_S apart) and trtglm's (generated_ids holds every id so far, is_final marks the
 # last response; only requested outputs are sent). Every call is logged to calls.jsonl.
 STAND_IN_ENGINE = '''
 import json
 import os
+import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+STEP_S = 0.01  # streamed tokens come one per step, as an engine's do (a model reading them may fall behind)
 
 
 def words(word_list):
@@ -102,6 +105,7 @@ class TritonPythonModel:
             if streaming:
                 for i, token in enumerate(ids):
                     last = i == len(ids) - 1
+                    time.sleep(STEP_S)
                     sender.send(self.response(request, [token], ids[:i + 1], last), flags=final if last else 0)
                 if not ids:
                     sender.send(self.response(request, [], [], True), flags=final)
