@@ -10,6 +10,7 @@
 #   PARTS=serving scripts/bench_gpu.sh [DEST]
 #   PARTS=tp scripts/bench_gpu.sh [DEST]
 #   PARTS=sampling [BASELINE_TREE=.baseline] scripts/bench_gpu.sh [DEST]
+#   PARTS=firstlaunch scripts/bench_gpu.sh [DEST]
 #
 # PARTS picks the parts (each takes five to seven minutes on an H200): `runtime` (bench runtime),
 # `kernels` (bench matmul, pdl, prefill, step-parts, Nsight Compute), `inflight` (bench inflight: the
@@ -56,6 +57,14 @@
 # SAMPLING_MODEL (an HF folder instead of random weights), SAMPLING_LOAD (the served load's flags), SAMPLING_IN_PROCESS
 # (the in-process run's model and load flags); a dry run on a CPU: SAMPLING_MODEL=tests/fixtures/tiny-chatglm3
 # SAMPLING_CONFIG=configs/tiny.yaml TOKENIZER_DIR=tests/fixtures/tiny-chatglm3 and small loads.
+# `firstlaunch` (not in the default set): the README's GPU block as written (the model's place aside) on a machine
+# whose caches are empty, each command timed: synth-model 6b (bf16) → build-engine configs/chatglm3-6b-bf16-tp1.yaml
+# (build.engine auto; on a GPU it compiles and tunes the kernels into the engine's kernels/ folder) → patch-repo →
+# launch --detach (the first launch of the built engine, timed) → the README's curl → stop → a second launch, timed →
+# stop. Results DEST/firstlaunch.txt (every command, its output and seconds), DEST/firstlaunch-answer.json,
+# DEST/firstlaunch-rank0-{1,2}.log. Knobs: FIRST_WORK (default /tmp/trtglm-first), FIRST_MODEL (an HF folder instead
+# of random weights), FIRST_CONFIG; a dry run on a CPU: FIRST_MODEL=tests/fixtures/tiny-chatglm3
+# FIRST_CONFIG=configs/tiny.yaml TOKENIZER_DIR=tests/fixtures/tiny-chatglm3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${1:-${OUT:-out/bench-gpu}}
@@ -208,4 +217,44 @@ if [[ " $PARTS " == *" sampling "* ]]; then
     phase "the sampling tests on the GPU"
     python3 -m pytest -q -p no:cacheprovider tests/runtime/test_sampling.py 2>&1 | tail -n 15 | tee -a "$DEST/sampling.txt"
     phase done
+fi
+if [[ " $PARTS " == *" firstlaunch "* ]]; then
+    work=${FIRST_WORK:-/tmp/trtglm-first} tokenizer=$(realpath "$(tokenizer_65k)") config=${FIRST_CONFIG:-configs/chatglm3-6b-bf16-tp1.yaml}
+    rm -rf "$work" && mkdir -p "$work"
+    # nothing compiled, tuned or prepared outside the engine: as on a fresh machine
+    export TRTGLM_STATE_DIR=$work/state XDG_CACHE_HOME=$work/cache TRITON_CACHE_DIR=$work/triton-cache
+    log=$DEST/firstlaunch.txt engine=engines/$(basename "$config" .yaml) repo=$work/repo
+    started=$(date +%s.%N)
+    since() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
+    say() { echo "[firstlaunch $(since "$started") s] $*" | tee -a "$log"; }
+    timed() {  # one command, its output into the log, and its seconds
+        local t0 rc=0
+        t0=$(date +%s.%N); say "\$ $*"
+        "$@" >> "$log" 2>&1 || rc=$?
+        say "took $(since "$t0") s, exit $rc"
+        return $rc
+    }
+    model=${FIRST_MODEL:-$work/model}
+    if [ -z "${FIRST_MODEL:-}" ]; then
+        timed python3 -m trtglm synth-model --preset 6b --dtype bfloat16 --out "$model" --force
+        cp "$tokenizer/tokenizer.model" "$tokenizer/tokenizer_config.json" "$model/"
+    fi
+    rm -rf "$engine"
+    timed python3 -m trtglm build-engine --config "$config" --model-dir "$model"
+    timed python3 -m trtglm patch-repo --engine-dir "$engine" --output-repo "$repo"
+    ls "$engine"/kernels/* >> "$log" 2>&1 || say "no kernels folder in $engine"
+    for launch in 1 2; do
+        if ! timed python3 -m trtglm launch --repo "$repo" --detach --timeout 300; then
+            say "launch $launch failed"; tail -n 60 "$work"/state/*/logs/ranks/rank.0/std* >> "$log" 2>&1 || true; break
+        fi
+        cp "$(ls "$work"/state/*/logs/ranks/rank.0/stderr | head -n 1)" "$DEST/firstlaunch-rank0-$launch.log" || true
+        if [ "$launch" = 1 ]; then
+            timed curl -s -X POST http://127.0.0.1:8000/v2/models/ensemble/generate \
+                -d '{"text_input": "你好", "max_tokens": 64}' -o "$DEST/firstlaunch-answer.json" || true
+        fi
+        timed python3 -m trtglm stop --repo "$repo" || true
+    done
+    grep -h "kernels\|compiling\|engine set up\|ready after" "$DEST"/firstlaunch-rank0-*.log 2>/dev/null \
+        | tee -a "$log" || true
+    say done
 fi

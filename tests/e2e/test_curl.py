@@ -11,6 +11,8 @@ import pytest
 from conftest import REPO
 from support.servers import free_port, launched_server
 
+from trtglm.files import read_phase
+
 pytestmark = pytest.mark.slow
 
 SCRIPT = REPO / "scripts" / "curl_tests.sh"
@@ -72,3 +74,9 @@ def test_an_unreachable_server_fails_every_check():
     got = results(done.stdout)
     assert list(got) == CHECKS
     assert all(verdict.startswith("FAIL: ") and "no answer" in verdict for verdict in got.values()), done.stdout
+
+
+def test_the_launch_followed_the_engines_start_by_its_phases(served):
+    """The engine said its phases as it started (weights, warm-up, ready); the launch's wait shows the last one."""
+    phase = read_phase(next((served.root / "state").glob("*/phase.json")))
+    assert phase is not None and phase[0] == "engine ready; Triton loads the other models", phase

@@ -24,8 +24,11 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import free_ports, kill_repo_processes, repo_processes
+from tqdm import tqdm
+
+from trtglm.files import PHASE_FILE, read_phase, report_phase
+from trtglm.serve.supervise import show_phase
 
 pytestmark = pytest.mark.slow
 
@@ -504,3 +507,16 @@ def test_stop_without_repo_needs_exactly_one_running_launch(env1):
     assert none.returncode == 2
     assert none.stderr.strip() == "trtglm: error: no launch is running"
     assert list(env1.state_dir.glob("*/state.json")) == []
+
+
+def test_the_wait_shows_the_engines_phase_and_its_time(tmp_path, monkeypatch):
+    phase_file = tmp_path / "phase.json"
+    monkeypatch.setenv(PHASE_FILE, str(phase_file))
+    bar = tqdm(disable=True, bar_format="{desc}")
+    show_phase(bar, phase_file, time.monotonic())
+    assert bar.desc == "starting tritonserver"
+    report_phase("kernels: compiling and tuning (minutes)")
+    show_phase(bar, phase_file, time.monotonic())
+    assert bar.desc == "starting tritonserver: kernels: compiling and tuning (minutes) (0 s)"
+    phase_file.write_text("{not json")
+    assert read_phase(phase_file) is None

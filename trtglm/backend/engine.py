@@ -20,6 +20,7 @@ import torch
 
 from trtglm.engine.manifest import read_manifest
 from trtglm.errors import TrtglmError, UsageError
+from trtglm.files import report_phase
 from trtglm.runtime.distributed import (Collectives, Distributed, LeaderSlotModel, RankInfo, StepChannel, follow,
                                         join, rank_info)
 from trtglm.runtime.executor import Executor, Output, Request
@@ -35,6 +36,7 @@ WARM_UP_PROMPT = (1, 2, 3, 4)
 
 @dataclass(frozen=True)
 class EngineInfo:
+    engine_dir: Path  # on GPUs, its kernels/ folder keeps what the start compiles and tunes (kernel_cache.py)
     checkpoint_dir: Path
     tp_size: int
     max_batch_size: int
@@ -54,7 +56,7 @@ def engine_info(engine_dir: str | Path) -> EngineInfo:
     build = manifest["profile"].get("build")
     block = build.get("tokens_per_block", DEFAULT_TOKENS_PER_BLOCK) if isinstance(build, dict) else \
         DEFAULT_TOKENS_PER_BLOCK
-    return EngineInfo(Path(manifest["checkpoint_dir"]), int(mapping["tp_size"]) * int(mapping["pp_size"]),
+    return EngineInfo(Path(engine_dir), Path(manifest["checkpoint_dir"]), int(mapping["tp_size"]) * int(mapping["pp_size"]),
                       int(limits["max_batch_size"]), int(limits["max_seq_len"]), int(limits["max_num_tokens"]),
                       int(manifest["tokenizer"]["vocab_size"]), int(block), int(limits.get("max_beam_width", 1)))
 
@@ -87,8 +89,9 @@ def slot_model(engine: EngineInfo, info: RankInfo, device: torch.device, group: 
     rank = info.rank if info.world_size > 1 else None
     if runtime == "fast" or (runtime == "auto" and device.type == "cuda"):
         try:
-            from trtglm.runtime.fast import load_fast_model
+            from trtglm.runtime.fast import kernel_cache, load_fast_model
 
+            kernel_cache.use(engine.engine_dir, device)
             return load_fast_model(engine.checkpoint_dir, rank=rank, process_group=group.group if group else None,
                                    max_batch=slots, max_seq_len=engine.max_seq_len, device=device)
         except ImportError as e:
@@ -118,6 +121,7 @@ class ServedEngine:
                      time.monotonic() - started)
         group = self.distributed.collectives if self.distributed else None
         log.info("rank %d: loading the model on %s", self.info.rank, self.device)
+        report_phase("weights")
         loading = time.monotonic()
         model = slot_model(self.engine, self.info, self.device, group)
         log.info("rank %d: model loaded in %.2f s (weights; on GPUs also kernel tuning and CUDA graphs)",
@@ -136,6 +140,7 @@ class ServedEngine:
                      self.engine.max_num_tokens, "on" if kv_cache_reuse else "off", self.engine.tokens_per_block)
             self.executor.start()
             if warm_up:
+                report_phase("warm-up requests")
                 warming = time.monotonic()
                 self.warm_up()
                 log.info("rank 0: warm-up request in %.2f s", time.monotonic() - warming)
@@ -145,6 +150,7 @@ class ServedEngine:
                                                                       StepChannel(self.distributed.control)),
                                              name="trtglm-follower", daemon=True)
             self.follower.start()
+        report_phase("engine ready; Triton loads the other models")
         log.info("rank %d of %d ready on %s: %s", self.info.rank, self.info.world_size, self.device,
                  self.engine.checkpoint_dir)
         log.info("rank %d: engine set up in %.2f s", self.info.rank, time.monotonic() - started)

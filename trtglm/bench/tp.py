@@ -59,7 +59,7 @@ class Options:
     new_tokens: int = 128
     max_seq_len: int = 512
     seed: int = 0
-    tune: bool = True  # time the matmuls' block shapes at start-up (kept on disk per GPU: tuning_cache.py)
+    tune: bool = True  # time the matmuls' block shapes at start-up (kept on disk per GPU: kernel_cache.py)
     symmetric_memory: bool = False  # also time PyTorch's one-shot all-reduce over symmetric memory (GPUs)
 
 

@@ -24,6 +24,7 @@ COMMANDS = {
     "chat": client.chat,
     "synth-model": convert.synth_model,
     "build-engine": engine.build_engine,
+    "warmup": engine.warmup,
     "plan": engine.plan,
     "patch-repo": repo.patch_repo,
     "launch": serve.launch,

@@ -25,12 +25,14 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from trtglm.errors import DependencyError, TrtglmError, UsageError
 from trtglm.serve.checks import check_ports, check_repo, resolve_world_size
 from trtglm.serve.command import Endpoints
 from trtglm.serve.launch_spec import EXIT_TIMEOUT_S, LaunchSpec
 from trtglm.serve.state import LaunchDir, all_launch_dirs, clean_stale, only_launch
-from trtglm.serve.supervise import GRACE_S, Supervisor, announce
+from trtglm.serve.supervise import GRACE_S, Supervisor, announce, show_phase
 from trtglm.serve.tritonserver import backend_directory, find_mpirun, find_tritonserver, server_env, stub_python_bin
 
 log = logging.getLogger(__name__)
@@ -128,15 +130,17 @@ def _run_detached(spec: LaunchSpec, lock_fd: int) -> None:
 
 
 def _wait_detached(child: subprocess.Popen, launch_dir: LaunchDir, log_path: Path, limit_s: float) -> dict:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        state = launch_dir.read()
-        if state and state.get("pid") == child.pid and state.get("status") == "ready":
-            return state
-        code = child.poll()
-        if code is not None:
-            raise _supervisor_failed(log_path, code)
-        time.sleep(0.2)
+    started = time.monotonic()
+    with tqdm(desc="starting tritonserver", unit="s", disable=None, bar_format="{desc}: {elapsed}") as bar:
+        while time.monotonic() - started < limit_s:
+            state = launch_dir.read()
+            if state and state.get("pid") == child.pid and state.get("status") == "ready":
+                return state
+            code = child.poll()
+            if code is not None:
+                raise _supervisor_failed(log_path, code)
+            time.sleep(0.2)
+            show_phase(bar, launch_dir.phase_file, started)
     raise TrtglmError(f"the detached supervisor did not report within {limit_s:g} s (log: {log_path})")
 
 

@@ -62,6 +62,11 @@ class LaunchDir:
         return self.path / STATE
 
     @property
+    def phase_file(self) -> Path:
+        """Where the starting engine says which phase of its start it is in (files.report_phase)."""
+        return self.path / "phase.json"
+
+    @property
     def default_log_dir(self) -> Path:
         return self.path / "logs"
 

@@ -60,6 +60,7 @@ from tqdm import tqdm
 from trtglm.backend.contract import HISTORY_CHAT
 from trtglm.backend.cpus import engine_cpus_env
 from trtglm.errors import TrtglmError
+from trtglm.files import PHASE_FILE, read_phase
 from trtglm.serve.command import LLM_MODEL
 from trtglm.serve.launch_spec import LaunchSpec
 from trtglm.serve.openai_process import OpenAIProcess
@@ -139,6 +140,8 @@ class Supervisor:
     def start(self) -> None:
         self._reset_logs()
         env = server_env(dict(os.environ), self.spec.launch_id, self.spec.python_bin)
+        self.launch.phase_file.unlink(missing_ok=True)
+        env[PHASE_FILE] = str(self.launch.phase_file)
         engine_env, server_cpus = engine_cpus_env(self.spec.world_size, env)
         env.update(engine_env)
         if server_cpus:  # this process's children (the server, its stubs, the OpenAI API) inherit them
@@ -191,7 +194,7 @@ class Supervisor:
                     log.info("%s: ready after %.1f s", self.spec.repo, time.monotonic() - started)
                     return None
                 time.sleep(POLL_S)
-                bar.update(round(time.monotonic() - started) - bar.n)
+                show_phase(bar, self.launch.phase_file, started)
         return Failure(f"rank 0 was not ready within {self.spec.timeout_s:g} s; stopped all ranks "
                        f"(logs: {self.log_dir})", list(range(self.spec.world_size)))
 
@@ -428,6 +431,14 @@ def _terminate(proc: psutil.Process) -> None:
         proc.terminate()
     except psutil.Error:
         pass
+
+
+def show_phase(bar: tqdm, phase_file: Path, started: float) -> None:
+    """The waiting bar: time since the launch started, and the engine's phase with its time so far."""
+    phase = read_phase(phase_file)
+    bar.set_description_str(f"starting tritonserver: {phase[0]} ({phase[1]:.0f} s)" if phase else
+                             "starting tritonserver", refresh=False)
+    bar.update(round(time.monotonic() - started) - bar.n)
 
 
 def is_ready(url: str) -> bool:

@@ -25,13 +25,15 @@ import tempfile
 from pathlib import Path
 
 from trtglm.errors import DependencyError
+from trtglm.files import PHASE_FILE
 
 CONTAINER_BINARY = Path("/opt/tritonserver/bin/tritonserver")
 BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
 STUB = "triton_python_backend_stub"
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 EXPORTED_VARS = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
-                 "NCCL_NVLS_ENABLE", "TRTGLM_RUNTIME", "TRTGLM_ENGINE_CPUS")
+                 "NCCL_NVLS_ENABLE", "TRTGLM_RUNTIME", "TRTGLM_ENGINE_CPUS", "TRTGLM_KERNEL_CACHE", "TRTGLM_RETUNE",
+                 PHASE_FILE)
 # ^ what mpirun passes to every rank
 
 

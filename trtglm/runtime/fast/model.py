@@ -52,6 +52,7 @@ from torch.nn.attention.bias import causal_lower_right
 from tqdm import tqdm
 
 from trtglm.errors import UsageError
+from trtglm.files import report_phase
 from trtglm.runtime.cache import StaticCache
 from trtglm.runtime.checkpoint import CheckpointConfig, load_checkpoint
 from trtglm.runtime.fast.linear import Linear
@@ -117,12 +118,13 @@ class FastModel:
         if graphs is None:
             graphs = self.device.type == "cuda"
         if graphs:
-            from trtglm.runtime.fast import tuning_cache  # needs Triton
+            from trtglm.runtime.fast import kernel_cache  # needs Triton
 
-            restored = self.tuned and tuning_cache.restore(self.device)
+            restored = self.tuned and kernel_cache.restore(self.device)
+            report_phase("CUDA graphs" if restored or not self.tuned else "kernels: compiling and tuning (minutes)")
             self.capture_graphs()
             if self.tuned and not restored:
-                tuning_cache.save(self.device)
+                kernel_cache.save(self.device)
 
     # --- loading -----------------------------------------------------------------------------------------------
 
