@@ -76,7 +76,7 @@ if ! python3 -c "import fire" 2>/dev/null; then
         .whl/fire-*.whl .whl/termcolor-*.whl
     export PYTHONPATH=/tmp/trtglm-site${PYTHONPATH:+:$PYTHONPATH}
 fi
-served() { [[ " $PARTS " == *" serving "* || " $PARTS " == *" sampling "* ]]; }
+served() { [[ " $PARTS " == *" serving "* || " $PARTS " == *" sampling "* || " $PARTS " == *" firstlaunch "* ]]; }
 tokenizer_65k() {  # the 65k tokenizer that random 6B weights need (TOKENIZER_DIR, else carried or beside)
     if [ -n "${TOKENIZER_DIR:-}" ]; then echo "$TOKENIZER_DIR"; return; fi
     for candidate in .whl/tokenizer-65k shared/gpu/tokenizer-65k ../shared/gpu/tokenizer-65k; do
@@ -220,7 +220,8 @@ if [[ " $PARTS " == *" sampling "* ]]; then
 fi
 if [[ " $PARTS " == *" firstlaunch "* ]]; then
     work=${FIRST_WORK:-/tmp/trtglm-first} tokenizer=$(realpath "$(tokenizer_65k)") config=${FIRST_CONFIG:-configs/chatglm3-6b-bf16-tp1.yaml}
-    rm -rf "$work" && mkdir -p "$work"
+    [ -n "${FIRST_KEEP:-}" ] || rm -rf "$work"
+    mkdir -p "$work"
     # nothing compiled, tuned or prepared outside the engine: as on a fresh machine
     export TRTGLM_STATE_DIR=$work/state XDG_CACHE_HOME=$work/cache TRITON_CACHE_DIR=$work/triton-cache
     log=$DEST/firstlaunch.txt engine=engines/$(basename "$config" .yaml) repo=$work/repo
@@ -235,16 +236,19 @@ if [[ " $PARTS " == *" firstlaunch "* ]]; then
         return $rc
     }
     model=${FIRST_MODEL:-$work/model}
-    if [ -z "${FIRST_MODEL:-}" ]; then
+    if [ -z "${FIRST_MODEL:-}" ] && [ ! -f "$model/config.json" ]; then
         timed python3 -m trtglm synth-model --preset 6b --dtype bfloat16 --out "$model" --force
         cp "$tokenizer/tokenizer.model" "$tokenizer/tokenizer_config.json" "$model/"
     fi
-    rm -rf "$engine"
-    timed python3 -m trtglm build-engine --config "$config" --model-dir "$model"
+    [ -n "${FIRST_KEEP:-}" ] && [ -d "$engine/kernels" ] || { rm -rf "$engine"; timed python3 -m trtglm build-engine \
+        --config "$config" --model-dir "$model"; }
+    rm -rf "$repo"
     timed python3 -m trtglm patch-repo --engine-dir "$engine" --output-repo "$repo"
     ls "$engine"/kernels/* >> "$log" 2>&1 || say "no kernels folder in $engine"
     for launch in 1 2; do
-        if ! timed python3 -m trtglm launch --repo "$repo" --detach --timeout 300; then
+        # (--no-openai where FastAPI is missing: the GPU machines' image has none, and pip has no index there)
+        if ! timed python3 -m trtglm launch --repo "$repo" --detach --timeout 300 \
+                $(python3 -c "import fastapi" 2>/dev/null || echo --no-openai); then
             say "launch $launch failed"; tail -n 60 "$work"/state/*/logs/ranks/rank.0/std* >> "$log" 2>&1 || true; break
         fi
         cp "$(ls "$work"/state/*/logs/ranks/rank.0/stderr | head -n 1)" "$DEST/firstlaunch-rank0-$launch.log" || true

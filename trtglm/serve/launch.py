@@ -84,15 +84,15 @@ def launch(repo: str | Path, world_size: int | None = None, tritonserver: str | 
 
 def _serves_openai(repo: Path) -> bool:
     """Whether the OpenAI-compatible API can answer for `repo`, whose packages are installed (else an error)."""
+    for package in ("fastapi", "uvicorn", "pydantic"):
+        if importlib.util.find_spec(package) is None:
+            raise DependencyError(f"the OpenAI API needs {package}: pip install 'trtglm[openai]' (or launch with "
+                                  "--no-openai)")
     from trtglm.serve.openai_api import served_model
 
     if served_model(repo) is None:
         log.debug("%s has no tensorrt_llm_bls or ensemble with preprocessing: not serving the OpenAI API", repo)
         return False
-    for package in ("fastapi", "uvicorn"):
-        if importlib.util.find_spec(package) is None:
-            raise DependencyError(f"the OpenAI API needs {package}: pip install 'trtglm[openai]' (or launch with "
-                                  "--no-openai)")
     return True
 
 
