@@ -91,10 +91,10 @@ def launched_server(root: Path, build_flags: tuple[str, ...] = ()):
 class Server:
     """A detached `trtglm launch` of one repository, stopped with `trtglm stop`."""
 
-    def __init__(self, repo: Path, world: int, state_dir: Path):
+    def __init__(self, repo: Path, world: int, state_dir: Path, extra_env: dict[str, str] | None = None):
         self.repo, self.world = repo, world
         self.http_port, self.grpc_port, self.metrics_port, self.openai_port = free_ports(4)
-        self.env = {**os.environ, "TRTGLM_STATE_DIR": str(state_dir), "PYTHONUNBUFFERED": "1"}
+        self.env = {**os.environ, "TRTGLM_STATE_DIR": str(state_dir), "PYTHONUNBUFFERED": "1", **(extra_env or {})}
         started = self.cli("launch", "--repo", str(repo), "--world-size", str(world), "--detach", "--timeout", "180",
                            "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
                            "--metrics-port", str(self.metrics_port), "--openai-port", str(self.openai_port),

@@ -31,7 +31,9 @@ from trtglm.serve.command import Endpoints
 from trtglm.serve.launch_spec import EXIT_TIMEOUT_S, LaunchSpec
 from trtglm.serve.state import LaunchDir, all_launch_dirs, clean_stale, only_launch
 from trtglm.serve.supervise import GRACE_S, Supervisor, announce
-from trtglm.serve.tritonserver import backend_directory, find_mpirun, find_tritonserver, server_env, stub_python_bin
+from trtglm.serve.preload import preload_library
+from trtglm.serve.tritonserver import (backend_directory, find_mpirun, find_tritonserver, mpirun_version,
+                                       preload_cache_dir, server_env, stub_python_bin)
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,9 @@ def launch(repo: str | Path, world_size: int | None = None, tritonserver: str | 
     endpoints = Endpoints(str(host), http_port, grpc_port, metrics_port,
                           openai_port if openai and _serves_openai(repo_path) else None)
     binary = find_tritonserver(tritonserver)
-    mpirun = str(find_mpirun()) if size > 1 else None
+    mpirun = find_mpirun() if size > 1 else None
+    mpi_version = mpirun_version(mpirun) if mpirun else None
+    preload = preload_library(preload_cache_dir())
     backend_dir = backend_directory(binary)
     python_bin = stub_python_bin(binary)
     launch_dir = LaunchDir.for_repo(repo_path)
@@ -65,7 +69,8 @@ def launch(repo: str | Path, world_size: int | None = None, tritonserver: str | 
             clean_stale(launch_dir)
         check_ports(endpoints)
         spec = LaunchSpec(repo=str(repo_path), world_size=size, endpoints=endpoints, tritonserver=str(binary),
-                          backend_dir=str(backend_dir) if backend_dir else None, mpirun=mpirun,
+                          backend_dir=str(backend_dir) if backend_dir else None,
+                          mpirun=str(mpirun) if mpirun else None, mpi_version=mpi_version, preload=str(preload),
                           python_bin=str(python_bin) if python_bin else None,
                           launch_dir=str(launch_dir.path),
                           log_dir=str(Path(log_dir).expanduser().resolve() if log_dir else launch_dir.default_log_dir),
