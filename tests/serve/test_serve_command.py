@@ -16,7 +16,7 @@ import pytest
 from conftest import free_ports
 from trtglm.errors import DependencyError, ModelFileError, UsageError
 from trtglm.serve import checks, tritonserver
-from trtglm.serve.checks import check_ports, engine_world_size, resolve_world_size
+from trtglm.serve.checks import check_ports, engine_world_size, profile_ports, resolve_world_size
 from trtglm.serve.command import Endpoints, launch_args, mpi_major, restricted_args, server_args
 from trtglm.serve.tritonserver import find_tritonserver, prepare_python_backend
 
@@ -222,6 +222,17 @@ def test_repository_without_tensorrt_llm_has_no_engine_to_match(tmp_path):
     assert engine_world_size(tmp_path) is None
     assert resolve_world_size(tmp_path, None) == 1
     assert resolve_world_size(tmp_path, 3) == 3
+
+
+def test_the_ports_the_engines_profile_names(tmp_path):
+    manifest = '{"mapping": {"world_size": 1}, "profile": {"serve": {"http_port": 9100, "grpc_port": 9101, ' \
+               '"metrics_port": 9102, "world_size": 1}}}'
+    assert profile_ports(repo_with_engine(tmp_path / "a", "trtglm.json", manifest)) == {
+        "http": 9100, "grpc": 9101, "metrics": 9102}
+    built_elsewhere = '{"pretrained_config": {"mapping": {"world_size": 1}}}'
+    assert profile_ports(repo_with_engine(tmp_path / "b", "config.json", built_elsewhere)) == {}
+    (tmp_path / "c" / "echo").mkdir(parents=True)
+    assert profile_ports(tmp_path / "c") == {}
 
 
 def test_unrendered_or_missing_engine_folder_is_refused(tmp_path):
