@@ -11,7 +11,7 @@
 #
 # Environment: PROMPT (default "What is the capital of France?", the test fixture's question),
 # EXPECT (default "The capital of France is Paris."; empty: any non-empty answer), MAX_TOKENS
-# (64), METRICS_URL (default: the base URL's host, port 8002, /metrics), LONG_PROMPT_WORDS
+# (64), METRICS_URL (default: the metrics URL of the trtglm launch serving BASE_URL), LONG_PROMPT_WORDS
 # (40000: words in the too-long prompt), CURL_TIMEOUT (seconds per request, 120).
 
 set -u
@@ -176,20 +176,37 @@ check_error() {
     pass "$name (HTTP ${status%% *}: ${message:0:120})"
 }
 
+# metrics_url: $METRICS_URL, else the metrics URL of the trtglm launch serving BASE_URL (its state.json, in
+# $TRTGLM_STATE_DIR or $XDG_CACHE_HOME/trtglm/launches, default ~/.cache/trtglm/launches); fails without one.
 metrics_url() {
     if [[ -n "${METRICS_URL:-}" ]]; then echo "$METRICS_URL"; return; fi
     python3 - "$BASE_URL" <<'EOF'
-import sys
+import json, os, sys
+from pathlib import Path
 from urllib.parse import urlsplit
-parts = urlsplit(sys.argv[1] if "://" in sys.argv[1] else "http://" + sys.argv[1])
-host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
-print(f"{parts.scheme}://{host}:8002/metrics")
+
+def netloc(url):
+    parts = urlsplit(url if "://" in url else "http://" + url)
+    host = {"localhost": "127.0.0.1", "0.0.0.0": "127.0.0.1"}.get(parts.hostname or "", parts.hostname)
+    return host, parts.port
+
+cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+root = Path(os.environ.get("TRTGLM_STATE_DIR") or Path(cache) / "trtglm" / "launches")
+for state_file in sorted(root.glob("*/state.json")):
+    try:
+        urls = json.loads(state_file.read_text()).get("urls", {})
+    except (OSError, ValueError):
+        continue
+    if urls.get("metrics") and netloc(urls.get("http", "")) == netloc(sys.argv[1]):
+        print(urls["metrics"])
+        sys.exit(0)
+sys.exit(f"no trtglm launch serves {sys.argv[1]} (state in {root}): set METRICS_URL")
 EOF
 }
 
 check_metrics() {
     local url status count
-    url="$(metrics_url)"
+    if ! url="$(metrics_url 2>"$WORK/metrics-url.err")"; then fail "metrics" "$(cat "$WORK/metrics-url.err")"; return; fi
     status="$(curl -sS --max-time "$CURL_TIMEOUT" -o "$WORK/metrics.out" -w '%{http_code}' "$url" \
         2>"$WORK/metrics.err")"
     if [[ "$status" != 200 ]]; then fail "metrics" "$url: $(reason metrics "$status")"; return; fi

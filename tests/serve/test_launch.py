@@ -352,9 +352,8 @@ def test_detach_second_launch_models_and_stop(env2):
 
 
 def assert_listens_on_loopback_alone(repo: Path) -> None:
-    """No rank of the launch (tritonserver, its stubs, their torch.distributed sockets) listens beyond loopback.
-    mpirun is left out: Open MPI 4.1's PMIx server binds its tool listener to every interface whatever the
-    MCA settings (its bootstrap and transports are held to loopback)."""
+    """No process of the launch (mpirun, tritonserver, its stubs, their torch.distributed sockets) listens
+    beyond loopback."""
     procs = {p.pid: p for p in repo_processes(repo)}
     for proc in list(procs.values()):
         try:
@@ -364,8 +363,6 @@ def assert_listens_on_loopback_alone(repo: Path) -> None:
     listening = []
     for proc in procs.values():
         try:
-            if proc.name() == "mpirun":
-                continue
             listening += [(proc.name(), c.laddr) for c in proc.net_connections("inet") if c.status == psutil.CONN_LISTEN]
         except psutil.Error:
             continue

@@ -16,8 +16,8 @@ import pytest
 from conftest import free_ports
 from trtglm.errors import DependencyError, ModelFileError, UsageError
 from trtglm.serve import checks, tritonserver
-from trtglm.serve.checks import check_ports, engine_world_size, resolve_world_size
-from trtglm.serve.command import Endpoints, launch_args, server_args
+from trtglm.serve.checks import check_ports, engine_world_size, profile_ports, resolve_world_size
+from trtglm.serve.command import Endpoints, launch_args, mpi_major, restricted_args, server_args
 from trtglm.serve.tritonserver import find_tritonserver, prepare_python_backend
 
 TS = "/opt/tritonserver/bin/tritonserver"
@@ -67,6 +67,26 @@ def test_world_size_2_is_one_mpirun_with_a_section_per_rank():
     assert build(2, output_dir="/logs/ranks") == [
         *MPIRUN, "--output-filename", "/logs/ranks:nocopy", *EXPORTS,
         "-n", "1", *RANK0, ":", "-n", "1", *other_rank(1)]
+
+
+def test_open_mpi_5_gets_its_own_loopback_and_log_flags():
+    mpirun5 = ["/usr/bin/mpirun", "--allow-run-as-root", "--noprefix", "--bind-to", "none",
+               "--mca", "btl_tcp_if_include", "lo"]  # PRRTE refuses loopback as its bootstrap network
+    assert build(2, output_dir="/logs/ranks", mpi_version=5) == [
+        *mpirun5, "--output", "dir=/logs/ranks", *EXPORTS, "-n", "1", *RANK0, ":", "-n", "1", *other_rank(1)]
+
+
+@pytest.mark.parametrize("text, major", [("mpirun (Open MPI) 4.1.4\n\nReport bugs to …", 4),
+                                         ("mpirun (Open MPI) 5.0.11\n", 5)])
+def test_the_open_mpi_major_version_comes_from_mpirun_version(text, major):
+    assert mpi_major(text) == major
+
+
+@pytest.mark.parametrize("text, error", [("HYDRA build details:\n    Version: 4.1.2", "not Open MPI"),
+                                          ("mpirun (Open MPI) 3.1.6", "Open MPI 3 is not supported")])
+def test_another_mpi_or_an_unknown_open_mpi_is_refused(text, error):
+    with pytest.raises(ValueError, match=error):
+        mpi_major(text)
 
 
 def test_world_size_4_on_two_cores_oversubscribes():
@@ -204,6 +224,17 @@ def test_repository_without_tensorrt_llm_has_no_engine_to_match(tmp_path):
     assert resolve_world_size(tmp_path, 3) == 3
 
 
+def test_the_ports_the_engines_profile_names(tmp_path):
+    manifest = '{"mapping": {"world_size": 1}, "profile": {"serve": {"http_port": 9100, "grpc_port": 9101, ' \
+               '"metrics_port": 9102, "world_size": 1}}}'
+    assert profile_ports(repo_with_engine(tmp_path / "a", "trtglm.json", manifest)) == {
+        "http": 9100, "grpc": 9101, "metrics": 9102}
+    built_elsewhere = '{"pretrained_config": {"mapping": {"world_size": 1}}}'
+    assert profile_ports(repo_with_engine(tmp_path / "b", "config.json", built_elsewhere)) == {}
+    (tmp_path / "c" / "echo").mkdir(parents=True)
+    assert profile_ports(tmp_path / "c") == {}
+
+
 def test_unrendered_or_missing_engine_folder_is_refused(tmp_path):
     with pytest.raises(ModelFileError, match="gpt_model_path .* is not set"):
         engine_world_size(repo_with_engine(tmp_path / "a", None, "", parameter="${engine_dir}"))
@@ -250,7 +281,7 @@ def test_free_ports_pass_and_bad_ones_are_refused():
 
 def test_rank0_restricts_the_repository_shared_memory_trace_and_logging_apis_to_the_launch_key():
     restricted = "model-repository,shared-memory,trace,logging:trtglm-api-key=s3cret"
-    rank0 = server_args(TS, REPO, 0, LOOPBACK, backend_dir="/b/backends", api_key="s3cret")
-    assert rank0 == RANK0[:-1] + [f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}",
-                                  RANK0[-1]]
-    assert server_args(TS, REPO, 1, LOOPBACK, backend_dir="/b/backends", api_key="s3cret") == other_rank(1)
+    assert restricted_args("s3cret") == [f"--http-restricted-api={restricted}",
+                                         f"--grpc-restricted-protocol={restricted}"]
+    # the key never reaches a command line: every rank's is the same without and with one
+    assert all("s3cret" not in arg for arg in build(2, output_dir="/logs/ranks"))

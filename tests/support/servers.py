@@ -34,14 +34,19 @@ def fixture_answers() -> dict[str, str]:
 
 class Launched:
     """The fixture's torch engine (`build_flags`: e.g. `--set` overrides of configs/tiny.yaml), its rendered
-    repository and a detached `trtglm launch` of it."""
+    repository and a detached `trtglm launch` of it (`profile_ports`: Triton's ports set in the profile, not
+    given to `launch`)."""
 
     def __init__(self, root: Path, server_flags: tuple[str, ...] = (), launch_flags: tuple[str, ...] = (),
-                 build_flags: tuple[str, ...] = ()):
+                 build_flags: tuple[str, ...] = (), profile_ports: bool = False):
         self.root, self.repo, self.server_flags = root, root / "repo", server_flags
-        self.launch_flags, self.build_flags = launch_flags, build_flags
         # below the ephemeral range: the clients' own connections (the OpenAI API's to Triton too) never take them
         self.ports = dict(zip(("http", "grpc", "metrics", "openai"), free_ports(4)))
+        self.flagged_ports = ("openai",) if profile_ports else tuple(self.ports)
+        profile_sets = [("--set", f"serve.{name}_port={port}") for name, port in self.ports.items()
+                        if name not in self.flagged_ports]
+        self.launch_flags, self.build_flags = launch_flags, (*build_flags, *(arg for pair in profile_sets
+                                                                              for arg in pair))
         self.env = {**os.environ, "TRTGLM_STATE_DIR": str(root / "state"), "PYTHONUNBUFFERED": "1"}
         self.url = f"http://127.0.0.1:{self.ports['http']}"
         self.grpc = f"127.0.0.1:{self.ports['grpc']}"
@@ -62,7 +67,7 @@ class Launched:
     def launch(self) -> subprocess.CompletedProcess:
         """A detached `trtglm launch` of the rendered repository, on the test's ports."""
         return self.run("launch", "--repo", str(self.repo), "--detach", "--timeout", "180",
-                        *(f"--{name}-port={port}" for name, port in self.ports.items()), *self.launch_flags,
+                        *(f"--{name}-port={self.ports[name]}" for name in self.flagged_ports), *self.launch_flags,
                         *(("--", *self.server_flags) if self.server_flags else ()))
 
     def start(self) -> None:
@@ -78,9 +83,9 @@ class Launched:
         self.run("stop", "--repo", str(self.repo), timeout=120)
 
 
-def launched_server(root: Path, build_flags: tuple[str, ...] = ()):
+def launched_server(root: Path, build_flags: tuple[str, ...] = (), profile_ports: bool = False):
     """Generator for module fixtures: a launched server, always stopped."""
-    server = Launched(root, build_flags=build_flags)
+    server = Launched(root, build_flags=build_flags, profile_ports=profile_ports)
     try:
         server.start()
         yield server
@@ -91,10 +96,10 @@ def launched_server(root: Path, build_flags: tuple[str, ...] = ()):
 class Server:
     """A detached `trtglm launch` of one repository, stopped with `trtglm stop`."""
 
-    def __init__(self, repo: Path, world: int, state_dir: Path):
+    def __init__(self, repo: Path, world: int, state_dir: Path, extra_env: dict[str, str] | None = None):
         self.repo, self.world = repo, world
         self.http_port, self.grpc_port, self.metrics_port, self.openai_port = free_ports(4)
-        self.env = {**os.environ, "TRTGLM_STATE_DIR": str(state_dir), "PYTHONUNBUFFERED": "1"}
+        self.env = {**os.environ, "TRTGLM_STATE_DIR": str(state_dir), "PYTHONUNBUFFERED": "1", **(extra_env or {})}
         started = self.cli("launch", "--repo", str(repo), "--world-size", str(world), "--detach", "--timeout", "180",
                            "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
                            "--metrics-port", str(self.metrics_port), "--openai-port", str(self.openai_port),

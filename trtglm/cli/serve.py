@@ -8,16 +8,17 @@ from trtglm.cli.flags import CountInt, Env, Passthrough, PosFloat, PosInt
 
 
 def launch(repo: str, world_size: PosInt | None = None, tritonserver: str | None = None, host: str = "127.0.0.1",
-           http_port: Annotated[PosInt, Env("HTTP_PORT")] = 8000,
-           grpc_port: Annotated[PosInt, Env("GRPC_PORT")] = 8001,
-           metrics_port: Annotated[PosInt, Env("METRICS_PORT")] = 8002, log_dir: str | None = None,
+           http_port: Annotated[PosInt | None, Env("HTTP_PORT")] = None,
+           grpc_port: Annotated[PosInt | None, Env("GRPC_PORT")] = None,
+           metrics_port: Annotated[PosInt | None, Env("METRICS_PORT")] = None, log_dir: str | None = None,
            detach: bool = False, timeout: PosFloat = 300.0,
            openai_port: Annotated[PosInt, Env("OPENAI_PORT")] = 8003, openai: bool = True,
            server_flags: Passthrough = ()):
     """Serve a Triton model repository with tritonserver (mpirun for --world-size > 1) until Ctrl-C.
 
-    --world-size defaults to the engine's tp × pp; --host binds rank 0's endpoints and the OpenAI
-    API (loopback by default); --detach returns once ready (stop with `trtglm stop`); --timeout:
+    --world-size defaults to the engine's tp × pp; --http-port, --grpc-port and --metrics-port to the
+    engine profile's serve.*_port (8000, 8001, 8002 when it names none); --host binds rank 0's endpoints
+    and the OpenAI API (loopback by default); --detach returns once ready (stop with `trtglm stop`); --timeout:
     seconds to wait for readiness; --openai-port: the OpenAI-compatible API's port (--no-openai:
     none). Words after `--` are passed on to every rank's tritonserver.
     """

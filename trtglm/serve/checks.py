@@ -56,6 +56,16 @@ def engine_world_size(repo: Path) -> int | None:
         raise ModelFileError(f"engine {engine}: no tp/pp mapping in {MANIFEST} or config.json") from None
 
 
+def profile_ports(repo: Path) -> dict[str, int]:
+    """The ports the engine's profile names for its server (`serve.http_port`, `grpc_port`, `metrics_port`, as
+    build-engine recorded them in trtglm.json), by endpoint; {} for an engine built elsewhere or none."""
+    engine = engine_dir(repo)
+    if engine is None or not (engine / MANIFEST).is_file():
+        return {}
+    serve = (_json(engine / MANIFEST).get("profile") or {}).get("serve") or {}
+    return {name: serve[f"{name}_port"] for name in ("http", "grpc", "metrics") if f"{name}_port" in serve}
+
+
 def engine_dir(repo: Path) -> Path | None:
     config_path = repo / LLM_MODEL / "config.pbtxt"
     if not config_path.is_file():

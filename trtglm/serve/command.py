@@ -13,24 +13,27 @@ What differs from NVIDIA's command, for a CPU machine and for supervision:
   start as before, and the repository API (`trtglm models load|unload`) is allowed, but only
   to requests that carry the launch's secret in the API_KEY_HEADER header: the repository API
   (which loads a model's code sent in the request), system shared memory, trace and logging
-  settings (which write files) are restricted (`--http-restricted-api`, `--grpc-restricted-protocol`);
+  settings (which write files) are restricted (`restricted_args`: `--http-restricted-api`,
+  `--grpc-restricted-protocol`). Those flags hold the secret, so they are never on a command line:
+  they reach tritonserver through its environment (preload.py);
 - `--backend-directory` when the python backend lives outside /opt/tritonserver;
 - `--exit-timeout-secs` bounds how long a SIGTERM'd server waits for in-flight requests;
-- mpirun listens on loopback alone (`--mca oob_tcp_if_include lo`, `btl_tcp_if_include lo`),
-  as do the ranks' torch.distributed sockets (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME); NCCL runs with
+- mpirun talks to its ranks over loopback (MPI_LOOPBACK: Open MPI 4's and 5's flags differ; its listeners
+  are held to loopback by preload.py), as do the ranks' torch.distributed sockets (GLOO_SOCKET_IFNAME,
+  NCCL_SOCKET_IFNAME); NCCL runs with
   NVLink multicast off (NCCL_NVLS_ENABLE=0) unless the environment says otherwise;
 - mpirun runs with `--noprefix` (Open MPI started by absolute path would otherwise put its
   own bin/ first on the ranks' PATH, so the python stubs would find the system python3),
   `--bind-to none` (Open MPI would pin each rank to one core, starving a CPU engine),
   `--oversubscribe` when there are more ranks than cores, `-x VAR` for the environment the
-  python stubs need, and `--output-filename DIR:nocopy` for per-rank logs
-  (DIR/1/rank.N/stdout and stderr).
+  python stubs need, and per-rank logs in DIR/JOB/rank.N/stdout and stderr (MPI_OUTPUT).
 
 A world size of 1 runs tritonserver directly: no mpirun needed, same flags as rank 0.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +42,13 @@ from trtglm.backend.contract import TENSORRT_LLM
 
 LLM_MODEL = TENSORRT_LLM  # the one model ranks > 0 load
 API_KEY_HEADER = "trtglm-api-key"
-# The ranks share one host: Open MPI's daemons and transports listen on loopback alone, not on every interface.
-LOOPBACK_ONLY = ("--mca", "oob_tcp_if_include", "lo", "--mca", "btl_tcp_if_include", "lo")
+# The ranks share one host: Open MPI's bootstrap and MPI transports use loopback alone, by major version.
+# Open MPI 5's runtime (PRRTE) refuses loopback as its bootstrap network ("No network interfaces were found
+# for out-of-band communications"); its bootstrap listeners are held to loopback by preload.py instead.
+MPI_LOOPBACK = {4: ("--mca", "oob_tcp_if_include", "lo", "--mca", "btl_tcp_if_include", "lo"),
+                5: ("--mca", "btl_tcp_if_include", "lo")}
+# Per-rank logs in DIR/JOB/rank.N/{stdout,stderr}, not copied to mpirun's own output, by major version.
+MPI_OUTPUT = {4: ("--output-filename", "{dir}:nocopy"), 5: ("--output", "dir={dir}")}
 RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
 
 
@@ -79,9 +87,8 @@ def shm_prefix(base: str, rank: int) -> str:
 
 def server_args(tritonserver: str | Path, repo: str | Path, rank: int, endpoints: Endpoints, *,
                 shm_base: str = "prefix", backend_dir: str | Path | None = None,
-                exit_timeout_s: int = 5, api_key: str | None = None, server_flags: Sequence[str] = ()) -> list[str]:
-    """One rank's tritonserver command line (`api_key`: rank 0's restricted APIs need it; `server_flags`: the
-    user's own, last)."""
+                exit_timeout_s: int = 5, server_flags: Sequence[str] = ()) -> list[str]:
+    """One rank's tritonserver command line (`server_flags`: the user's own, last)."""
     args = [str(tritonserver), f"--model-repository={repo}", "--disable-auto-complete-config",
             f"--backend-config=python,shm-region-prefix-name={shm_prefix(shm_base, rank)}"]
     if backend_dir is not None:
@@ -92,9 +99,6 @@ def server_args(tritonserver: str | Path, repo: str | Path, rank: int, endpoints
                  f"--metrics-address={endpoints.host}", f"--metrics-port={endpoints.metrics_port}",
                  "--allow-cpu-metrics=true", "--allow-gpu-metrics=false",
                  "--model-control-mode=explicit", "--load-model=*"]
-        if api_key:
-            restricted = f"{','.join(RESTRICTED_APIS)}:{API_KEY_HEADER}={api_key}"
-            args += [f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}"]
     else:
         args += ["--allow-http=false", "--allow-grpc=false", "--allow-metrics=false",
                  "--model-control-mode=explicit", f"--load-model={LLM_MODEL}"]
@@ -102,14 +106,33 @@ def server_args(tritonserver: str | Path, repo: str | Path, rank: int, endpoints
     return args + list(server_flags)
 
 
-def mpirun_args(mpirun: str | Path, sections: list[list[str]], *, export_vars: list[str] = (),
+def restricted_args(api_key: str) -> list[str]:
+    """The flags that open rank 0's restricted APIs to requests carrying `api_key` (secret: never on a command
+    line; preload.py passes them)."""
+    restricted = f"{','.join(RESTRICTED_APIS)}:{API_KEY_HEADER}={api_key}"
+    return [f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}"]
+
+
+def mpi_major(version_text: str) -> int:
+    """Open MPI's major version from `mpirun --version` ("mpirun (Open MPI) 5.0.11"); ValueError for another MPI
+    or a version without a table entry."""
+    match = re.search(r"\(Open MPI\) (\d+)\.", version_text)
+    if match is None:
+        raise ValueError(f"not Open MPI: {version_text.strip().splitlines()[:1]}")
+    major = int(match.group(1))
+    if major not in MPI_LOOPBACK:
+        raise ValueError(f"Open MPI {major} is not supported (known: {', '.join(map(str, sorted(MPI_LOOPBACK)))})")
+    return major
+
+
+def mpirun_args(mpirun: str | Path, sections: list[list[str]], *, mpi_version: int = 4, export_vars: list[str] = (),
                 oversubscribe: bool = False, output_dir: str | Path | None = None) -> list[str]:
-    """`mpirun [options] -n 1 SECTION0 : -n 1 SECTION1 : …`."""
-    args = [str(mpirun), "--allow-run-as-root", "--noprefix", "--bind-to", "none", *LOOPBACK_ONLY]
+    """`mpirun [options] -n 1 SECTION0 : -n 1 SECTION1 : …` for Open MPI `mpi_version` (a major version)."""
+    args = [str(mpirun), "--allow-run-as-root", "--noprefix", "--bind-to", "none", *MPI_LOOPBACK[mpi_version]]
     if oversubscribe:
         args.append("--oversubscribe")
     if output_dir is not None:
-        args += ["--output-filename", f"{output_dir}:nocopy"]
+        args += [arg.format(dir=output_dir) for arg in MPI_OUTPUT[mpi_version]]
     for name in export_vars:
         args += ["-x", name]
     for i, section in enumerate(sections):
@@ -118,15 +141,15 @@ def mpirun_args(mpirun: str | Path, sections: list[list[str]], *, export_vars: l
 
 
 def launch_args(tritonserver: str | Path, repo: str | Path, world_size: int, endpoints: Endpoints, *,
-                mpirun: str | Path = "mpirun", shm_base: str = "prefix", backend_dir: str | Path | None = None,
-                exit_timeout_s: int = 5, export_vars: list[str] = (), cpu_count: int = 1,
-                output_dir: str | Path | None = None, api_key: str | None = None,
+                mpirun: str | Path = "mpirun", mpi_version: int = 4, shm_base: str = "prefix",
+                backend_dir: str | Path | None = None, exit_timeout_s: int = 5, export_vars: list[str] = (),
+                cpu_count: int = 1, output_dir: str | Path | None = None,
                 server_flags: Sequence[str] = ()) -> list[str]:
     """The whole command: tritonserver itself for one rank, mpirun for several."""
     sections = [server_args(tritonserver, repo, rank, endpoints, shm_base=shm_base, backend_dir=backend_dir,
-                            exit_timeout_s=exit_timeout_s, api_key=api_key, server_flags=server_flags)
+                            exit_timeout_s=exit_timeout_s, server_flags=server_flags)
                 for rank in range(world_size)]
     if world_size == 1:
         return sections[0]
-    return mpirun_args(mpirun, sections, export_vars=export_vars, oversubscribe=world_size > cpu_count,
-                       output_dir=output_dir)
+    return mpirun_args(mpirun, sections, mpi_version=mpi_version, export_vars=export_vars,
+                       oversubscribe=world_size > cpu_count, output_dir=output_dir)

@@ -8,7 +8,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from trtglm.serve.command import Endpoints, launch_args
+from trtglm.serve.command import Endpoints, launch_args, restricted_args
+from trtglm.serve.preload import preload_env
 from trtglm.serve.tritonserver import EXPORTED_VARS
 
 EXIT_TIMEOUT_S = 5  # tritonserver's own wait for in-flight requests (< supervise.GRACE_S)
@@ -32,6 +33,8 @@ class LaunchSpec:
     python_bin: str | None = None  # the stubs' Python's folder (stub_python.py); None: this Python's
     api_key: str | None = None  # the restricted APIs' secret (command.py); in the launch folder only its user reads
     server_flags: tuple[str, ...] = ()  # more tritonserver flags, from `trtglm launch … -- FLAGS`
+    mpi_version: int | None = None  # Open MPI's major version, for several ranks
+    preload: str | None = None  # the library preloaded into the server processes (preload.py)
 
     @property
     def shm_base(self) -> str:
@@ -40,10 +43,18 @@ class LaunchSpec:
     def command(self, env: dict[str, str]) -> list[str]:
         exports = [name for name in (*EXPORTED_VARS, "TRTGLM_LAUNCH_ID") if name in env]
         return launch_args(self.tritonserver, self.repo, self.world_size, self.endpoints,
-                           mpirun=self.mpirun or "mpirun", shm_base=self.shm_base, backend_dir=self.backend_dir,
-                           exit_timeout_s=EXIT_TIMEOUT_S, export_vars=exports, cpu_count=os.cpu_count() or 1,
-                           output_dir=Path(self.log_dir) / "ranks", api_key=self.api_key,
+                           mpirun=self.mpirun or "mpirun", mpi_version=self.mpi_version or 4, shm_base=self.shm_base,
+                           backend_dir=self.backend_dir, exit_timeout_s=EXIT_TIMEOUT_S, export_vars=exports,
+                           cpu_count=os.cpu_count() or 1, output_dir=Path(self.log_dir) / "ranks",
                            server_flags=self.server_flags)
+
+    def preload_vars(self, env: dict[str, str]) -> dict[str, str]:
+        """The variables that preload the library into the server processes of `env` (none without one): rank 0's
+        restricted-API flags, and mpirun's listeners on loopback."""
+        if self.preload is None:
+            return {}
+        hidden = restricted_args(self.api_key) if self.api_key else []
+        return preload_env(Path(self.preload), hidden, self.world_size > 1, env.get("LD_PRELOAD", ""))
 
     def save(self, path: Path) -> None:
         """Write the spec readable by this user alone (it holds the API key)."""

