@@ -26,7 +26,8 @@ from support.servers import free_port
 pytestmark = pytest.mark.slow
 
 MODEL_DIR = "/models/chatglm3-6b"  # where the README's commands read the model
-FITTED_LIMITS = ("max_input_len", "max_seq_len", "max_num_tokens")  # the 6B profiles' exceed the fixture's
+FITTED_LIMITS = ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens")  # the 6B profiles' exceed the
+# fixture's; the batch also sets how many BLS and history-model stubs start (serve.bls_instances 0)
 STAND_INS = REPO / "tests" / "stand_ins"
 
 
