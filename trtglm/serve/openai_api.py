@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 
 GRACEFUL_S = 5  # how long a stopped server lets open answers finish (< the supervisor's grace)
 
+HEALTH_TIMEOUT_S = 2.0
 TRITON_STATUS = {"StatusCode.INVALID_ARGUMENT": 400, "StatusCode.UNAVAILABLE": 503,
                  "StatusCode.RESOURCE_EXHAUSTED": 503}  # others: 500
 
@@ -172,6 +173,13 @@ class Triton:
         if self._client is None:
             self._client = self.grpc.InferenceServerClient(self.url)
         return self._client
+
+    async def ready(self) -> bool:
+        """Whether Triton calls the model ready now."""
+        try:
+            return await self.client.is_model_ready(self.model, client_timeout=HEALTH_TIMEOUT_S)
+        except Exception:  # unreachable, or no answer in time
+            return False
 
     async def pieces(self, ask: Ask) -> AsyncIterator[Piece]:
         """The reply's text pieces with their tokens' log probabilities (one piece when not streamed)."""
@@ -555,6 +563,9 @@ def create_app(api: Api):
 
     @app.get("/health")
     async def health():
+        """200 while the model it asks answers readiness (a launch whose process died stops serving)."""
+        if not await api.triton.ready():
+            raise ApiError(503, f"the model server does not serve {api.triton.model}", kind="server_error")
         return {"status": "ok"}
 
     @app.get("/v1/models")
