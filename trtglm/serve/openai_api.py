@@ -194,6 +194,8 @@ class Triton:
         async def one_request():
             yield request
 
+        import grpc
+
         responses = self.client.stream_infer(one_request())
         try:
             async for result, error in responses:
@@ -204,8 +206,11 @@ class Triton:
                     yield piece
                 if result.get_response().parameters["triton_final_response"].bool_param:
                     return
+        except grpc.RpcError as e:  # the stream broke: Triton stopped, or is unreachable
+            raise ApiError(503, f"the model server failed: {e.details() or e.code()}", kind="server_error") from None
         finally:
             responses.cancel()
+        raise ApiError(503, "the model server ended the stream before the reply", kind="server_error")
 
 
 def _triton_type(array: np.ndarray) -> str:

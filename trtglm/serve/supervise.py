@@ -11,8 +11,8 @@ Watching: every 0.2 s the supervisor lists the command's process tree (ranks are
 by the shm prefix in their command line; python stubs are their children, engine processes the
 `tensorrt_llm` stubs'). If mpirun exits, any rank disappears, or a python stub or engine process of
 any rank dies (stubs.py: Triton 2.51 neither notices nor heals that), everything is stopped at once,
-the tail of that rank's log is printed and the launch fails: the ranks first, each given DEATH_GRACE_S
-after its SIGTERM, so that every request in flight has its error (or its closed connection) within a
+the tail of that rank's log is printed and the launch fails: the ranks first, given DEATH_GRACE_S after
+their SIGTERM, so that every request in flight has its error (or its closed connection) within a
 few seconds and health stops answering 200, then the OpenAI API, which passes those errors on to its
 clients. A deployment's orchestrator starts the launch again. SIGINT, SIGTERM or SIGHUP stop
 everything and end the launch normally; a second signal skips the grace period. The supervisor is
@@ -76,7 +76,7 @@ from trtglm.serve.tritonserver import server_env
 log = logging.getLogger(__name__)
 
 GRACE_S = 10.0  # after SIGTERM, before SIGKILL
-DEATH_GRACE_S = 1.0  # the same once a process of the launch died: requests the death stranded end with the server
+DEATH_GRACE_S = 0.5  # the same once a process of the launch died: requests the death stranded end with the server
 PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
 POLL_S = 0.2
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -259,6 +259,7 @@ class Supervisor:
         if dead is None:
             return None
         rank, what = dead
+        log.error("%s died; stopping the launch", what)
         return Failure(f"{what} died; stopped all ranks (logs: {self.log_dir})", [rank])
 
     def check_ranks(self) -> Failure | None:
