@@ -69,13 +69,13 @@ class Outcome:
 
 
 class Stream(threading.Thread):
-    """One long streamed request; `started` is set once it was sent (its first piece, where one comes)."""
+    """One streamed request; `sent` is set once it was sent, `started` at its first piece."""
 
     def __init__(self, server: Server, path: str):
         super().__init__(daemon=True, name=path)
         self.server, self.path = server, path
         self.outcome = Outcome()
-        self.started = threading.Event()
+        self.sent, self.started = threading.Event(), threading.Event()
 
     def run(self) -> None:
         try:
@@ -85,6 +85,7 @@ class Stream(threading.Thread):
         except Exception as e:  # the client broke: the test fails on it
             self.outcome.end("client", f"{type(e).__name__}: {e}")
         finally:
+            self.sent.set()
             self.started.set()
 
     def _piece(self, text: str) -> None:
@@ -96,6 +97,7 @@ class Stream(threading.Thread):
         connection.request("POST", "/v2/models/ensemble/generate_stream",
                            json.dumps({"text_input": PROMPT, "stream": True, **LONG}),
                            {"Content-Type": "application/json"})
+        self.sent.set()
         try:
             for line in connection.getresponse():
                 if line.startswith(b"data:"):
@@ -115,6 +117,7 @@ class Stream(threading.Thread):
         client.start_stream(callback=lambda result, error: answers.put((result, error)), stream_timeout=60)
         try:
             client.async_stream_infer("tensorrt_llm_bls", grpc_inputs(grpc), enable_empty_final_response=True)
+            self.sent.set()
             while True:
                 result, error = answers.get(timeout=60)
                 if error is not None:
@@ -133,6 +136,7 @@ class Stream(threading.Thread):
         with httpx.Client(trust_env=False, timeout=60) as http, \
                 http.stream("POST", f"http://127.0.0.1:{self.server.openai_port}/v1/chat/completions",
                             json=CHAT) as response:
+            self.sent.set()
             for line in response.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -272,6 +276,9 @@ def kill_under_streams(engine: Path, root: Path, world: int, what: str, rank: in
     server = Server(patch_repo(engine, None, root / "repo"), world, root / "state")
     try:
         server.long_answer = long_answer(server, engine)
+        # looked up before the streams start (listing every process is slow on a loaded machine); they stay
+        launch_pids = {p.pid for p in repo_processes(root / "repo") for p in [p, *children(p)]} | {server.state["pid"]}
+        target = victim(root / "repo", what, rank)
         streams = [Stream(server, path) for path, count in STREAMS.items() for _ in range(count)]
         long_ones, queued = [s for s in streams if s.path != "openai"], [s for s in streams if s.path == "openai"]
         for stream in long_ones:
@@ -280,13 +287,14 @@ def kill_under_streams(engine: Path, root: Path, world: int, what: str, rank: in
             assert any_started([s for s in long_ones if s.path == path], 60), f"no {path} stream answered"
         for stream in queued:  # they wait in the engine's queue behind the long streams
             stream.start()
+        for stream in streams:
+            assert stream.sent.wait(60), f"{stream.name}: not sent within 60 s"
         time.sleep(QUEUED_S)
-        launch_pids = {p.pid for p in repo_processes(root / "repo") for p in [p, *children(p)]} | {server.state["pid"]}
-        target = victim(root / "repo", what, rank)
         health = HealthWatch(server)
         health.start()
         killed = time.monotonic()
         os.kill(target.pid, signal.SIGKILL)
+        in_flight = sum(stream.outcome.how is None for stream in streams)
         for stream in streams:
             stream.join(max(0.0, killed + BOUND_S + 5 - time.monotonic()))
         gone = None
@@ -300,7 +308,8 @@ def kill_under_streams(engine: Path, root: Path, world: int, what: str, rank: in
         outcomes: dict[str, list[Outcome]] = {}
         for stream in streams:
             outcomes.setdefault(stream.path, []).append(stream.outcome)
-        print(f"\nws{world} {what} rank {rank}:", {path: [(o.how, o.ended and round(o.ended - killed, 2), o.detail[:80])
+        print(f"\nws{world} {what} rank {rank} killed at {time.time() - (time.monotonic() - killed):.3f}, "
+              f"{in_flight} streams in flight:", {path: [(o.how, o.ended and round(o.ended - killed, 2), o.detail[:80])
                                                           for o in found] for path, found in outcomes.items()})
         return Killed(killed, outcomes, health, gone, launch_pids, server, root / "state")
     finally:

@@ -11,7 +11,7 @@ import time
 
 import psutil
 import pytest
-from trtglm.serve.stubs import ZOMBIE_S, DeathWatch, stub_instances
+from trtglm.serve.stubs import ZOMBIE_S, DeathWatch, describe, descendants
 from trtglm.serve.tritonserver import STUB
 
 
@@ -28,7 +28,7 @@ def spawn(tmp_path):
         proc = subprocess.Popen(argv, executable=sys.executable)
         started.append(proc)
         deadline = time.monotonic() + 10  # until its argv is the stub's
-        while proc.pid not in stub_instances(me()) and time.monotonic() < deadline:
+        while "python stub" not in describe(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.02)
         return proc
 
@@ -47,9 +47,10 @@ def end(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def test_stub_instances_reads_model_and_instance(spawn):
+def test_a_stub_is_named_by_its_model_and_instance(spawn):
     proc = spawn("postprocessing", "postprocessing_0_1")
-    assert stub_instances(me())[proc.pid] == ("postprocessing", "postprocessing_0_1")
+    assert describe(proc.pid) == "postprocessing's python stub (postprocessing_0_1)"
+    assert proc.pid in descendants(os.getpid())
 
 
 def dead_after(watch: DeathWatch, limit_s: float = 5.0) -> tuple[int, str] | None:
@@ -103,7 +104,7 @@ def test_other_children_are_no_stubs(spawn, tmp_path):
     other = subprocess.Popen([sys.executable, str(script)])
     try:
         time.sleep(0.2)
-        assert other.pid not in stub_instances(me())
+        assert describe(other.pid) == repr(psutil.Process(other.pid).name())
     finally:
         end(other)
 

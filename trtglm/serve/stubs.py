@@ -21,6 +21,7 @@ can be healed cleanly in Triton 2.51 (docs/troubleshooting.md, "A process of the
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -28,25 +29,9 @@ import psutil
 
 from trtglm.serve.tritonserver import STUB
 
+CHILDREN_FILES = Path(f"/proc/self/task/{threading.get_native_id()}/children").exists()  # Linux, CONFIG_PROC_CHILDREN
 ZOMBIE_S = 0.3  # a stub or engine process unreaped this long died (Triton and the stubs reap theirs at once)
 ENGINE_MODULE = "trtglm.backend.engine_process"
-
-
-def stub_instances(server: psutil.Process) -> dict[int, tuple[str, str]]:
-    """pid → (model, instance) of the live python-backend stubs that `server` (a tritonserver) started."""
-    found = {}
-    try:
-        children = server.children()
-    except psutil.Error:
-        return found
-    for child in children:
-        try:
-            args = child.cmdline()
-            if child.status() != psutil.STATUS_ZOMBIE and is_stub(args):
-                found[child.pid] = (stub_model(args), args[8])
-        except psutil.Error:
-            continue
-    return found
 
 
 def is_stub(args: list[str]) -> bool:
@@ -68,6 +53,40 @@ def role(args: list[str]) -> str | None:
     return None
 
 
+def child_pids(pid: int) -> list[int]:
+    """`pid`'s children, read from /proc/PID/task/*/children: a few small files, where psutil's children() reads
+    every process's stat (slow on a busy machine, and the supervisor asks every POLL_S)."""
+    if not CHILDREN_FILES:
+        try:
+            return [child.pid for child in psutil.Process(pid).children()]
+        except psutil.Error:
+            return []
+    pids = []
+    for path in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            pids += [int(child) for child in path.read_text().split()]
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, parents before their children."""
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for parent in frontier for child in child_pids(parent)]
+        found += frontier
+    return found
+
+
+def is_zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:].startswith("Z")  # the state follows the command name in parentheses
+
+
 class DeathWatch:
     """The stubs and engine processes of every rank, and the first of them that died."""
 
@@ -79,20 +98,13 @@ class DeathWatch:
         """(rank, "rank R's ROLE (pid P)") of a process that has been a zombie for ZOMBIE_S, or None."""
         now, seen, zombies = time.monotonic(), set(), set()
         for rank, server in ranks.items():
-            try:
-                below = server.children(recursive=True)
-            except psutil.Error:
-                continue  # the rank itself is gone: the supervisor's rank check sees it
-            for proc in below:
-                try:
-                    if proc.status() == psutil.STATUS_ZOMBIE:
-                        zombies.add(proc.pid)
-                        self.roles.setdefault(proc.pid, (rank, f"process {proc.name()!r}"))
-                    elif proc.pid not in self.roles:
-                        self.roles[proc.pid] = (rank, role(proc.cmdline()) or repr(proc.name()))
-                except psutil.Error:
-                    continue
-                seen.add(proc.pid)
+            for pid in descendants(server.pid):
+                seen.add(pid)
+                if is_zombie(pid):
+                    zombies.add(pid)
+                    self.roles.setdefault(pid, (rank, f"process {pid}"))
+                elif pid not in self.roles:
+                    self.roles[pid] = (rank, describe(pid))
         self.roles = {pid: what for pid, what in self.roles.items() if pid in seen}  # pids are reused
         self.zombie_since = {pid: self.zombie_since.get(pid, now) for pid in zombies}
         dead = sorted(pid for pid, since in self.zombie_since.items() if now - since >= ZOMBIE_S)
@@ -100,3 +112,11 @@ class DeathWatch:
             return None
         rank, what = self.roles[dead[0]]
         return rank, f"rank {rank}'s {what} (pid {dead[0]})"
+
+
+def describe(pid: int) -> str:
+    try:
+        proc = psutil.Process(pid)
+        return role(proc.cmdline()) or repr(proc.name())
+    except psutil.Error:
+        return f"process {pid}"

@@ -70,7 +70,7 @@ from trtglm.serve.launch_spec import LaunchSpec
 from trtglm.serve.openai_process import OpenAIProcess
 from trtglm.serve.rank_logs import last_error_line, print_excerpt, print_tails, read_log
 from trtglm.serve.state import LaunchDir, kill, processes_with, remove_shm, shm_files
-from trtglm.serve.stubs import DeathWatch
+from trtglm.serve.stubs import DeathWatch, child_pids, descendants
 from trtglm.serve.tritonserver import server_env
 
 log = logging.getLogger(__name__)
@@ -273,16 +273,18 @@ class Supervisor:
 
     def refresh(self) -> None:
         """Track the command's process tree; learn each rank's process."""
-        try:
-            children = self.root.children(recursive=True)
-        except psutil.Error:
-            children = []
-        for proc in children:
-            self.tracked.setdefault(proc.pid, proc)
+        new = []
+        for pid in descendants(self.root.pid):
+            if pid not in self.tracked:
+                try:
+                    self.tracked[pid] = psutil.Process(pid)
+                except psutil.Error:
+                    continue
+                new.append(self.tracked[pid])
         if self.spec.world_size == 1:
             self.ranks[0] = self.root
             return
-        for proc in children:
+        for proc in new:
             rank = self._rank_of(proc)
             if rank is not None:
                 self.ranks.setdefault(rank, proc)
@@ -344,7 +346,7 @@ class Supervisor:
         if self.popen.poll() is None and grace_s == GRACE_S:  # after a death, no more waiting
             self.popen.terminate()
             self._wait(lambda: self.popen.poll() is None, 3.0)
-        leftovers = [p for p in self.tracked.values() if alive(p)] + processes_with(self.spec.shm_base)
+        leftovers = [p for p in [*ranks, *self.tracked.values()] if alive(p)]
         if leftovers:
             log.warning("killing %d process(es) %s", len(leftovers),
                         "(second signal)" if self.hurry else f"that did not stop within {grace_s:g} s")
@@ -352,6 +354,7 @@ class Supervisor:
         if self.popen.poll() is None:
             self.popen.kill()
         self.popen.wait()
+        kill(processes_with(self.spec.shm_base))  # any the tree lost (listing every process is slow: last)
         remove_shm(self.spec.shm_base)
 
     def _own_children(self) -> set[int]:
@@ -437,16 +440,12 @@ def become_subreaper() -> None:
 
 def reap_orphans(own: set[int]) -> None:
     """Wait for this process's children that have ended, but for those in `own` (Popen waits for them)."""
-    try:
-        children = psutil.Process().children()
-    except psutil.Error:
-        return
-    for child in children:
-        try:
-            if child.pid not in own and child.status() == psutil.STATUS_ZOMBIE:
-                os.waitpid(child.pid, os.WNOHANG)
-        except (psutil.Error, ChildProcessError):
-            continue
+    for pid in child_pids(os.getpid()):
+        if pid not in own:
+            try:
+                os.waitpid(pid, os.WNOHANG)  # returns at once for a child still running
+            except ChildProcessError:
+                continue
 
 
 def alive(proc: psutil.Process) -> bool:
