@@ -12,9 +12,9 @@ can be healed cleanly in Triton 2.51 (docs/troubleshooting.md, "A process of the
 - a request inside a dead stub never ends, not even when its model is loaded again; only the server's end
   ends it (a closed connection), and a stub that holds streams (`tensorrt_llm`, `tensorrt_llm_bls`, and
   the engine behind them) always has requests in it;
-- loading a model again leaves either a window in which its ensemble "has no available versions" (unload,
-  then load) or one in which Triton sends requests to the dead stub while every health check says 200
-  (load in place), and a model's other, live stubs stay behind with the requests the dead one holds;
+- unloading and loading a model again leaves a window in which its ensemble "has no available versions",
+  and the reloaded model's other, live stubs behind with the old model; loading it in place keeps health
+  at 200 until the new stub runs;
 - with several ranks, every rank's engine takes part in every step: one rank's loss stops them all.
 """
 
