@@ -17,8 +17,9 @@ every listener of its processes on loopback.
 
 The rest of the reliability suite lives beside the code it exercises and carries the same marker
 (`pytest -m reliability` runs it all): one request's degenerate sampling among concurrent ones
-(test_executor), a python model's process killed mid-stream and loaded again within its bound
-(test_dead_submodel), a rank killed and every rank stopped with its log shown (test_launch).
+(test_executor), each kind of process of a launch killed under streams at world sizes 1 and 2, every
+stream ended within 5 s and the launch stopped whole (test_process_deaths), a rank killed and every rank
+stopped with its log shown (test_launch).
 
 The load part (marker `load`: 1,000 requests, 64 in flight, no error, bounded server memory) runs
 only when TRTGLM_LOAD=1 is set; its recorded result is in docs/benchmarks.md.

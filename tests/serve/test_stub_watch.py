@@ -1,5 +1,5 @@
-"""StubWatch tells a python-backend stub that died from one that Triton replaced: real child processes
-with a stub's argv (Triton's order: model.py, shm region, sizes, parent pid, lib dir, ipc handle, instance
+"""DeathWatch tells a python-backend stub that died (nobody reaps it) from one that Triton stopped or
+replaced (reaped at once): real child processes with a stub's argv (Triton's order: model.py, shm region, sizes, parent pid, lib dir, ipc handle, instance
 name, model dir) stand for the stubs of a tritonserver, this test process."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 
 import psutil
 import pytest
-from trtglm.serve.stubs import StubWatch, stub_instances
+from trtglm.serve.stubs import ZOMBIE_S, DeathWatch, describe, descendants
 from trtglm.serve.tritonserver import STUB
 
 
@@ -28,7 +28,7 @@ def spawn(tmp_path):
         proc = subprocess.Popen(argv, executable=sys.executable)
         started.append(proc)
         deadline = time.monotonic() + 10  # until its argv is the stub's
-        while proc.pid not in stub_instances(me()) and time.monotonic() < deadline:
+        while "python stub" not in describe(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.02)
         return proc
 
@@ -47,35 +47,55 @@ def end(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def test_stub_instances_reads_model_and_instance(spawn):
+def test_a_stub_is_named_by_its_model_and_instance(spawn):
     proc = spawn("postprocessing", "postprocessing_0_1")
-    assert stub_instances(me())[proc.pid] == ("postprocessing", "postprocessing_0_1")
+    assert describe(proc.pid) == "postprocessing's python stub (postprocessing_0_1)"
+    assert proc.pid in descendants(os.getpid())
 
 
-def test_a_killed_stub_is_a_death(spawn):
-    watch = StubWatch()
-    doomed = spawn("postprocessing", "postprocessing_0_0")
-    spawn("postprocessing", "postprocessing_0_1")
+def dead_after(watch: DeathWatch, limit_s: float = 5.0) -> tuple[int, str] | None:
+    """What `watch` calls dead, asked every 0.05 s for up to `limit_s`."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        found = watch.died({0: me()})
+        if found:
+            return found
+        time.sleep(0.05)
+    return None
+
+
+def test_a_killed_stub_that_nobody_reaps_is_a_death(spawn):
+    """Triton 2.51 never waits for a stub that died: it stays a zombie."""
+    watch = DeathWatch()
+    doomed = spawn("postprocessing", "postprocessing_0_1")
     spawn("preprocessing", "preprocessing_0_0")
-    assert watch.died(me()) == set()
-    end(doomed)
-    assert watch.died(me()) == {"postprocessing"}  # one instance of two is enough
-    assert watch.died(me()) == set()
+    assert watch.died({0: me()}) is None
+    doomed.kill()  # not waited for
+    killed = time.monotonic()
+    assert dead_after(watch) == (0, f"rank 0's postprocessing's python stub (postprocessing_0_1) (pid {doomed.pid})")
+    assert time.monotonic() - killed >= ZOMBIE_S
 
 
-def test_a_replaced_stub_is_no_death(spawn):
-    """Triton reloading a model (its `load`, or an ensemble's load reloading its parts) starts the new
-    instance's stub before the old one exits."""
-    watch = StubWatch()
-    old = spawn("tensorrt_llm", "tensorrt_llm_0_0")
-    assert watch.died(me()) == set()
+def test_a_stub_reaped_at_once_is_no_death(spawn):
+    """A stub that Triton stops (an unload, a reload that replaces it) is reaped at once."""
+    watch = DeathWatch()
     spawn("tensorrt_llm", "tensorrt_llm_0_0")
+    old = spawn("tensorrt_llm", "tensorrt_llm_0_0")
+    assert watch.died({0: me()}) is None
     end(old)
-    assert watch.died(me()) == set()
-    old_seen_with_new = spawn("tensorrt_llm", "tensorrt_llm_0_0")
-    assert watch.died(me()) == set()
-    end(old_seen_with_new)
-    assert watch.died(me()) == set()
+    assert dead_after(watch, 3 * ZOMBIE_S) is None
+
+
+def test_a_zombie_seen_for_less_than_the_bound_is_no_death(spawn):
+    watch = DeathWatch()
+    stub = spawn("preprocessing", "preprocessing_0_0")
+    assert watch.died({0: me()}) is None
+    stub.kill()
+    while psutil.Process(stub.pid).status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.01)
+    assert watch.died({0: me()}) is None  # first seen dead now
+    stub.wait()
+    assert dead_after(watch, 3 * ZOMBIE_S) is None
 
 
 def test_other_children_are_no_stubs(spawn, tmp_path):
@@ -84,7 +104,7 @@ def test_other_children_are_no_stubs(spawn, tmp_path):
     other = subprocess.Popen([sys.executable, str(script)])
     try:
         time.sleep(0.2)
-        assert other.pid not in stub_instances(me())
+        assert describe(other.pid) == repr(psutil.Process(other.pid).name())
     finally:
         end(other)
 

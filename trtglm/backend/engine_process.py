@@ -23,7 +23,7 @@ The two ends talk over a socket pair private to them (pickled tuples; both ends 
 
 The engine process ends when the stub asks, or when the stub is gone (end of file). When the
 engine process dies, every request in flight ends with an error and `on_death` is called (the
-model's stub exits, so that the launch's supervisor loads the model again).
+model's stub exits, and the launch's supervisor, seeing it dead, stops the launch: serve/stubs.py).
 """
 
 from __future__ import annotations

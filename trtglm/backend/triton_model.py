@@ -125,8 +125,8 @@ class TritonPythonModel:
         self.outbox.stop(DRAIN_S)
 
     def _engine_died(self, why: str) -> None:
-        """The engine cannot come back in this stub: let the errors out, then end the stub, so that the
-        launch's supervisor loads the model again (or stops the launch)."""
+        """The engine cannot come back in this stub: let the errors out, then end the stub, which the launch's
+        supervisor sees (serve/stubs.py) and stops the launch for."""
         self.outbox.stop(DRAIN_S)
         log.error("%s: ending this model's stub", why)
         logging.shutdown()

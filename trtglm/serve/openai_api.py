@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 
 GRACEFUL_S = 5  # how long a stopped server lets open answers finish (< the supervisor's grace)
 
+HEALTH_TIMEOUT_S = 2.0
 TRITON_STATUS = {"StatusCode.INVALID_ARGUMENT": 400, "StatusCode.UNAVAILABLE": 503,
                  "StatusCode.RESOURCE_EXHAUSTED": 503}  # others: 500
 
@@ -173,6 +174,13 @@ class Triton:
             self._client = self.grpc.InferenceServerClient(self.url)
         return self._client
 
+    async def ready(self) -> bool:
+        """Whether Triton calls the model ready now."""
+        try:
+            return await self.client.is_model_ready(self.model, client_timeout=HEALTH_TIMEOUT_S)
+        except Exception:  # unreachable, or no answer in time
+            return False
+
     async def pieces(self, ask: Ask) -> AsyncIterator[Piece]:
         """The reply's text pieces with their tokens' log probabilities (one piece when not streamed)."""
         tensors = []
@@ -186,6 +194,8 @@ class Triton:
         async def one_request():
             yield request
 
+        import grpc
+
         responses = self.client.stream_infer(one_request())
         try:
             async for result, error in responses:
@@ -196,8 +206,11 @@ class Triton:
                     yield piece
                 if result.get_response().parameters["triton_final_response"].bool_param:
                     return
+        except grpc.RpcError as e:  # the stream broke: Triton stopped, or is unreachable
+            raise ApiError(503, f"the model server failed: {e.details() or e.code()}", kind="server_error") from None
         finally:
             responses.cancel()
+        raise ApiError(503, "the model server ended the stream before the reply", kind="server_error")
 
 
 def _triton_type(array: np.ndarray) -> str:
@@ -555,6 +568,9 @@ def create_app(api: Api):
 
     @app.get("/health")
     async def health():
+        """200 while the model it asks answers readiness (a launch whose process died stops serving)."""
+        if not await api.triton.ready():
+            raise ApiError(503, f"the model server does not serve {api.triton.model}", kind="server_error")
         return {"status": "ok"}
 
     @app.get("/v1/models")

@@ -1,115 +1,122 @@
-"""Rank 0's python-backend stubs, watched: a model whose stub died is restarted.
+"""The processes below each rank's tritonserver, watched: its python-backend stubs and the engine processes
+that the `tensorrt_llm` stubs start (backend/engine_process.py). Which of them died, on any rank.
 
-Triton 2.51 neither restarts a python model whose stub process died nor stops calling it ready:
-every later request gets "Stub process 'MODEL_0_0' is not healthy" (or waits forever) while
-/v2/health/ready says 200. The supervisor looks at rank 0's stubs every poll; when one has gone
-while Triton still reports its model ready UNLOADING_S later (a model unloaded on purpose is not), it
-unloads and loads that model again through the repository API (with the launch's secret), which
-starts a new stub in well under a second for pre/postprocessing and BLS, and reloads the engine
-for `tensorrt_llm`.
+A death is a process that nobody reaped: Triton 2.51 never waits for a python stub that died (it stays a
+zombie for as long as its model is loaded) and neither restarts it nor ends the requests that were in it,
+while /v2/health/ready and the model's readiness stay 200; a stub whose engine process died ends itself
+(exit 1) and so becomes such a zombie too. A stub that Triton stops (an unload, a reload that replaces it)
+is reaped at once, and an engine process by its stub, so a process that is a zombie for ZOMBIE_S died.
+
+What the supervisor does then (supervise.py) is to stop the whole launch at once: no death below a rank
+can be healed cleanly in Triton 2.51 (docs/troubleshooting.md, "A process of the launch died"):
+- a request inside a dead stub never ends, not even when its model is loaded again; only the server's end
+  ends it (a closed connection), and a stub that holds streams (`tensorrt_llm`, `tensorrt_llm_bls`, and
+  the engine behind them) always has requests in it;
+- unloading and loading a model again leaves a window in which its ensemble "has no available versions",
+  and the reloaded model's other, live stubs behind with the old model; loading it in place keeps health
+  at 200 until the new stub runs;
+- with several ranks, every rank's engine takes part in every step: one rank's loss stops them all.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import os
+import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import psutil
 
-from trtglm.errors import TrtglmError
-from trtglm.serve.command import API_KEY_HEADER
 from trtglm.serve.tritonserver import STUB
 
-log = logging.getLogger(__name__)
-
-UNLOAD_WAIT_S = 30.0
-UNLOADING_S = 2.0  # a model unloaded on purpose stops being ready within this long of its stub's exit
-LOAD_TIMEOUT_S = 600.0  # the engine's model reloads its weights (and on a GPU its kernels)
-_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+CHILDREN_FILES = Path(f"/proc/self/task/{threading.get_native_id()}/children").exists()  # Linux, CONFIG_PROC_CHILDREN
+ZOMBIE_S = 0.3  # a stub or engine process unreaped this long died (Triton and the stubs reap theirs at once)
+ENGINE_MODULE = "trtglm.backend.engine_process"
 
 
-def stub_instances(server: psutil.Process) -> dict[int, tuple[str, str]]:
-    """pid → (model, instance) of the live python-backend stubs that `server` (a tritonserver) started."""
-    found = {}
-    try:
-        children = server.children()
-    except psutil.Error:
-        return found
-    for child in children:
+def is_stub(args: list[str]) -> bool:
+    return len(args) > 8 and os.path.basename(args[0]) == STUB
+
+
+def stub_model(args: list[str]) -> str:
+    """The model a stub runs (argv: model.py as REPO/MODEL/VERSION/model.py, shm region, sizes, parent pid,
+    lib dir, ipc handle, instance name, model dir)."""
+    return Path(args[1]).parent.parent.name
+
+
+def role(args: list[str]) -> str | None:
+    """What a process below a tritonserver is: a model instance's stub, an engine process, or None."""
+    if is_stub(args):
+        return f"{stub_model(args)}'s python stub ({args[8]})"
+    if ENGINE_MODULE in args:
+        return "tensorrt_llm's engine process"
+    return None
+
+
+def child_pids(pid: int) -> list[int]:
+    """`pid`'s children, read from /proc/PID/task/*/children: a few small files, where psutil's children() reads
+    every process's stat (slow on a busy machine, and the supervisor asks every POLL_S)."""
+    if not CHILDREN_FILES:
         try:
-            args = child.cmdline()
-            if len(args) > 8 and os.path.basename(args[0]) == STUB and child.status() != psutil.STATUS_ZOMBIE:
-                # argv: model.py (REPO/MODEL/VERSION/model.py), shm region, sizes, parent, lib dir, ipc, instance
-                found[child.pid] = (Path(args[1]).parent.parent.name, args[8])
+            return [child.pid for child in psutil.Process(pid).children()]
         except psutil.Error:
+            return []
+    pids = []
+    for path in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            pids += [int(child) for child in path.read_text().split()]
+        except (OSError, ValueError):
             continue
+    return pids
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, parents before their children."""
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for parent in frontier for child in child_pids(parent)]
+        found += frontier
     return found
 
 
-class StubWatch:
-    """The models whose stubs died since the last look. A stub whose instance runs again under a new
-    stub did not die: Triton reloading a model (its own `load`, or an ensemble's load reloading the
-    models it is made of) starts the new stubs before the old ones exit."""
+def is_zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:].startswith("Z")  # the state follows the command name in parentheses
+
+
+class DeathWatch:
+    """The stubs and engine processes of every rank, and the first of them that died."""
 
     def __init__(self):
-        self.known: dict[int, tuple[str, str]] = {}
+        self.roles: dict[int, tuple[int, str]] = {}  # pid → (rank, role): a zombie's command line cannot be read
+        self.zombie_since: dict[int, float] = {}
 
-    def died(self, server: psutil.Process) -> set[str]:
-        now = stub_instances(server)
-        running = set(now.values())
-        dead = {model for pid, (model, instance) in self.known.items()
-                if pid not in now and (model, instance) not in running}
-        self.known = now
-        return dead
+    def died(self, ranks: dict[int, psutil.Process]) -> tuple[int, str] | None:
+        """(rank, "rank R's ROLE (pid P)") of a process that has been a zombie for ZOMBIE_S, or None."""
+        now, seen, zombies = time.monotonic(), set(), set()
+        for rank, server in ranks.items():
+            for pid in descendants(server.pid):
+                seen.add(pid)
+                if is_zombie(pid):
+                    zombies.add(pid)
+                    self.roles.setdefault(pid, (rank, f"process {pid}"))
+                elif pid not in self.roles:
+                    self.roles[pid] = (rank, describe(pid))
+        self.roles = {pid: what for pid, what in self.roles.items() if pid in seen}  # pids are reused
+        self.zombie_since = {pid: self.zombie_since.get(pid, now) for pid in zombies}
+        dead = sorted(pid for pid, since in self.zombie_since.items() if now - since >= ZOMBIE_S)
+        if not dead:
+            return None
+        rank, what = self.roles[dead[0]]
+        return rank, f"rank {rank}'s {what} (pid {dead[0]})"
 
 
-def died_while_ready(url: str, model: str) -> bool:
-    """Whether Triton still calls `model` ready UNLOADING_S after its stub exited (a crash), rather than
-    letting it go (an unload, whose stub exits before Triton's readiness changes)."""
-    deadline = time.monotonic() + UNLOADING_S
-    while time.monotonic() < deadline:
-        if not model_ready(url, model):
-            return False
-        time.sleep(0.1)
-    return model_ready(url, model)
-
-
-def model_ready(url: str, model: str) -> bool:
+def describe(pid: int) -> str:
     try:
-        with _NO_PROXY.open(f"{url}/v2/models/{model}/ready", timeout=2) as reply:
-            return reply.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def restart_model(url: str, model: str, api_key: str | None) -> None:
-    """Unload `model`, wait until Triton has let it go, load it again; TrtglmError when Triton refuses."""
-    _repository(url, model, "unload", api_key, UNLOAD_WAIT_S)
-    deadline = time.monotonic() + UNLOAD_WAIT_S
-    while model_ready(url, model) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    _repository(url, model, "load", api_key, LOAD_TIMEOUT_S)
-    if not model_ready(url, model):
-        raise TrtglmError(f"{model} is not ready after loading it again")
-
-
-def _repository(url: str, model: str, action: str, api_key: str | None, timeout: float) -> None:
-    headers = {"Content-Type": "application/json", **({API_KEY_HEADER: api_key} if api_key else {})}
-    request = urllib.request.Request(f"{url}/v2/repository/models/{model}/{action}", data=b"{}", headers=headers,
-                                     method="POST")
-    try:
-        with _NO_PROXY.open(request, timeout=timeout):
-            return
-    except urllib.error.HTTPError as e:
-        try:
-            message = json.loads(e.read()).get("error", "")
-        except ValueError:
-            message = ""
-        raise TrtglmError(f"{action} {model}: HTTP {e.code} {message}".strip()) from None
-    except OSError as e:
-        raise TrtglmError(f"{action} {model}: {e}") from None
+        proc = psutil.Process(pid)
+        return role(proc.cmdline()) or repr(proc.name())
+    except psutil.Error:
+        return f"process {pid}"

@@ -8,10 +8,16 @@ tritonserver for one rank), which runs in a session of its own so that a termina
 reaches only the supervisor.
 
 Watching: every 0.2 s the supervisor lists the command's process tree (ranks are told apart
-by the shm prefix in their command line; python stubs are their children). If mpirun exits
-or any rank disappears, everything is stopped, the tail of that rank's log is printed and
-the launch fails. SIGINT, SIGTERM or SIGHUP stop everything and end the launch normally; a
-second signal skips the grace period.
+by the shm prefix in their command line; python stubs are their children, engine processes the
+`tensorrt_llm` stubs'). If mpirun exits, any rank disappears, or a python stub or engine process of
+any rank dies (stubs.py: Triton 2.51 neither notices nor heals that), everything is stopped at once,
+the tail of that rank's log is printed and the launch fails: the ranks first, given DEATH_GRACE_S after
+their SIGTERM, so that every request in flight has its error (or its closed connection) within a
+few seconds and health stops answering 200, then the OpenAI API, which passes those errors on to its
+clients. A deployment's orchestrator starts the launch again. SIGINT, SIGTERM or SIGHUP stop
+everything and end the launch normally; a second signal skips the grace period. The supervisor is
+its launch's subreaper: a process orphaned below it (a killed stub's engine process, a killed rank's
+stubs) becomes its child, and it reaps every such child that ends, so that no zombie is left.
 
 Ready means: rank 0 answers /v2/health/ready, every rank's process runs, and `ensemble`,
 `tensorrt_llm_bls` and the history model `chatglm3-6b` (those the repository has) each answered one
@@ -61,17 +67,18 @@ from trtglm.backend.contract import HISTORY_CHAT
 from trtglm.backend.cpus import engine_cpus_env
 from trtglm.errors import TrtglmError
 from trtglm.files import PHASE_FILE, read_phase
-from trtglm.serve.command import LLM_MODEL
 from trtglm.serve.launch_spec import LaunchSpec
 from trtglm.serve.openai_process import OpenAIProcess
 from trtglm.serve.rank_logs import last_error_line, print_excerpt, print_tails, read_log
 from trtglm.serve.state import LaunchDir, kill, processes_with, remove_shm, shm_files
-from trtglm.serve.stubs import StubWatch, died_while_ready, restart_model
+from trtglm.serve.stubs import DeathWatch, child_pids, descendants
 from trtglm.serve.tritonserver import server_env
 
 log = logging.getLogger(__name__)
 
 GRACE_S = 10.0  # after SIGTERM, before SIGKILL
+DEATH_GRACE_S = 0.5  # the same once a process of the launch died: requests the death stranded end with the server
+PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
 POLL_S = 0.2
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 CHECKED_MODELS = ("ensemble", "tensorrt_llm_bls")  # asked once before the launch reports ready
@@ -107,10 +114,12 @@ class Supervisor:
     def run(self) -> None:
         """Serve until stopped by a signal (returns) or until a rank dies or never gets ready (TrtglmError)."""
         previous = self._install_handlers()
+        become_subreaper()
+        failure = None
         try:
             failure = self._serve()
         finally:
-            self.shutdown()
+            self.shutdown(GRACE_S if failure is None else DEATH_GRACE_S)
             self.launch.state_file.unlink(missing_ok=True)
             self._restore_handlers(previous)
         if failure is not None:
@@ -232,11 +241,12 @@ class Supervisor:
     # --- watching ---------------------------------------------------------------------------------
 
     def watch(self) -> Failure | None:
-        stubs = StubWatch()
+        deaths = DeathWatch()
         while self.stop_signal is None:
-            failure = self.check_ranks() or self.check_openai() or self.check_stubs(stubs)
+            failure = self.check_ranks() or self.check_openai() or self.check_deaths(deaths)
             if failure is not None:
                 return failure
+            reap_orphans(self._own_children())
             time.sleep(POLL_S)
         return None
 
@@ -247,29 +257,14 @@ class Supervisor:
                        f"{self.openai.popen.returncode}; stopped all ranks (logs: {self.log_dir})", [],
                        (self.openai.log_path,))
 
-    def check_stubs(self, stubs: StubWatch) -> Failure | None:
-        """Restart each python model of rank 0 whose stub died while Triton still calls it ready (stubs.py)."""
-        server = self.ranks.get(0)
-        if server is None:
+    def check_deaths(self, deaths: DeathWatch) -> Failure | None:
+        """A Failure when a python stub or engine process of any rank died (stubs.py)."""
+        dead = deaths.died(self.ranks)
+        if dead is None:
             return None
-        url = self.spec.endpoints.urls()["http"]
-        dead = stubs.died(server)
-        for model in sorted(dead):
-            if not died_while_ready(url, model):
-                continue  # unloaded on purpose (trtglm models unload)
-            where = f"stopped all ranks (logs: {self.log_dir})"
-            if model == LLM_MODEL and self.spec.world_size > 1:
-                return Failure(f"rank 0's {model} process died; the ranks cannot restart it alone; {where}", [0])
-            log.warning("%s: its python process died; loading it again", model)
-            started = time.monotonic()
-            try:
-                restart_model(url, model, self.spec.api_key)
-            except TrtglmError as e:
-                return Failure(f"{model}'s python process died and loading it again failed ({e}); {where}", [0])
-            log.info("%s: running again after %.1f s", model, time.monotonic() - started)
-        if dead:
-            stubs.died(server)  # the restarted models' new stubs are known from now on
-        return None
+        rank, what = dead
+        log.error("%s died; stopping the launch", what)
+        return Failure(f"{what} died; stopped all ranks (logs: {self.log_dir})", [rank])
 
     def check_ranks(self) -> Failure | None:
         self.refresh()
@@ -281,16 +276,18 @@ class Supervisor:
 
     def refresh(self) -> None:
         """Track the command's process tree; learn each rank's process."""
-        try:
-            children = self.root.children(recursive=True)
-        except psutil.Error:
-            children = []
-        for proc in children:
-            self.tracked.setdefault(proc.pid, proc)
+        new = []
+        for pid in descendants(self.root.pid):
+            if pid not in self.tracked:
+                try:
+                    self.tracked[pid] = psutil.Process(pid)
+                except psutil.Error:
+                    continue
+                new.append(self.tracked[pid])
         if self.spec.world_size == 1:
             self.ranks[0] = self.root
             return
-        for proc in children:
+        for proc in new:
             rank = self._rank_of(proc)
             if rank is not None:
                 self.ranks.setdefault(rank, proc)
@@ -326,10 +323,20 @@ class Supervisor:
 
     # --- stopping ---------------------------------------------------------------------------------
 
-    def shutdown(self) -> None:
-        """SIGTERM every rank, wait up to GRACE_S, SIGKILL what is left, remove leftover shared memory."""
+    def shutdown(self, grace_s: float = GRACE_S) -> None:
+        """Stop the ranks and the OpenAI API, reap what they leave, remove leftover shared memory. On a stop the
+        API goes first (its requests end while the ranks still serve them); after a death (a short `grace_s`)
+        the ranks go first, and the API passes their requests' errors on before it goes."""
+        grace_s = 0.0 if self.hurry else grace_s
+        if self.openai is not None and grace_s == GRACE_S:
+            self.openai.stop(grace_s)
+        self._stop_ranks(grace_s)
         if self.openai is not None:
-            self.openai.stop(0.0 if self.hurry else GRACE_S)
+            self.openai.stop(grace_s)
+        reap_orphans(self._own_children())
+
+    def _stop_ranks(self, grace_s: float) -> None:
+        """SIGTERM every rank, wait up to `grace_s`, SIGKILL what is left, remove leftover shared memory."""
         if self.popen is None:
             return
         self.refresh()
@@ -338,19 +345,24 @@ class Supervisor:
             _terminate(proc)
         if not ranks and self.popen.poll() is None:
             self.popen.terminate()
-        self._wait(lambda: self.popen.poll() is None or any(map(alive, self.tracked.values())), GRACE_S)
-        if self.popen.poll() is None:
+        self._wait(lambda: self.popen.poll() is None or any(map(alive, self.tracked.values())), grace_s)
+        if self.popen.poll() is None and grace_s == GRACE_S:  # after a death, no more waiting
             self.popen.terminate()
             self._wait(lambda: self.popen.poll() is None, 3.0)
-        leftovers = [p for p in self.tracked.values() if alive(p)] + processes_with(self.spec.shm_base)
+        leftovers = [p for p in [*ranks, *self.tracked.values()] if alive(p)]
         if leftovers:
             log.warning("killing %d process(es) %s", len(leftovers),
-                        "(second signal)" if self.hurry else f"that did not stop within {GRACE_S:g} s")
+                        "(second signal)" if self.hurry else f"that did not stop within {grace_s:g} s")
         kill(leftovers)
         if self.popen.poll() is None:
             self.popen.kill()
         self.popen.wait()
+        kill(processes_with(self.spec.shm_base))  # any the tree lost (listing every process is slow: last)
         remove_shm(self.spec.shm_base)
+
+    def _own_children(self) -> set[int]:
+        """The children this process's Popen objects wait for themselves."""
+        return {p.pid for p in (self.popen, self.openai and self.openai.popen) if p is not None}
 
     def _wait(self, busy, limit_s: float) -> None:
         deadline = time.monotonic() + limit_s
@@ -417,6 +429,26 @@ def _http_datatype(data_type: int) -> str:
 
     name = model_config_pb2.DataType.Name(data_type).removeprefix("TYPE_")
     return "BYTES" if name == "STRING" else name
+
+
+def become_subreaper() -> None:
+    """Make processes orphaned below this one its children (Linux), so that reap_orphans can wait for them."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        log.debug("no subreaper: orphans of the launch go to init")
+
+
+def reap_orphans(own: set[int]) -> None:
+    """Wait for this process's children that have ended, but for those in `own` (Popen waits for them)."""
+    for pid in child_pids(os.getpid()):
+        if pid not in own:
+            try:
+                os.waitpid(pid, os.WNOHANG)  # returns at once for a child still running
+            except ChildProcessError:
+                continue
 
 
 def alive(proc: psutil.Process) -> bool:
