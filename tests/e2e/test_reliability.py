@@ -470,9 +470,9 @@ class GrpcStream:
         self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
 
     def send(self, model: str, conversation: dict, max_tokens: int = 64, request_id: str = "") -> None:
-        arrays = {"text_input": ("BYTES", np.array([[json.dumps({"messages": conversation["messages"]},
-                                                                ensure_ascii=False).encode()]], dtype=object)),
-                  "max_tokens": ("INT32", np.array([[max_tokens]], np.int32)), "stream": ("BOOL", np.array([[True]]))}
+        self.send_arrays(model, stream_inputs(conversation, max_tokens), request_id)
+
+    def send_arrays(self, model: str, arrays: dict[str, tuple[str, np.ndarray]], request_id: str = "") -> None:
         tensors = []
         for name, (kind, array) in arrays.items():
             tensors.append(self.grpc.InferInput(name, list(array.shape), kind))
@@ -494,6 +494,12 @@ class GrpcStream:
     def close(self, cancel: bool = False) -> None:
         self.client.stop_stream(cancel_requests=cancel)
         self.client.close()
+
+
+def stream_inputs(conversation: dict, max_tokens: int = 64) -> dict[str, tuple[str, np.ndarray]]:
+    """A streamed request's inputs: the conversation as a JSON chat, max_tokens, stream true."""
+    return {"text_input": ("BYTES", text_array(json.dumps({"messages": conversation["messages"]}, ensure_ascii=False))),
+            "max_tokens": ("INT32", np.array([[max_tokens]], np.int32)), "stream": ("BOOL", np.array([[True]]))}
 
 
 def exact_on_streams(server: Server, chosen: list[dict], in_flight: int) -> list[str]:
@@ -545,3 +551,31 @@ def test_bls_streams_dropped_at_once_leave_it_answering(streaming_server):
 
 def bls_stubs(server: Server) -> set[int]:
     return {p.pid for p in repo_processes(server.repo) if "tensorrt_llm_bls" in " ".join(p.cmdline())}
+
+
+# --- required inputs missing, streamed ---------------------------------------------------------------------------
+
+MISSING_CASES = [("text_input", "text_input is required"), ("max_tokens", "max_tokens is required")]
+
+
+@pytest.mark.parametrize("model", CLIENT_MODELS)
+@pytest.mark.parametrize("missing, words", MISSING_CASES, ids=[c[0] for c in MISSING_CASES])
+def test_a_missing_required_input_is_an_error_on_every_stream(streaming_server, model, missing, words):
+    """Over HTTP generate_stream and gRPC streaming (where Triton alone would answer an empty, complete stream), a
+    request without text_input or max_tokens ends with an error event naming it; the next request is exact."""
+    server = streaming_server
+    status, events = server.stream(model, {k: v for k, v in {"text_input": CHAT, "max_tokens": 64}.items()
+                                           if k != missing})
+    assert status == 400 and len(events) == 1 and words in events[0].get("error", ""), (status, events)
+    status, events = server.stream(model, {"text_input": CHAT, "max_tokens": 64})
+    assert status == 200 and "".join(e["text_output"] for e in events) == GOOD["answer"], events
+
+    stream = GrpcStream(server)
+    try:
+        stream.send_arrays(model, {k: v for k, v in stream_inputs(GOOD).items() if k != missing})
+        error = stream.reply()
+        assert error.startswith("error: ") and words in error and "\n" not in error, error
+        stream.send(model, GOOD)
+        assert stream.reply() == GOOD["answer"]
+    finally:
+        stream.close()

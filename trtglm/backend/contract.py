@@ -12,7 +12,7 @@ against this table, and the python models take their tensor and parameter names 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 ENSEMBLE, PREPROCESSING, TENSORRT_LLM, POSTPROCESSING, BLS = (
     "ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
@@ -177,15 +177,27 @@ ENGINE_INPUTS = (  # tensorrt_llm's (NVIDIA's v0.19.0 and v1.2.1 names); `lacks`
     *_flags("return_num_input_tokens", "return_num_output_tokens"),
 )
 
+# Inputs every request needs, which the client models and preprocessing declare optional all the same: Triton
+# 2.51 counts a request's inputs but does not check that each required one is there, and its ensemble scheduler
+# ends a request whose step lacks a required input with no response and no error (an empty, complete stream).
+# Declared optional, a missing one reaches preprocessing (the BLS model's too), which refuses it by the client's
+# name on every path alike.
+REQUIRED_BY_PREPROCESSING = ("text_input", "max_tokens")
+
+
+def _checked_by_preprocessing(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    return tuple(replace(t, optional=True) if t.name in REQUIRED_BY_PREPROCESSING else t for t in tensors)
+
+
 CONTRACT: dict[str, Model] = {
-    ENSEMBLE: Model(CLIENT_INPUTS + (EXCLUDE_INPUT,), CLIENT_OUTPUTS),
-    BLS: Model(CLIENT_INPUTS + BLS_ONLY_INPUTS + (EXCLUDE_INPUT,), CLIENT_OUTPUTS),
+    ENSEMBLE: Model(_checked_by_preprocessing(CLIENT_INPUTS) + (EXCLUDE_INPUT,), CLIENT_OUTPUTS),
+    BLS: Model(_checked_by_preprocessing(CLIENT_INPUTS) + BLS_ONLY_INPUTS + (EXCLUDE_INPUT,), CLIENT_OUTPUTS),
     PREPROCESSING: Model(
-        inputs=(_t("QUERY", "STRING", 1), _opt("DECODER_QUERY", "STRING", 1, lacks=ENCODER),
+        inputs=(_opt("QUERY", "STRING", 1), _opt("DECODER_QUERY", "STRING", 1, lacks=ENCODER),
                 _opt("IMAGE_BYTES", "UINT8", -1, -1, -1, -1, lacks=ENCODER), _opt("IMAGE_URL", "STRING", 1,
                                                                                   lacks=ENCODER),
                 _opt("VIDEO_BYTES", "UINT8", -1, -1, -1, -1, lacks=ENCODER),
-                _t("REQUEST_OUTPUT_LEN", "INT32", 1),
+                _opt("REQUEST_OUTPUT_LEN", "INT32", 1),  # QUERY and this: see REQUIRED_BY_PREPROCESSING
                 _opt("BAD_WORDS_DICT", "STRING", -1), _opt("STOP_WORDS_DICT", "STRING", -1),
                 _opt("EMBEDDING_BIAS_WORDS", "STRING", -1), _opt("EMBEDDING_BIAS_WEIGHTS", "FP32", -1),
                 _opt("END_ID", "INT32", 1), _opt("PAD_ID", "INT32", 1),
