@@ -222,6 +222,10 @@ GENERATE_CASES = [
     ("pad_id negative", {"text_input": "hi", "max_tokens": 8, "pad_id": -3}, 400, "is not a token id"),
     ("bias words without weights", {"text_input": "hi", "max_tokens": 8, "embedding_bias_words": ["Paris"]}, 400,
      "embedding_bias_words has 1 entries but embedding_bias_weights has 0"),
+    ("num_return_sequences 9", {"text_input": "hi", "max_tokens": 8, "num_return_sequences": 9}, 400,
+     "num_return_sequences 9 is more than this server allows (8, its serve.max_return_sequences)"),
+    ("num_return_sequences 2^31-1", {"text_input": "hi", "max_tokens": 8, "num_return_sequences": 2**31 - 1}, 400,
+     "num_return_sequences 2147483647 is more than this server allows (8"),
 ]
 
 GRPC_CASES = [  # (case, inputs, expected status code name, words)
@@ -336,6 +340,56 @@ def test_json_numbers_past_32_bits_arrive_wrapped(server):
     a JSON number for an INT32 input, so 2^32 + 5 arrives as 5 and is served as max_tokens 5."""
     answer = http_generate(server, "ensemble", {"text_input": CHAT, "max_tokens": 2**32 + 5})
     assert answer.status == 200 and len(answer.outputs["output_log_probs"]) == 5
+
+
+# --- the history model (chatglm3-6b) ----------------------------------------------------------------------------
+
+HISTORY_QUESTION = "Tell me a long story about the sea."
+
+
+def history_infer(server: Server, prompt: str = HISTORY_QUESTION, max_token: int = 200, temperature: str = "0",
+                  **optional: tuple[str, list]) -> Answer:
+    """The history API's HTTP infer (max_batch_size 0: every input one element); `optional`: name -> (type, data)."""
+    inputs = {"prompt": ("BYTES", [1], [prompt]), "history": ("BYTES", [1], [""]),
+              "temperature": ("BYTES", [1], [temperature]), "max_token": ("INT16", [1], [max_token]),
+              "history_len": ("INT16", [1], [0]),
+              **{name: (kind, [1], data) for name, (kind, data) in optional.items()}}
+    answer = http_infer(server, "chatglm3-6b", inputs)
+    return Answer(answer.status, answer.error, {k: v[0] for k, v in answer.outputs.items()})
+
+
+def test_the_history_model_samples_by_temperature_and_top_p(server):
+    """Temperature above 0 samples (the same seed, the same reply; another than the greedy one), and a top_p that
+    leaves only the likeliest token gives the greedy reply back."""
+    greedy = history_infer(server).outputs["response"]
+    by_seed = {seed: history_infer(server, temperature="2", seed=("UINT64", [seed])).outputs["response"]
+               for seed in range(1, 7)}
+    sampled = next((seed for seed, reply in by_seed.items() if reply != greedy), None)
+    assert sampled is not None, (greedy, by_seed)
+    again = history_infer(server, temperature="2", seed=("UINT64", [sampled])).outputs["response"]
+    assert again == by_seed[sampled]
+    narrow = history_infer(server, temperature="2", top_p=("BYTES", ["0.000001"]), seed=("UINT64", [sampled]))
+    assert narrow.outputs["response"] == greedy
+
+
+HISTORY_CASES = [  # (case, history_infer's arguments, words of the error)
+    ("max_token 40000 (wraps to -25536)", {"max_token": 40000},
+     "max_token must be between 1 and 32767, not -25536 (over HTTP JSON Triton keeps only the low 16 bits of a "
+     "larger number: 40000 arrives as -25536)"),
+    ("max_token 0", {"max_token": 0}, "max_token must be between 1 and 32767, not 0"),
+    ("top_p 0", {"temperature": "1", "top_p": ("BYTES", ["0"])}, "top_p must be more than 0 and at most 1"),
+    ("top_p not a number", {"top_p": ("BYTES", ["wide"])}, "top_p must be a number written as text"),
+    ("temperature nan", {"temperature": "nan"}, "temperature must be a finite number"),
+]
+
+
+@pytest.mark.parametrize("case, arguments, words", HISTORY_CASES, ids=[c[0] for c in HISTORY_CASES])
+def test_bad_history_requests_are_refused_and_the_next_is_answered(server, case, arguments, words):
+    greedy_before = history_infer(server).outputs["response"]
+    answer = history_infer(server, **arguments)
+    assert answer.status == 400 and words in (answer.error or ""), answer
+    assert "\n" not in answer.error
+    assert history_infer(server).outputs["response"] == greedy_before
 
 
 # --- several prompts in one request --------------------------------------------------------------------------

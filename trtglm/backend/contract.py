@@ -29,12 +29,15 @@ TOKENIZER_DIR, MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE = "tokenizer_dir", "max_in
 LLM_MODEL_NAME, ACCUMULATE_TOKENS = "tensorrt_llm_model_name", "accumulate_tokens"
 LLM_DECOUPLED = "decoupled_mode"  # whether tensorrt_llm answers decoupled (the history model is not itself)
 CHATGLM_VERSION = "chatglm_version"  # the prompt format: chatglm3, or chatglm2 for a ChatGLM2 engine
+MAX_RETURN_SEQUENCES = "max_return_sequences"  # the profile's serve.max_return_sequences
 KV_CACHE_REUSE = "enable_kv_cache_reuse"  # tensorrt_llm: reuse the KV blocks of a shared prompt prefix (NVIDIA's name)
 # model -> parameters trtglm's python model reads (rendering fills each from the placeholder of that name)
 PYTHON_MODEL_PARAMETERS: dict[str, tuple[str, ...]] = {
     PREPROCESSING: (TOKENIZER_DIR, MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE, CHATGLM_VERSION),
     POSTPROCESSING: (TOKENIZER_DIR,),
-    BLS: (TOKENIZER_DIR, MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE, CHATGLM_VERSION, LLM_MODEL_NAME, ACCUMULATE_TOKENS),
+    BLS: (TOKENIZER_DIR, MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE, CHATGLM_VERSION, LLM_MODEL_NAME, ACCUMULATE_TOKENS,
+          MAX_RETURN_SEQUENCES),
+    TENSORRT_LLM: (MAX_RETURN_SEQUENCES,),  # with backend python; NVIDIA's backend ignores it
     HISTORY_CHAT: (TOKENIZER_DIR, MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE, CHATGLM_VERSION, LLM_MODEL_NAME,
                    LLM_DECOUPLED),
 }
@@ -223,7 +226,8 @@ CONTRACT: dict[str, Model] = {
     # as those deployments declared it (max_batch_size 0: dims are the whole shape); temperature is text
     HISTORY_CHAT: Model(
         inputs=(_t("prompt", "STRING", -1), _t("history", "STRING", -1), _t("temperature", "STRING", -1),
-                _t("max_token", "INT16", -1), _t("history_len", "INT16", -1)),
+                _t("max_token", "INT16", -1), _t("history_len", "INT16", -1),
+                _opt("top_p", "STRING", -1), _opt("seed", "UINT64", -1)),  # trtglm's: sampling as the other models
         outputs=(_t("response", "STRING", -1), _t("history", "STRING", -1))),
 }
 
