@@ -261,7 +261,7 @@ class StreamError:
 def test_a_full_queue_is_503_with_retry_after_whatever_path_refused_it(error):
     api_error = _triton_error(error)
     assert (api_error.status, api_error.code, api_error.headers()) == (503, "server_busy", {"Retry-After": "1"})
-    assert api_error.message.startswith("the model server is busy: ")
+    assert api_error.message.startswith("the model server is busy, retry later: ")
 
 
 def test_other_triton_errors_keep_their_status():

@@ -70,8 +70,9 @@ class EngineError(TrtglmError):
     """tensorrt_llm answered with an error; a full queue's is passed on as UNAVAILABLE (retry later)."""
 
     def __init__(self, message: str):
-        super().__init__(message)
-        self.status = "UNAVAILABLE" if is_busy(message) else "INVALID_ARG"
+        busy = is_busy(message)
+        super().__init__(f"{message}; retry later" if busy and "retry later" not in message else message)
+        self.status = "UNAVAILABLE" if busy else "INVALID_ARG"
 
 
 def engine_inputs(prepared: dict[str, np.ndarray], client: dict[str, np.ndarray | None]) -> dict[str, np.ndarray]:

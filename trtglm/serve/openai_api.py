@@ -234,8 +234,8 @@ def _triton_error(error) -> ApiError:
         code = "context_length_exceeded" if "max_input_len" in message else None
         return ApiError(400, message, code=code)
     if status == 503:
-        return ApiError(503, f"the model server is busy: {message}", kind="server_error", code="server_busy",
-                        retry_after=RETRY_AFTER_S)
+        return ApiError(503, f"the model server is busy, retry later: {message}", kind="server_error",
+                        code="server_busy", retry_after=RETRY_AFTER_S)
     return ApiError(status, f"the model server failed: {message}", kind="server_error")
 
 
@@ -431,9 +431,9 @@ class Chat(Answering):
     PREFIX, OBJECT, CHUNK_OBJECT = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     def prepare(self) -> list[Ask]:
-        refuse_unsupported(self.request)
         self.api.check_model(self.request)
         self.api.check_counts(self.request)
+        refuse_unsupported(self.request)
         messages = chatglm_messages(self.request)
         self.prompt_tokens = self.api.prompt_length(messages, "messages")
         self.limit = self.api.token_limit(self.request.token_limit(), self.prompt_tokens)
@@ -484,9 +484,9 @@ class Completion(Answering):
     PREFIX, OBJECT, CHUNK_OBJECT = "cmpl", "text_completion", "text_completion"
 
     def prepare(self) -> list[Ask]:
-        refuse_unsupported(self.request)
         self.api.check_model(self.request)
         self.api.check_counts(self.request)
+        refuse_unsupported(self.request)
         asks, self.limits = [], []
         for prompt in self.request.prompts():
             messages = completion_messages(prompt)
@@ -615,19 +615,21 @@ def create_app(api: Api):
         work = answering(api, request)
         asks = await asyncio.to_thread(work.prepare)
         if not request.stream:
-            return await work.answer(asks)
+            return JSONResponse(await work.answer(asks))
         chunks = work.chunks(asks)
         first = await anext(chunks, None)
         return StreamingResponse(sse(_after(first, chunks)), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    @app.post("/v1/chat/completions")
     async def chat(http: Request):
         return await respond(http, ChatRequest, Chat)
 
-    @app.post("/v1/completions")
     async def completions(http: Request):
         return await respond(http, CompletionRequest, Completion)
+
+    # plain routes: the handlers read the body themselves (bounded, parsed off the event loop)
+    app.add_route("/v1/chat/completions", chat, methods=["POST"])
+    app.add_route("/v1/completions", completions, methods=["POST"])
 
     return app
 
@@ -655,15 +657,21 @@ async def _after(first: dict | None, rest: AsyncIterator[dict]) -> AsyncIterator
 
 
 def validation_error(errors: list[dict]) -> ApiError:
-    """The first of pydantic's complaints as a 400 naming the field."""
+    """The first of pydantic's complaints as a 400 naming the field; of a union's, the member of the value's
+    own type (a list of too many prompts: its length, not that it is no string)."""
     first = errors[0] if errors else {}
-    location = [str(part) for part in first.get("loc", ()) if part != "body" and not _union_tag(part)]
+    location = _field(first)
+    first = next((e for e in errors if _field(e) == location and not e.get("type", "").endswith("_type")), first)
     if first.get("type") == "json_invalid":
         return ApiError(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})",
                         code="invalid_json")
     param = ".".join(location) or None
     message = first.get("msg", "invalid request")
     return ApiError(400, f"{param}: {message}" if param else message, param, "invalid_value")
+
+
+def _field(error: dict) -> list[str]:
+    return [str(part) for part in error.get("loc", ()) if part != "body" and not _union_tag(part)]
 
 
 def _union_tag(part) -> bool:
