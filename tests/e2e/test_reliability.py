@@ -8,7 +8,11 @@ and gRPC, through ensemble, tensorrt_llm_bls and tensorrt_llm: malformed JSON, w
 out-of-range numbers, bad sampling options, bad word lists, over-long prompts. Each one must get an error
 with a message saying what was wrong (4xx, or for what Triton itself decides before any model sees the
 request, the status Triton gives it: docs/troubleshooting.md), and the next good request on the same path
-must answer exactly the fixture's answer.
+must answer exactly the fixture's answer. The matrix includes num_return_sequences past the profile's
+serve.max_return_sequences; beside it, the history model (chatglm3-6b) samples by temperature, top_p and seed
+and refuses max_token values that HTTP JSON wraps. On a decoupled server, a request without text_input or
+max_tokens ends with an error on every stream (HTTP generate_stream, gRPC); on one whose queues hold little,
+a full queue is refused as busy on every path (docs/troubleshooting.md lists the status each path can give).
 
 The rest of the reliability suite lives beside the code it exercises and carries the same marker
 (`pytest -m reliability` runs it all): one request's degenerate sampling among concurrent ones
@@ -633,3 +637,79 @@ def test_a_missing_required_input_is_an_error_on_every_stream(streaming_server, 
         assert stream.reply() == GOOD["answer"]
     finally:
         stream.close()
+
+
+# --- a full queue, on every path ---------------------------------------------------------------------------------
+
+BUSY_AT_ONCE = 24  # requests sent together to a server that holds 2 running and 1 waiting per queue
+LONG = {"messages": [{"role": "user", "content": "Tell me a long story about the sea."}]}
+TRITON_BUSY = "Exceeds maximum queue size"  # Triton's scheduler queue (max_queue_size), which trtglm cannot reword
+BUSY_WORDS_SEEN = ("the queue is full", TRITON_BUSY)
+
+
+@pytest.fixture(scope="module")
+def busy_server(tmp_path_factory):
+    """A decoupled repository whose queues hold little: 2 slots, max_queue_size 1 (Triton's queues and the engine's)."""
+    pytest.importorskip("pytriton")
+    root = tmp_path_factory.mktemp("busy")
+    engine = build_tiny_engine(root / "engine", **{"serve.max_queue_size": 1, "build.max_batch_size": 2,
+                                                   "build.max_num_tokens": 1024})
+    server = Server(patch_repo(engine, None, root / "repo"), 1, root / "state")
+    yield server
+    server.stop()
+
+
+def http_stream_status(server: Server, model: str) -> tuple[int | str, str, dict]:
+    status, text = server.post(f"/v2/models/{model}/generate_stream", json.dumps(
+        {"text_input": json.dumps(LONG), "max_tokens": 300, "stream": True}).encode(), timeout=120)
+    return status, text if status != 200 else "", {}
+
+
+def openai_status(server: Server, path: str, body: dict) -> tuple[int | str, str, dict]:
+    import httpx
+
+    with httpx.Client(trust_env=False, timeout=120) as http:
+        reply = http.post(f"http://127.0.0.1:{server.openai_port}/v1{path}", json={"model": "tiny", **body})
+    return reply.status_code, reply.text if reply.status_code != 200 else "", dict(reply.headers)
+
+
+def grpc_stream_status(server: Server, model: str) -> tuple[int | str, str, dict]:
+    stream = GrpcStream(server)
+    try:
+        stream.send(model, LONG, max_tokens=300)
+        reply = stream.reply(timeout=120)
+    finally:
+        stream.close()
+    return ("error", reply, {}) if reply.startswith("error: ") else ("OK", "", {})
+
+
+# path -> (how to ask, what a refused request gets: the status Triton 2.51 lets each path give, docs/troubleshooting.md).
+# tensorrt_llm_bls is not among them: its requests wait in Triton's queue for one of its instances (one per engine
+# slot), so it meets a full engine queue only beside other traffic, and then says so as these do.
+BUSY_PATHS = {
+    "ensemble HTTP generate_stream": (lambda s: http_stream_status(s, "ensemble"), {400}),
+    "ensemble gRPC stream": (lambda s: grpc_stream_status(s, "ensemble"), {"error"}),
+    "OpenAI chat streamed": (lambda s: openai_status(s, "/chat/completions", {**LONG, "max_tokens": 300,
+                                                                              "stream": True}), {503}),
+    "OpenAI completions": (lambda s: openai_status(s, "/completions", {"prompt": LONG["messages"][0]["content"],
+                                                                       "max_tokens": 300}), {503}),
+}
+
+
+@pytest.mark.parametrize("path", BUSY_PATHS)
+def test_a_full_queue_says_busy_retry_later_on_every_path(busy_server, path):
+    """24 long requests at once: those the queues cannot hold are refused at once with a busy error (on HTTP 503 with
+    Retry-After where Triton lets the status through), every other one is answered, and so is the next request."""
+    ask, refused_as = BUSY_PATHS[path]
+    with ThreadPoolExecutor(BUSY_AT_ONCE) as pool:
+        answers = list(pool.map(lambda _: ask(busy_server), range(BUSY_AT_ONCE)))
+    refused = [(status, text, headers) for status, text, headers in answers if status not in (200, "OK")]
+    assert refused, "no request was refused: the queues did not fill"
+    for status, text, headers in refused:
+        assert status in refused_as and any(words in text for words in BUSY_WORDS_SEEN), (status, text)
+        # trtglm's words say to retry; Triton's own queue says "Exceeds maximum queue size" and no more
+        hint = "retry later" in text or TRITON_BUSY in text or status == 503 and headers.get("retry-after") == "1"
+        assert hint, (status, text, headers)
+    assert busy_server.stream("ensemble", {"text_input": CHAT, "max_tokens": 64})[0] == 200
+    status, events = busy_server.stream("tensorrt_llm_bls", {"text_input": CHAT, "max_tokens": 64})
+    assert status == 200 and "".join(e["text_output"] for e in events) == GOOD["answer"]
