@@ -116,6 +116,9 @@ class ServeSection:
                                         metadata=_choices("guaranteed_no_evict", "max_utilization"))
     max_queue_delay_microseconds: int = field(default=0, metadata=_at_least(0))
     max_queue_size: int = field(default=0, metadata=_at_least(0))
+    # the most sequences one prompt may ask for (num_return_sequences, OpenAI's n and best_of): each is a request
+    # of the engine's, so the count is bounded before any work
+    max_return_sequences: int = field(default=8, metadata=_at_least(1))
     http_port: int = field(default=8000, metadata={"min": 1, "max": 65535})
     grpc_port: int = field(default=8001, metadata={"min": 1, "max": 65535})
     metrics_port: int = field(default=8002, metadata={"min": 1, "max": 65535})

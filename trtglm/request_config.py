@@ -104,6 +104,13 @@ def check_sampling(sampling: SamplingConfig, max_beam_width: int = 1) -> None:
     early_stopping_mode(sampling.early_stopping)
 
 
+def check_return_sequences(count: int, limit: int, name: str = "num_return_sequences") -> None:
+    """UsageError for more sequences of one prompt than the server allows (the profile's serve.max_return_sequences):
+    each is a request of the engine's, so this is checked before any work."""
+    if count > limit:
+        raise UsageError(f"{name} {count} is more than this server allows ({limit}, its serve.max_return_sequences)")
+
+
 def early_stopping_mode(value: bool | int | str) -> bool | str:
     """True, False or "never" from a bool, TensorRT-LLM's integer (1, 0, other) or transformers' string."""
     if isinstance(value, str):

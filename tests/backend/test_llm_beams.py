@@ -38,7 +38,7 @@ def test_beam_requests_carry_the_width_and_the_length_penalty():
 ])
 def test_bad_beam_requests_are_refused_in_one_line(inputs, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")) as refused:
-        engine_requests(inputs)
+        engine_requests(inputs, 8)
     assert "\n" not in str(refused.value)
 
 

@@ -228,3 +228,13 @@ def test_limits_read_the_prompt_format(params, version):
     with pytest.raises(UsageError, match="preprocessing: parameter chatglm_version must be one of chatglm3, "
                                          "chatglm2, not 'glm4'"):
         Limits.from_parameters({**numbers, "chatglm_version": "glm4"}, "preprocessing")
+
+
+@pytest.mark.parametrize("missing, message", [(("QUERY",), "text_input is required"),
+                                              (("REQUEST_OUTPUT_LEN",), "max_tokens is required"),
+                                              (("QUERY", "REQUEST_OUTPUT_LEN"), "text_input and max_tokens are required")])
+def test_a_missing_required_input_is_refused_by_the_clients_name(tok, missing, message):
+    """The client models declare them optional (contract.REQUIRED_BY_PREPROCESSING): this is where they are refused."""
+    inputs = {name: value for name, value in request("hi").items() if name not in missing}
+    with pytest.raises(UsageError, match=f"^{message}$"):
+        preprocess(tok, LIMITS, inputs)

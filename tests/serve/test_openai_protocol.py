@@ -14,10 +14,10 @@ from trtglm.chatglm.chat import chat_ids, chatglm2_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.repo import patch_repo
 from trtglm.request_config import OutputConfig, SamplingConfig
-from trtglm.serve.openai_api import (Api, Ask, ChoiceText, Piece, client_model, served_model, triton_inputs,
-                                     validation_error)
-from trtglm.serve.openai_protocol import (ApiError, ChatRequest, CompletionRequest, chatglm_messages,
-                                          refuse_unsupported)
+from trtglm.serve.openai_api import (Api, Ask, ChoiceText, Piece, _triton_error, client_model, served_model,
+                                     triton_inputs, validation_error)
+from trtglm.serve.openai_protocol import (MAX_PROMPTS, MAX_STOP_BYTES, ApiError, ChatRequest, CompletionRequest,
+                                          chatglm_messages, refuse_unsupported)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                             "parameters": {"city": "string"}}}
@@ -198,3 +198,72 @@ def test_tokens_are_counted_from_every_response_with_or_without_log_probs():
     reply.add(Piece("", 1, ()))  # a byte of a character still to come
     reply.add(Piece(" sky", 1, ()))
     assert reply.tokens == 3 and reply.log_probs == [] and reply.finish_reason(None) == "length"
+
+
+# --- limits ------------------------------------------------------------------------------------------------
+
+
+def test_the_choice_limit_is_the_repositorys_max_return_sequences(rendered, fixture_dir):
+    """serve.max_return_sequences (8 by default) reaches the API through the rendered repository: n and best_of above
+    it are 400s naming the field, before any prompt is tokenized; n at it passes."""
+    api = Api(served_model(rendered["chatglm3"]), triton=None, tokenizer=ChatGLMTokenizer(fixture_dir))
+    assert api.served.max_return_sequences == 8
+    too_many = ((chat(n=9), "n"), (CompletionRequest(model="tiny", prompt="hi", n=2, best_of=10), "best_of"),
+                (chat(n=10**6), "n"))
+    for request, param in too_many:
+        with pytest.raises(ApiError) as caught:
+            api.check_counts(request)
+        assert (caught.value.status, caught.value.param) == (400, param)
+        assert "is more than this server allows (8, its serve.max_return_sequences)" in caught.value.message
+    api.check_counts(chat(n=8))
+    with pytest.raises(ApiError, match="best_of 3 above n 2 is not supported") as caught:
+        refuse_unsupported(CompletionRequest(model="tiny", prompt="hi", n=2, best_of=3))
+    assert caught.value.status == 422
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"stop": "x" * (MAX_STOP_BYTES + 1)}, "stop"), ({"stop": ["a", "x" * 10**6]}, "stop"),
+    ({"prompt": ["hi"] * (MAX_PROMPTS + 1)}, "prompt"), ({"prompt": ["hi"] * 4000, "n": 16}, "prompt"),
+])
+def test_prompts_and_stop_strings_are_bounded(fields, param):
+    with pytest.raises(ValidationError) as caught:
+        CompletionRequest(model="tiny", **{"prompt": "hi", **fields})
+    assert validation_error(caught.value.errors()).param == param
+
+
+def test_stop_strings_are_bounded_in_bytes(rendered, fixture_dir):
+    api = Api(served_model(rendered["chatglm3"]), triton=None, tokenizer=ChatGLMTokenizer(fixture_dir))
+    request = chat(stop="字" * (MAX_STOP_BYTES // 3 + 1))  # within the limit in characters, past it in bytes
+    with pytest.raises(ApiError, match=f"at most {MAX_STOP_BYTES} bytes, not {3 * (MAX_STOP_BYTES // 3 + 1)}"):
+        api.check_counts(request)
+    api.check_counts(chat(stop="字" * (MAX_STOP_BYTES // 3)))
+
+
+class StreamError:
+    """tritonclient's error as a gRPC stream gives it: a message, no status."""
+
+    def __init__(self, message: str, status: str | None = None):
+        self._message, self._status = message, status
+
+    def message(self) -> str:
+        return self._message
+
+    def status(self) -> str | None:
+        return self._status
+
+
+@pytest.mark.parametrize("error", [
+    StreamError("in ensemble 'ensemble', busy: 9 requests are already being served or waiting (the queue is full); "
+                "retry later"),
+    StreamError("in ensemble 'ensemble', [request id: <id_unknown>] Exceeds maximum queue size"),
+    StreamError("busy", "StatusCode.UNAVAILABLE"),
+])
+def test_a_full_queue_is_503_with_retry_after_whatever_path_refused_it(error):
+    api_error = _triton_error(error)
+    assert (api_error.status, api_error.code, api_error.headers()) == (503, "server_busy", {"Retry-After": "1"})
+    assert api_error.message.startswith("the model server is busy, retry later: ")
+
+
+def test_other_triton_errors_keep_their_status():
+    assert _triton_error(StreamError("max_tokens is required", "StatusCode.INVALID_ARGUMENT")).status == 400
+    assert _triton_error(StreamError("in ensemble 'ensemble', something broke")).status == 500

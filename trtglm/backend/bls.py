@@ -38,14 +38,15 @@ import numpy as np
 
 from trtglm.backend import triton_io
 from trtglm.backend.contract import (ACCUMULATE_TOKENS, BLS, BLS_ONLY_INPUTS, CONTRACT, ENSEMBLE, FLAGGED_OUTPUTS,
-                                     LLM_MODEL_NAME, PREPROCESSING, REPLY_FORM_INPUTS, TENSORRT_LLM,
-                                     client_outputs_from, feeds, flag_set, for_backend, names, refusal)
+                                     LLM_MODEL_NAME, MAX_RETURN_SEQUENCES, PREPROCESSING, REPLY_FORM_INPUTS,
+                                     TENSORRT_LLM, client_outputs_from, feeds, flag_set, for_backend, names, refusal)
 from trtglm.backend.postprocessing import flat_texts, reply_prefixes
 from trtglm.backend.preprocessing import Limits, preprocess
 from trtglm.backend.triton_io import pb_utils
 from trtglm.chatglm.chat import ReplyStream, reply_text
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
-from trtglm.errors import TrtglmError, UsageError
+from trtglm.errors import TrtglmError, UsageError, is_busy
+from trtglm.request_config import check_return_sequences
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,12 @@ WAIT_S = 0.5  # longest wait for an engine response before looking whether the e
 
 
 class EngineError(TrtglmError):
-    """tensorrt_llm answered with an error."""
+    """tensorrt_llm answered with an error; a full queue's is passed on as UNAVAILABLE (retry later)."""
+
+    def __init__(self, message: str):
+        busy = is_busy(message)
+        super().__init__(f"{message}; retry later" if busy and "retry later" not in message else message)
+        self.status = "UNAVAILABLE" if busy else "INVALID_ARG"
 
 
 def engine_inputs(prepared: dict[str, np.ndarray], client: dict[str, np.ndarray | None]) -> dict[str, np.ndarray]:
@@ -227,6 +233,7 @@ class TritonPythonModel:
         self.engine = setup.parameter(LLM_MODEL_NAME)
         self.engine_processes = triton_io.ModelProcesses(self.engine)
         self.accumulate = triton_io.bool_parameter(setup.params, ACCUMULATE_TOKENS, setup.name)
+        self.max_return_sequences = triton_io.int_parameter(setup.params, MAX_RETURN_SEQUENCES, setup.name)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.engine_decoupled = self.decoupled  # tensorrt_llm answers as this model does (the repository's mode)
         self.dtypes = triton_io.output_dtypes(config)
@@ -252,6 +259,7 @@ class TritonPythonModel:
             why = refusal(tensor, client.pop(tensor.name))
             if why:
                 raise UsageError(why)
+        check_return_sequences(return_sequence_count(client), self.max_return_sequences)
         prepared = preprocess(self.tokenizer, self.limits,
                               {TO_PREPROCESSING[name]: client[name] for name in TO_PREPROCESSING})
         return client, engine_inputs(prepared, client)
@@ -385,9 +393,15 @@ def _joined_log_probs(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarra
     return joined
 
 
+def return_sequence_count(inputs: dict[str, np.ndarray | None]) -> int:
+    """num_return_sequences as the request gives it (1 when absent)."""
+    array = inputs.get("num_return_sequences")
+    return 1 if array is None or array.size == 0 else int(array.reshape(-1)[0])
+
+
 def asked_outputs(inputs: dict[str, np.ndarray]) -> list[str]:
     """tensorrt_llm's outputs to ask for: those every version declares, and those the request's flags ask for."""
-    several = inputs.get("num_return_sequences") is not None and int(inputs["num_return_sequences"].reshape(-1)[0]) > 1
+    several = return_sequence_count(inputs) > 1
     return [*ALWAYS_ASKED, *(name for flag, outputs in FLAGGED_OUTPUTS.items() if flag_set(inputs.get(flag))
                              for name in outputs), *["sequence_index"] * several,
             *["batch_index"] * (len(inputs["input_ids"]) > 1)]

@@ -12,7 +12,7 @@ against this table, and the python models take their tensor and parameter names 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 ENSEMBLE, PREPROCESSING, TENSORRT_LLM, POSTPROCESSING, BLS = (
     "ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
@@ -29,12 +29,15 @@ TOKENIZER_DIR, MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE = "tokenizer_dir", "max_in
 LLM_MODEL_NAME, ACCUMULATE_TOKENS = "tensorrt_llm_model_name", "accumulate_tokens"
 LLM_DECOUPLED = "decoupled_mode"  # whether tensorrt_llm answers decoupled (the history model is not itself)
 CHATGLM_VERSION = "chatglm_version"  # the prompt format: chatglm3, or chatglm2 for a ChatGLM2 engine
+MAX_RETURN_SEQUENCES = "max_return_sequences"  # the profile's serve.max_return_sequences
 KV_CACHE_REUSE = "enable_kv_cache_reuse"  # tensorrt_llm: reuse the KV blocks of a shared prompt prefix (NVIDIA's name)
 # model -> parameters trtglm's python model reads (rendering fills each from the placeholder of that name)
 PYTHON_MODEL_PARAMETERS: dict[str, tuple[str, ...]] = {
     PREPROCESSING: (TOKENIZER_DIR, MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE, CHATGLM_VERSION),
     POSTPROCESSING: (TOKENIZER_DIR,),
-    BLS: (TOKENIZER_DIR, MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE, CHATGLM_VERSION, LLM_MODEL_NAME, ACCUMULATE_TOKENS),
+    BLS: (TOKENIZER_DIR, MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE, CHATGLM_VERSION, LLM_MODEL_NAME, ACCUMULATE_TOKENS,
+          MAX_RETURN_SEQUENCES),
+    TENSORRT_LLM: (MAX_RETURN_SEQUENCES,),  # with backend python; NVIDIA's backend ignores it
     HISTORY_CHAT: (TOKENIZER_DIR, MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE, CHATGLM_VERSION, LLM_MODEL_NAME,
                    LLM_DECOUPLED),
 }
@@ -177,15 +180,27 @@ ENGINE_INPUTS = (  # tensorrt_llm's (NVIDIA's v0.19.0 and v1.2.1 names); `lacks`
     *_flags("return_num_input_tokens", "return_num_output_tokens"),
 )
 
+# Inputs every request needs, which the client models and preprocessing declare optional all the same: Triton
+# 2.51 counts a request's inputs but does not check that each required one is there, and its ensemble scheduler
+# ends a request whose step lacks a required input with no response and no error (an empty, complete stream).
+# Declared optional, a missing one reaches preprocessing (the BLS model's too), which refuses it by the client's
+# name on every path alike.
+REQUIRED_BY_PREPROCESSING = ("text_input", "max_tokens")
+
+
+def _checked_by_preprocessing(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    return tuple(replace(t, optional=True) if t.name in REQUIRED_BY_PREPROCESSING else t for t in tensors)
+
+
 CONTRACT: dict[str, Model] = {
-    ENSEMBLE: Model(CLIENT_INPUTS + (EXCLUDE_INPUT,), CLIENT_OUTPUTS),
-    BLS: Model(CLIENT_INPUTS + BLS_ONLY_INPUTS + (EXCLUDE_INPUT,), CLIENT_OUTPUTS),
+    ENSEMBLE: Model(_checked_by_preprocessing(CLIENT_INPUTS) + (EXCLUDE_INPUT,), CLIENT_OUTPUTS),
+    BLS: Model(_checked_by_preprocessing(CLIENT_INPUTS) + BLS_ONLY_INPUTS + (EXCLUDE_INPUT,), CLIENT_OUTPUTS),
     PREPROCESSING: Model(
-        inputs=(_t("QUERY", "STRING", 1), _opt("DECODER_QUERY", "STRING", 1, lacks=ENCODER),
+        inputs=(_opt("QUERY", "STRING", 1), _opt("DECODER_QUERY", "STRING", 1, lacks=ENCODER),
                 _opt("IMAGE_BYTES", "UINT8", -1, -1, -1, -1, lacks=ENCODER), _opt("IMAGE_URL", "STRING", 1,
                                                                                   lacks=ENCODER),
                 _opt("VIDEO_BYTES", "UINT8", -1, -1, -1, -1, lacks=ENCODER),
-                _t("REQUEST_OUTPUT_LEN", "INT32", 1),
+                _opt("REQUEST_OUTPUT_LEN", "INT32", 1),  # QUERY and this: see REQUIRED_BY_PREPROCESSING
                 _opt("BAD_WORDS_DICT", "STRING", -1), _opt("STOP_WORDS_DICT", "STRING", -1),
                 _opt("EMBEDDING_BIAS_WORDS", "STRING", -1), _opt("EMBEDDING_BIAS_WEIGHTS", "FP32", -1),
                 _opt("END_ID", "INT32", 1), _opt("PAD_ID", "INT32", 1),
@@ -211,7 +226,8 @@ CONTRACT: dict[str, Model] = {
     # as those deployments declared it (max_batch_size 0: dims are the whole shape); temperature is text
     HISTORY_CHAT: Model(
         inputs=(_t("prompt", "STRING", -1), _t("history", "STRING", -1), _t("temperature", "STRING", -1),
-                _t("max_token", "INT16", -1), _t("history_len", "INT16", -1)),
+                _t("max_token", "INT16", -1), _t("history_len", "INT16", -1),
+                _opt("top_p", "STRING", -1), _opt("seed", "UINT64", -1)),  # trtglm's: sampling as the other models
         outputs=(_t("response", "STRING", -1), _t("history", "STRING", -1))),
 }
 

@@ -8,9 +8,14 @@ and gRPC. Its tensors (contract.py) are theirs:
 |---|---|---|---|
 | prompt (BYTES) | this turn's user message | response (BYTES) | the reply text |
 | history (BYTES) | the conversation so far: the `history` a previous reply gave, or "" | history (BYTES) | the turns the model saw, this prompt and the reply, as a Python literal |
-| temperature (BYTES) | a number as text; 0 answers greedily | | |
+| temperature (BYTES) | a number as text; 0 answers greedily, above 0 samples | | |
 | max_token (INT16) | prompt and reply together at most, as `chat(max_length=…)` | | |
 | history_len (INT16) | how many of the last rounds the model sees (0: none) | | |
+| top_p (BYTES), optional | a number as text, 0 < top_p ≤ 1 (default 1): nucleus sampling | | |
+| seed (UINT64), optional | the sampled reply's seed (default: a random one) | | |
+
+Over HTTP JSON Triton keeps only the low 16 bits of a larger max_token or history_len: one that arrives
+negative is refused with the number it was sent as; one past 65535 cannot be told from its low bits.
 
 The history is read as a literal, never run (`chat.parse_history`). The prompt is ChatGLM3's
 (`trtglm.chatglm.chat`), made by `preprocessing.preprocess` as for the other models, and the
@@ -32,9 +37,11 @@ from trtglm.backend.contract import CONTRACT, HISTORY_CHAT, LLM_DECOUPLED, LLM_M
 from trtglm.backend.preprocessing import Limits, preprocess
 from trtglm.backend.triton_io import pb_utils
 from trtglm.chatglm import chat
-from trtglm.errors import UsageError
+from trtglm.errors import UsageError, int_range_error
+from trtglm.request_config import SamplingConfig, client_inputs
 
-INPUTS = names(CONTRACT[HISTORY_CHAT].inputs)  # prompt, history, temperature, max_token, history_len
+INPUTS = names(CONTRACT[HISTORY_CHAT].inputs)  # prompt, history, temperature, max_token, history_len, top_p, seed
+INT16_BITS = 16  # max_token and history_len, as those deployments declared them
 
 
 def request_turns(prompt: str, history: list[str], history_len: int) -> tuple[list[dict], list[dict]]:
@@ -45,20 +52,31 @@ def request_turns(prompt: str, history: list[str], history_len: int) -> tuple[li
     return [*kept, {"role": "user", "content": prompt}], kept
 
 
-def temperature_value(text: str) -> float:
+def text_number(name: str, text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise UsageError(f"temperature must be a number written as text (e.g. \"0.95\"), not {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise UsageError(f"temperature must be 0 or more, not {text!r}")
+        raise UsageError(f"{name} must be a number written as text (e.g. \"0.95\"), not {text!r}") from None
+    if not math.isfinite(value):
+        raise UsageError(f"{name} must be a finite number, not {text!r}")
     return value
 
 
-def engine_request(tokenizer, limits: Limits, turns: list[dict], max_token: int, temperature: float) -> dict:
+def sampling_config(temperature: str, top_p: str | None, seed: int | None) -> SamplingConfig:
+    """The reply's sampling from the request's texts: greedy at temperature 0, else temperature and top-p."""
+    config = SamplingConfig(temperature=text_number("temperature", temperature),
+                            top_p=1.0 if top_p is None else text_number("top_p", top_p), seed=seed)
+    if config.temperature < 0:
+        raise UsageError(f"temperature must be 0 or more, not {temperature!r}")
+    if not 0 < config.top_p <= 1:
+        raise UsageError(f"top_p must be more than 0 and at most 1, not {top_p!r}")
+    return config
+
+
+def engine_request(tokenizer, limits: Limits, turns: list[dict], max_token: int, sampling: SamplingConfig) -> dict:
     """tensorrt_llm's input arrays for the turns: the reply may take what max_token leaves after the prompt."""
     if max_token < 1:
-        raise UsageError(f"max_token must be 1 or more, not {max_token}")
+        raise int_range_error("max_token", max_token, 1, INT16_BITS)
     prepared = preprocess(tokenizer, limits, {
         "QUERY": np.array([[json.dumps(turns, ensure_ascii=False).encode("utf-8")]], dtype=object),
         "REQUEST_OUTPUT_LEN": np.array([[max_token]], dtype=np.int32)})
@@ -67,7 +85,8 @@ def engine_request(tokenizer, limits: Limits, turns: list[dict], max_token: int,
         raise UsageError(f"max_token {max_token} leaves no room for a reply: the prompt and history are "
                          f"{prompt_len} tokens (raise max_token or lower history_len)")
     prepared["REQUEST_OUTPUT_LEN"][0, 0] = max_token - prompt_len
-    return bls.engine_inputs(prepared, {"temperature": np.array([[temperature]], dtype=np.float32)})
+    return bls.engine_inputs(prepared, {name: np.array([[value]], dtype=dtype)
+                                        for name, (value, dtype) in client_inputs(sampling).items()})
 
 
 class TritonPythonModel(bls.TritonPythonModel):
@@ -88,10 +107,13 @@ class TritonPythonModel(bls.TritonPythonModel):
     def _answer(self, request):
         try:
             arrays = triton_io.input_arrays(request, INPUTS)
-            turns, kept = request_turns(_one_text(arrays, "prompt"), _texts(arrays, "history"),
-                                        _one_int(arrays, "history_len"))
-            inputs = engine_request(self.tokenizer, self.limits, turns, _one_int(arrays, "max_token"),
-                                    temperature_value(_one_text(arrays, "temperature")))
+            history_len = _one_int(arrays, "history_len")
+            if history_len < 0:
+                raise int_range_error("history_len", history_len, 0, INT16_BITS)
+            turns, kept = request_turns(_one_text(arrays, "prompt"), _texts(arrays, "history"), history_len)
+            sampling = sampling_config(_one_text(arrays, "temperature"), _optional(arrays, "top_p", _one_text),
+                                       _optional(arrays, "seed", _one_int))
+            inputs = engine_request(self.tokenizer, self.limits, turns, _one_int(arrays, "max_token"), sampling)
             reply = bls.Reply(self.tokenizer, accumulate=False)
             for batch in self._generate(inputs, request):
                 for outputs in batch:
@@ -132,6 +154,10 @@ def _one_int(arrays: dict, name: str) -> int:
     if len(values) != 1:
         raise UsageError(f"{name} must hold one integer, not {len(values)}")
     return int(values[0])
+
+
+def _optional(arrays: dict, name: str, read):
+    return None if arrays.get(name) is None else read(arrays, name)
 
 
 def _strings(text: str) -> np.ndarray:

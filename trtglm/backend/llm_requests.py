@@ -32,7 +32,7 @@ import torch
 from trtglm.backend.contract import CONTRACT, FLAGGED_OUTPUTS, TENSORRT_LLM, flag_set, names, refusal
 from trtglm.chatglm.chat import word_sequences
 from trtglm.errors import UsageError, int32_range_error
-from trtglm.request_config import OutputConfig, SamplingConfig
+from trtglm.request_config import OutputConfig, SamplingConfig, check_return_sequences
 from trtglm.runtime.request import Request
 
 INPUTS = names(CONTRACT[TENSORRT_LLM].inputs)
@@ -53,7 +53,7 @@ def _one(arrays: Mapping[str, np.ndarray | None], name: str, default=None):
     return values[0].item()
 
 
-def engine_requests(arrays: Mapping[str, np.ndarray | None]) -> tuple[list[Request], bool]:
+def engine_requests(arrays: Mapping[str, np.ndarray | None], max_return_sequences: int) -> tuple[list[Request], bool]:
     """One executor Request per sequence of a request's input arrays (batch first), and whether to stream.
 
     As in NVIDIA's backend, each sequence of a batch is a request of its own to the in-flight batcher."""
@@ -67,13 +67,13 @@ def engine_requests(arrays: Mapping[str, np.ndarray | None]) -> tuple[list[Reque
         if array is not None and (array.ndim == 0 or array.shape[0] != batch):
             raise UsageError(f"{name} has {array.shape[0] if array.ndim else 0} rows for the {batch} sequences of "
                              "input_ids")
+    count = return_sequences(arrays, max_return_sequences)
     parsed = [_row_request(arrays, row, batch) for row in range(batch)]
     streaming = {stream for _, stream in parsed}
     if len(streaming) > 1:
         raise UsageError("streaming must be the same for every sequence of a request")
     if len({request.sampling.beam_width for request, _ in parsed}) > 1:
         raise UsageError("beam_width must be the same for every sequence of a request")
-    count = return_sequences(arrays)
     requests = [request for request, _ in parsed]
     return (sampled_copies(requests[0], count) if count > 1 else requests), streaming.pop()
 
@@ -84,12 +84,14 @@ def batch_size(arrays: Mapping[str, np.ndarray | None]) -> int:
     return 1 if ids is None or ids.ndim == 0 else len(ids)
 
 
-def return_sequences(arrays: Mapping[str, np.ndarray | None]) -> int:
-    """num_return_sequences (1 when absent): how many sequences one prompt gets (a request of one prompt)."""
+def return_sequences(arrays: Mapping[str, np.ndarray | None], limit: int) -> int:
+    """num_return_sequences (1 when absent): how many sequences one prompt gets (a request of one prompt), at most
+    `limit`."""
     array = arrays.get("num_return_sequences")
     count = 1 if array is None or array.size == 0 else int(np.asarray(array).reshape(-1)[0])
     if count < 1:
         raise int32_range_error("num_return_sequences", count, 1)
+    check_return_sequences(count, limit)
     if count > 1 and len(arrays["input_ids"]) > 1:
         raise UsageError(f"num_return_sequences {count} takes one prompt per request; this one has "
                          f"{len(arrays['input_ids'])}")

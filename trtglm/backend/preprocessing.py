@@ -79,8 +79,9 @@ class Prepared:
 
 def preprocess(tokenizer: ChatGLMTokenizer, limits: Limits, inputs: dict[str, np.ndarray | None]) -> dict:
     """Output arrays by name for one request (any batch size); UsageError for a bad request."""
-    if inputs.get("QUERY") is None or inputs.get("REQUEST_OUTPUT_LEN") is None:
-        raise UsageError("text_input and max_tokens are required")
+    missing = [CLIENT_NAMES[name] for name in ("QUERY", "REQUEST_OUTPUT_LEN") if inputs.get(name) is None]
+    if missing:
+        raise UsageError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
     refuse_unhonoured(inputs)
     rows = [prepare(tokenizer, limits, inputs, row) for row in range(len(inputs["QUERY"]))]
     return assemble(rows)

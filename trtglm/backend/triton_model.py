@@ -56,7 +56,7 @@ import time
 
 import numpy as np
 
-from trtglm.backend.contract import ENGINE_DIR, KV_CACHE_REUSE, TENSORRT_LLM
+from trtglm.backend.contract import ENGINE_DIR, KV_CACHE_REUSE, MAX_RETURN_SEQUENCES, TENSORRT_LLM
 from trtglm.backend.engine import log_to_stderr
 from trtglm.backend.engine_process import EngineProcess
 from trtglm.backend.llm_requests import (BATCH_NEEDS_DECOUPLED, INPUTS, batch_size, engine_requests,
@@ -97,6 +97,7 @@ class TritonPythonModel:
         started = time.monotonic()
         log.info("%s: initializing (engine %s)", name, engine_dir)
         reuse = kv_cache_reuse(setup.params, name)
+        self.max_return_sequences = triton_io.int_parameter(setup.params, MAX_RETURN_SEQUENCES, name)
         self.engine = EngineProcess.start(engine_dir, max_queue=queue or None, kv_cache_reuse=reuse,
                                           on_death=self._engine_died)
         self.executor = self.engine if self.engine.limits.takes_requests else None
@@ -142,8 +143,8 @@ class TritonPythonModel:
         rows = batch_size(arrays)
         if rows > 1 and not self.decoupled:
             raise UsageError(BATCH_NEEDS_DECOUPLED)
-        sequences, streaming = engine_requests(arrays)
-        samples = return_sequences(arrays)
+        sequences, streaming = engine_requests(arrays, self.max_return_sequences)
+        samples = return_sequences(arrays, self.max_return_sequences)
         prefixes = reply_prefixes(arrays["input_text"], arrays["exclude_input_in_output"], streaming, rows)
         extras = []
         for index, sequence in enumerate(sequences):

@@ -28,6 +28,8 @@ template wrong) and makes the layout carry what they need:
   (multimodal) are unmapped, with whatever read them, and ensemble tensors nothing uses any
   more with them (Triton refuses unused tensors);
 - the parameters trtglm's models read (`contract.PYTHON_MODEL_PARAMETERS`) are added where missing;
+- text_input and max_tokens (QUERY, REQUEST_OUTPUT_LEN) are optional, refused by preprocessing when missing
+  (contract.REQUIRED_BY_PREPROCESSING);
 - tensorrt_llm's backend follows the engine kind (`python` for trtglm's torch runtime).
 """
 
@@ -36,8 +38,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from trtglm.backend.contract import (CONTRACT, ENSEMBLE, ENSEMBLE_WIRING, POSTPROCESSING, PREPROCESSING, PYTHON,
-                                     PYTHON_MODEL_PARAMETERS, TENSORRT_LLM, TENSORRTLLM, contract_tensor, names)
+from trtglm.backend.contract import (BLS, CONTRACT, ENSEMBLE, ENSEMBLE_WIRING, POSTPROCESSING, PREPROCESSING, PYTHON,
+                                     PYTHON_MODEL_PARAMETERS, REQUIRED_BY_PREPROCESSING, TENSORRT_LLM, TENSORRTLLM,
+                                     contract_tensor, feeds, names)
 from trtglm.errors import UsageError
 from trtglm.repo.placeholders import CONFIG, MODELS, PLACEHOLDER, check_filled, fill_text
 from trtglm.repo.validate import protobuf
@@ -74,6 +77,9 @@ WHOLE_REPLY_WIRING = _backend_wiring(TENSORRTLLM)  # `stream` to preprocessing, 
 STREAMING_WIRING = _backend_wiring(PYTHON)
 # (step's model, input)
 WHOLE_REPLY_UNWIRED = ((TENSORRT_LLM, "streaming"),)
+# declared optional, refused by preprocessing when missing (contract.REQUIRED_BY_PREPROCESSING says why)
+CHECKED_BY_PREPROCESSING = {ENSEMBLE: REQUIRED_BY_PREPROCESSING, BLS: REQUIRED_BY_PREPROCESSING,
+                            PREPROCESSING: tuple(feeds(ENSEMBLE, PREPROCESSING)[n] for n in REQUIRED_BY_PREPROCESSING)}
 PREPROCESSING_OUTPUTS = frozenset(names(CONTRACT[PREPROCESSING].outputs))  # what trtglm's preprocessing produces
 
 
@@ -116,6 +122,10 @@ def adapt(configs: dict, values: Mapping[str, str | None]) -> None:
             spec = contract_tensor(model, kind, name)
             tensor = tensors.add(name=name, data_type=pb.DataType.Value(spec.data_type), dims=spec.dims)
             if spec.optional:
+                tensor.optional = True
+    for model, names_ in CHECKED_BY_PREPROCESSING.items():
+        for tensor in configs[model].input if model in configs else ():
+            if tensor.name in names_:
                 tensor.optional = True
     if streams:
         configs[POSTPROCESSING].dynamic_batching.preserve_ordering = True

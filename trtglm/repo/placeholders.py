@@ -35,12 +35,13 @@ PLACEHOLDERS: dict[str, dict[str, frozenset[str]]] = {
                                 "preprocessing_instance_count"),
         "tensorrt_llm": _names("triton_backend triton_max_batch_size decoupled_mode max_queue_delay_microseconds "
                                "max_queue_size max_beam_width batching_strategy engine_dir batch_scheduler_policy "
-                               "kv_cache_free_gpu_mem_fraction exclude_input_in_output enable_kv_cache_reuse"),
+                               "kv_cache_free_gpu_mem_fraction exclude_input_in_output enable_kv_cache_reuse "
+                               "max_return_sequences"),
         "postprocessing": _names("triton_max_batch_size tokenizer_dir postprocessing_instance_count"),
         "ensemble": _names("triton_max_batch_size"),
         "tensorrt_llm_bls": _names("triton_max_batch_size decoupled_mode bls_instance_count accumulate_tokens "
                                    "tensorrt_llm_model_name tokenizer_dir max_input_len max_seq_len vocab_size "
-                                   "chatglm_version"),
+                                   "chatglm_version max_return_sequences"),
     },
     "v0.7.1": {
         "preprocessing": _names("triton_max_batch_size tokenizer_dir tokenizer_type preprocessing_instance_count"),

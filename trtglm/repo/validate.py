@@ -24,13 +24,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from trtglm.backend.contract import ENGINE_DIR, HISTORY_CHAT, LLM_DECOUPLED, MODELS, PYTHON_MODEL_PARAMETERS
+from trtglm.backend.contract import (ENGINE_DIR, HISTORY_CHAT, LLM_DECOUPLED, MODELS, PYTHON_MODEL_PARAMETERS,
+                                     TENSORRT_LLM)
 from trtglm.engine.manifest import MANIFEST, read_manifest
 from trtglm.errors import DependencyError, ModelFileError
 from trtglm.repo.placeholders import PLACEHOLDER, split_comment
 from trtglm.repo.values import BACKENDS
 
-TRTGLM_MODELS = tuple(PYTHON_MODEL_PARAMETERS)  # trtglm's python models, which stand in for NVIDIA's
+# trtglm's python models, which stand in for NVIDIA's (tensorrt_llm is its runtime's or NVIDIA's C++ backend)
+TRTGLM_MODELS = tuple(model for model in PYTHON_MODEL_PARAMETERS if model != TENSORRT_LLM)
 TRTGLM_IMPORT = re.compile(r"^\s*(from|import)\s+trtglm\b", re.M)
 LENGTH_PARAMETERS = ("max_input_len", "max_seq_len")  # parameters that must not exceed the engine's
 WHOLE_STREAM = {"generated_ids": "GENERATED_IDS", "is_final": "IS_FINAL"}  # trtglm runtime's -> postprocessing

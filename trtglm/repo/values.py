@@ -43,6 +43,7 @@ SERVE_KEYS = {  # placeholder -> key of the profile's serve section
     "kv_cache_free_gpu_mem_fraction": "kv_cache_free_gpu_mem_fraction",
     "max_queue_delay_microseconds": "max_queue_delay_microseconds",
     "max_queue_size": "max_queue_size",
+    "max_return_sequences": "max_return_sequences",
     "preprocessing_instance_count": "preprocessing_instances",
     "postprocessing_instance_count": "postprocessing_instances",
     "bls_instance_count": "bls_instances",

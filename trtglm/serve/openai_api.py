@@ -48,16 +48,16 @@ from pathlib import Path
 
 import numpy as np
 
-from trtglm.backend.contract import (BLS, CHATGLM_VERSION, ENSEMBLE, MAX_INPUT_LEN, MAX_SEQ_LEN, PREPROCESSING,
-                                     PYTHON, TENSORRT_LLM, TOKENIZER_DIR)
+from trtglm.backend.contract import (BLS, CHATGLM_VERSION, ENSEMBLE, MAX_INPUT_LEN, MAX_RETURN_SEQUENCES, MAX_SEQ_LEN,
+                                     PREPROCESSING, PYTHON, TENSORRT_LLM, TOKENIZER_DIR)
 from trtglm.chatglm.chat import PROMPT_IDS, may_call_tool, tool_call
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
-from trtglm.errors import UsageError
+from trtglm.errors import UsageError, is_busy
 from trtglm.engine.manifest import read_manifest
-from trtglm.request_config import OutputConfig, SamplingConfig, client_inputs
+from trtglm.request_config import OutputConfig, SamplingConfig, check_return_sequences, client_inputs
 from trtglm.serve.checks import MANIFEST, engine_dir, model_config
-from trtglm.serve.openai_protocol import (ApiError, ChatRequest, CompletionRequest, Sampling, chatglm_messages,
-                                          completion_messages, refuse_unsupported, wants_log_probs)
+from trtglm.serve.openai_protocol import (MAX_BODY_BYTES, ApiError, ChatRequest, CompletionRequest, Sampling,
+                                          chatglm_messages, completion_messages, refuse_unsupported, wants_log_probs)
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ GRACEFUL_S = 5  # how long a stopped server lets open answers finish (< the supe
 HEALTH_TIMEOUT_S = 2.0
 TRITON_STATUS = {"StatusCode.INVALID_ARGUMENT": 400, "StatusCode.UNAVAILABLE": 503,
                  "StatusCode.RESOURCE_EXHAUSTED": 503}  # others: 500
+RETRY_AFTER_S = 1  # what a 503 tells a client to wait before it asks again (Retry-After)
 
 
 # --- what is served --------------------------------------------------------------------------------
@@ -81,6 +82,7 @@ class Served:
     tokenizer_dir: str
     max_input_len: int
     max_seq_len: int
+    max_return_sequences: int  # the most choices of one prompt (n), as the served models allow
     chatglm_version: str = "chatglm3"
     trtglm_engine: bool = True
 
@@ -94,8 +96,18 @@ def served_model(repo: Path) -> Served | None:
               for key, value in model_config(repo / PREPROCESSING / "config.pbtxt").parameters.items()}
     return Served(model_id=model_id(repo), triton_model=triton_model,
                   tokenizer_dir=params[TOKENIZER_DIR], max_input_len=int(params[MAX_INPUT_LEN]),
-                  max_seq_len=int(params[MAX_SEQ_LEN]), chatglm_version=params.get(CHATGLM_VERSION) or "chatglm3",
+                  max_seq_len=int(params[MAX_SEQ_LEN]), max_return_sequences=return_sequences_limit(repo),
+                  chatglm_version=params.get(CHATGLM_VERSION) or "chatglm3",
                   trtglm_engine=engine_backend(repo) == PYTHON)
+
+
+def return_sequences_limit(repo: Path) -> int:
+    """The repository's max_return_sequences (tensorrt_llm's parameter, which the BLS model's repeats)."""
+    params = model_config(repo / TENSORRT_LLM / "config.pbtxt").parameters
+    if MAX_RETURN_SEQUENCES not in params:
+        raise UsageError(f"{repo}: {TENSORRT_LLM} has no parameter {MAX_RETURN_SEQUENCES} (render the repository "
+                         "again with trtglm patch-repo)")
+    return int(params[MAX_RETURN_SEQUENCES].string_value)
 
 
 def client_model(repo: Path) -> str | None:
@@ -227,11 +239,16 @@ def _piece(result, asked_log_probs: bool) -> Piece:
 
 
 def _triton_error(error) -> ApiError:
-    status = TRITON_STATUS.get(str(error.status()), 500)
     message = error.message() or str(error)
+    # an error inside a gRPC stream carries no status code (Triton sends only its message): a full queue is told
+    # by its words, whichever model refused the request
+    status = 503 if is_busy(message) else TRITON_STATUS.get(str(error.status()), 500)
     if status == 400:
         code = "context_length_exceeded" if "max_input_len" in message else None
         return ApiError(400, message, code=code)
+    if status == 503:
+        return ApiError(503, f"the model server is busy, retry later: {message}", kind="server_error",
+                        code="server_busy", retry_after=RETRY_AFTER_S)
     return ApiError(status, f"the model server failed: {message}", kind="server_error")
 
 
@@ -299,6 +316,16 @@ class Api:
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.served.model_id, "object": "model", "created": 0,
                                             "owned_by": "trtglm"}]}
+
+    def check_counts(self, request: ChatRequest | CompletionRequest) -> None:
+        """400 for more choices of one prompt than the served models allow (before any work)."""
+        counts = {"n": request.n, "best_of": getattr(request, "best_of", None)}
+        for name, count in counts.items():
+            try:
+                check_return_sequences(count or 1, self.served.max_return_sequences, name)
+            except UsageError as e:
+                raise ApiError(400, str(e), name, "invalid_value") from None
+        request.check_stop_bytes()
 
     def check_model(self, request: Sampling) -> None:
         if request.model != self.served.model_id:
@@ -417,8 +444,9 @@ class Chat(Answering):
     PREFIX, OBJECT, CHUNK_OBJECT = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     def prepare(self) -> list[Ask]:
-        refuse_unsupported(self.request)
         self.api.check_model(self.request)
+        self.api.check_counts(self.request)
+        refuse_unsupported(self.request)
         messages = chatglm_messages(self.request)
         self.prompt_tokens = self.api.prompt_length(messages, "messages")
         self.limit = self.api.token_limit(self.request.token_limit(), self.prompt_tokens)
@@ -444,10 +472,16 @@ class Chat(Answering):
         return choice, reply.tokens
 
     async def choice_chunks(self, index: int, ask: Ask, counts: list[int]) -> AsyncIterator[dict]:
-        yield self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        # the role comes with the first text, so that a request Triton refuses (busy) fails before any chunk
+        role = self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
         reply = self.choice_text()
         async for text in self.replies(reply, ask, counts, index):
+            if role:
+                yield role
+                role = None
             yield self.chunk([{"index": index, "delta": {"content": text}, "finish_reason": None}])
+        if role:
+            yield role
         text, call = reply.finish()
         if call:
             yield self.chunk([{"index": index, "delta": {"tool_calls": _tool_calls(call, streamed=True)},
@@ -463,8 +497,9 @@ class Completion(Answering):
     PREFIX, OBJECT, CHUNK_OBJECT = "cmpl", "text_completion", "text_completion"
 
     def prepare(self) -> list[Ask]:
-        refuse_unsupported(self.request)
         self.api.check_model(self.request)
+        self.api.check_counts(self.request)
+        refuse_unsupported(self.request)
         asks, self.limits = [], []
         for prompt in self.request.prompts():
             messages = completion_messages(prompt)
@@ -541,12 +576,13 @@ def create_app(api: Api):
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
+    from pydantic import ValidationError
     from starlette.exceptions import HTTPException
 
     app = FastAPI(title="trtglm OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
 
     def error_response(error: ApiError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, error: ApiError):
@@ -584,28 +620,64 @@ def create_app(api: Api):
             raise ApiError(404, f"the model {model_id!r} does not exist", "model", "model_not_found")
         return card
 
-    async def respond(work: Answering):
+    async def respond(http: Request, kind: type[ChatRequest | CompletionRequest], answering: type[Answering]):
+        """Read (bounded), parse and prepare off the event loop, then answer; a stream's first chunk is awaited
+        before the response starts, so that a request Triton refuses gets its HTTP status (503 when busy)."""
+        body = await bounded_body(http)
+        try:
+            request = await asyncio.to_thread(kind.model_validate_json, body)
+        except ValidationError as e:
+            raise validation_error(e.errors()) from None
+        work = answering(api, request)
         asks = await asyncio.to_thread(work.prepare)
-        if not work.request.stream:
-            return await work.answer(asks)
-        return StreamingResponse(sse(work.chunks(asks)), media_type="text/event-stream",
+        if not request.stream:
+            return JSONResponse(await work.answer(asks))
+        chunks = work.chunks(asks)
+        first = await anext(chunks, None)
+        return StreamingResponse(sse(_after(first, chunks)), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: ChatRequest):
-        return await respond(Chat(api, request))
+    async def chat(http: Request):
+        return await respond(http, ChatRequest, Chat)
 
-    @app.post("/v1/completions")
-    async def completions(request: CompletionRequest):
-        return await respond(Completion(api, request))
+    async def completions(http: Request):
+        return await respond(http, CompletionRequest, Completion)
+
+    # plain routes: the handlers read the body themselves (bounded, parsed off the event loop)
+    app.add_route("/v1/chat/completions", chat, methods=["POST"])
+    app.add_route("/v1/completions", completions, methods=["POST"])
 
     return app
 
 
+async def bounded_body(http) -> bytes:
+    """The request's body; 413 past MAX_BODY_BYTES, told by Content-Length or while it arrives."""
+    too_large = ApiError(413, f"the request body is larger than this server takes ({MAX_BODY_BYTES:,} bytes)",
+                         code="request_too_large")
+    declared = http.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    body = bytearray()
+    async for part in http.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise too_large
+    return bytes(body)
+
+
+async def _after(first: dict | None, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    if first is not None:
+        yield first
+    async for chunk in rest:
+        yield chunk
+
+
 def validation_error(errors: list[dict]) -> ApiError:
-    """The first of pydantic's complaints as a 400 naming the field."""
+    """The first of pydantic's complaints as a 400 naming the field; of a union's, the member of the value's
+    own type (a list of too many prompts: its length, not that it is no string)."""
     first = errors[0] if errors else {}
-    location = [str(part) for part in first.get("loc", ()) if part != "body" and not _union_tag(part)]
+    location = _field(first)
+    first = next((e for e in errors if _field(e) == location and not e.get("type", "").endswith("_type")), first)
     if first.get("type") == "json_invalid":
         return ApiError(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})",
                         code="invalid_json")
@@ -614,9 +686,14 @@ def validation_error(errors: list[dict]) -> ApiError:
     return ApiError(400, f"{param}: {message}" if param else message, param, "invalid_value")
 
 
+def _field(error: dict) -> list[str]:
+    return [str(part) for part in error.get("loc", ()) if part != "body" and not _union_tag(part)]
+
+
 def _union_tag(part) -> bool:
     """Whether a part of pydantic's error location names a member of a union (`str`, `list[str]`, a model)."""
-    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool"} or part[:1].isupper())
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool"} or part[:1].isupper()
+                                      or part.startswith("constrained-"))
 
 
 async def sse(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:

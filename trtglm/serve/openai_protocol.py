@@ -20,15 +20,24 @@ from trtglm.chatglm.chat import tool_call_content, tools_message
 from trtglm.request_config import SamplingConfig
 
 MAX_STOP_WORDS = 4  # as OpenAI's API
+MAX_STOP_BYTES = 256  # each stop string's UTF-8 bytes: streamed text is searched for every one as it comes
+MAX_PROMPTS = 16  # prompts of one completions request (each is answered n times)
+MAX_BODY_BYTES = 8 * 2**20  # a request's body; read before any parsing, refused (413) past this
+
+StopWord = Annotated[str, Field(max_length=MAX_STOP_BYTES)]
 
 
 class ApiError(Exception):
     """An error answered as OpenAI's `{"error": {...}}` with an HTTP status."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.retry_after = retry_after  # seconds, for a Retry-After header
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -105,8 +114,8 @@ class Sampling(Lenient):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    n: Annotated[int, Field(ge=1, le=16)] = 1
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_WORDS)] | None = None
+    n: Annotated[int, Field(ge=1)] = 1  # at most the server's serve.max_return_sequences (Api.check_counts)
+    stop: StopWord | Annotated[list[StopWord], Field(max_length=MAX_STOP_WORDS)] | None = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
@@ -116,6 +125,13 @@ class Sampling(Lenient):
     def stop_words(self) -> list[str]:
         words = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
         return [word for word in words if word]
+
+    def check_stop_bytes(self) -> None:
+        """400 for a stop string past MAX_STOP_BYTES in UTF-8 (pydantic counts characters)."""
+        for word in self.stop_words():
+            if len(word.encode()) > MAX_STOP_BYTES:
+                raise ApiError(400, f"stop: a stop string may hold at most {MAX_STOP_BYTES} bytes, not "
+                                    f"{len(word.encode()):,}", "stop", "invalid_value")
 
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -145,7 +161,8 @@ class ChatRequest(Sampling):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | Annotated[list[str], Field(min_length=1)]
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+    best_of: Annotated[int, Field(ge=1)] | None = None  # n or fewer (no answer is chosen among more)
     max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for completions
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool = False
@@ -174,6 +191,9 @@ def refuse_unsupported(request: ChatRequest | CompletionRequest) -> None:
         if request.logprobs:
             raise ApiError(422, "logprobs > 0 is not supported: the served models give the chosen token's log "
                                 "probability only (use logprobs: 0)", "logprobs", "unsupported_value")
+        if request.best_of is not None and request.best_of > request.n:
+            raise ApiError(422, f"best_of {request.best_of} above n {request.n} is not supported: every generated "
+                                "choice is returned", "best_of", "unsupported_value")
         if request.echo or request.suffix:
             raise ApiError(422, "echo and suffix are not supported", "echo" if request.echo else "suffix",
                            "unsupported_value")
