@@ -106,6 +106,17 @@ def test_bls_instances_0_gives_one_per_sequence_the_engine_runs_at_once(tmp_path
     assert configs[HISTORY_CHAT].instance_group[0].count == 12
 
 
+def test_an_engine_built_before_a_serve_key_existed_renders_with_its_default(tmp_path, tok):
+    """A serving setting added to the profiles later needs no rebuild: the engine's recorded profile lacks it."""
+    engine = make_engine(tmp_path, "torch", tok)
+    manifest = json.loads((engine / "trtglm.json").read_text())
+    del manifest["profile"]["serve"]["max_return_sequences"]
+    (engine / "trtglm.json").write_text(json.dumps(manifest))
+    configs = read_configs(patch_repo(engine, tok, tmp_path / "repo"))
+    assert parameter(configs["tensorrt_llm"], "max_return_sequences") == "8"
+    assert parameter(configs["tensorrt_llm_bls"], "max_return_sequences") == "8"
+
+
 def test_torch_engine_uses_the_python_backend_and_its_model_file(tmp_path, tok):
     template = template_copy(tmp_path)
     repo = patch_repo(make_engine(tmp_path, "torch", tok), tok, tmp_path / "repo", template=template)

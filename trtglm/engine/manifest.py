@@ -83,6 +83,18 @@ def read_manifest(engine_dir: str | Path) -> dict:
     return manifest
 
 
+def recorded_serve(manifest: dict) -> dict:
+    """The serve section the engine was built with, the keys profiles gained since then at their defaults (an
+    engine need not be rebuilt for a serving setting)."""
+    from dataclasses import MISSING, fields
+
+    from trtglm.profile import ServeSection
+
+    serve = manifest["profile"].get("serve")
+    defaults = {f.name: f.default for f in fields(ServeSection) if f.default is not MISSING}
+    return {**defaults, **serve} if isinstance(serve, dict) else {}
+
+
 def _check_fields(manifest: Any, path: Path) -> None:
     if not isinstance(manifest, dict):
         raise ModelFileError(f"{path}: expected a JSON object")

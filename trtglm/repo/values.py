@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from trtglm.backend.contract import LLM_MODEL_NAME, TENSORRT_LLM
+from trtglm.engine.manifest import recorded_serve
 from trtglm.errors import ModelFileError, UsageError
 from trtglm.repo.placeholders import known_placeholders
 
@@ -137,7 +138,7 @@ def _limit(manifest: Mapping, key: str) -> object:
 
 
 def _serve(manifest: Mapping, key: str) -> object:
-    serve = manifest["profile"].get("serve")
-    if not isinstance(serve, Mapping) or key not in serve:
+    serve = recorded_serve(manifest)
+    if key not in serve:
         raise ModelFileError(f"{manifest['engine_dir']}/trtglm.json: profile.serve lacks {key}")
     return serve[key]
