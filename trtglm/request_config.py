@@ -111,6 +111,20 @@ def check_return_sequences(count: int, limit: int, name: str = "num_return_seque
         raise UsageError(f"{name} {count} is more than this server allows ({limit}, its serve.max_return_sequences)")
 
 
+MAX_WORDS = 64  # stop or bad words of one request: each is searched for at every step
+MAX_WORD_BYTES = 256  # one stop or bad word's UTF-8 bytes
+
+
+def check_words(words: list[str], name: str) -> None:
+    """UsageError for more stop or bad words, or longer ones, than a request may bring (checked before any
+    work: every word is tokenized and then matched at every step)."""
+    if len(words) > MAX_WORDS:
+        raise UsageError(f"{name}: at most {MAX_WORDS} words, not {len(words)}")
+    for word in words:
+        if len(word.encode()) > MAX_WORD_BYTES:
+            raise UsageError(f"{name}: a word may hold at most {MAX_WORD_BYTES} bytes, not {len(word.encode())}")
+
+
 def early_stopping_mode(value: bool | int | str) -> bool | str:
     """True, False or "never" from a bool, TensorRT-LLM's integer (1, 0, other) or transformers' string."""
     if isinstance(value, str):

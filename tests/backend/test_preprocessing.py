@@ -13,6 +13,7 @@ from trtglm.backend.preprocessing import Limits, preprocess, refuse_streaming
 from trtglm.chatglm.chat import chat_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
+from trtglm.request_config import MAX_WORD_BYTES, MAX_WORDS
 
 LIMITS = Limits(max_input_len=384, max_seq_len=512, vocab_size=1024)
 
@@ -175,6 +176,19 @@ def test_client_stop_and_bad_words_become_ids(tok):
     assert words(out["STOP_WORDS_IDS"][0]) == [[tok.special_ids["<|user|>"]], [tok.special_ids["<|observation|>"]],
                                                after_space, after_text, [tok.special_ids["<|system|>"]]]
     assert words(out["BAD_WORDS_IDS"][0])[0] == tok.sp.encode("blue")
+
+
+def test_stop_and_bad_words_are_bounded_in_count_and_bytes(tok):
+    """MAX_WORDS words of MAX_WORD_BYTES bytes pass; one more word, or one more byte, is refused by name."""
+    most = np.array([[("é" * (MAX_WORD_BYTES // 2)).encode()] * MAX_WORDS], dtype=np.object_)
+    preprocess(tok, LIMITS, request("hi", STOP_WORDS_DICT=most, BAD_WORDS_DICT=most))
+    for name, client in (("STOP_WORDS_DICT", "stop_words"), ("BAD_WORDS_DICT", "bad_words")):
+        with pytest.raises(UsageError, match=f"{client}: at most {MAX_WORDS} words, not {MAX_WORDS + 1}"):
+            preprocess(tok, LIMITS, request("hi", **{name: np.array([[b"w"] * (MAX_WORDS + 1)], dtype=np.object_)}))
+        longer = np.array([[("é" * (MAX_WORD_BYTES // 2) + "e").encode()]], dtype=np.object_)
+        with pytest.raises(UsageError, match=f"{client}: a word may hold at most {MAX_WORD_BYTES} bytes, not "
+                                             f"{MAX_WORD_BYTES + 1}"):
+            preprocess(tok, LIMITS, request("hi", **{name: longer}))
 
 
 def test_batch_rows_are_padded_with_the_pad_id(tok):

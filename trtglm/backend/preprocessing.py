@@ -37,6 +37,7 @@ from trtglm.chatglm.chat import (PROMPT_IDS, bad_sequences, prompt_ids, stack_wo
                                  word_list)
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError, int32_range_error
+from trtglm.request_config import check_words
 
 INPUTS = names(CONTRACT[PREPROCESSING].inputs)
 # what the client calls each input (ensemble and BLS), for error messages
@@ -109,8 +110,8 @@ def prepare(tokenizer: ChatGLMTokenizer, limits: Limits, inputs: dict, row: int)
         output_len=output_len,
         end_id=_token_id(tokenizer, inputs, "END_ID", row, tokenizer.eos_id),
         pad_id=_token_id(tokenizer, inputs, "PAD_ID", row, tokenizer.pad_id),
-        stop_words=word_list(stop_sequences(tokenizer, _texts(inputs, "STOP_WORDS_DICT", row))),
-        bad_words=word_list(bad_sequences(tokenizer, _texts(inputs, "BAD_WORDS_DICT", row))),
+        stop_words=word_list(stop_sequences(tokenizer, _words(inputs, "STOP_WORDS_DICT", row))),
+        bad_words=word_list(bad_sequences(tokenizer, _words(inputs, "BAD_WORDS_DICT", row))),
         bias=embedding_bias(tokenizer, bias_words, bias_weights, limits.vocab_size),
     )
 
@@ -205,6 +206,12 @@ def _one_text(inputs: dict, name: str, row: int) -> str:
 
 def _texts(inputs: dict, name: str, row: int) -> list[str]:
     return [text for text in (_decode(v, name) for v in _values(inputs, name, row)) if text]
+
+
+def _words(inputs: dict, name: str, row: int) -> list[str]:
+    words = _texts(inputs, name, row)
+    check_words(words, CLIENT_NAMES[name])
+    return words
 
 
 def _floats(inputs: dict, name: str, row: int) -> list[float]:

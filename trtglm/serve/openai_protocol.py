@@ -17,10 +17,10 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from trtglm.chatglm.chat import tool_call_content, tools_message
-from trtglm.request_config import SamplingConfig
+from trtglm.request_config import MAX_WORD_BYTES, SamplingConfig
 
 MAX_STOP_WORDS = 4  # as OpenAI's API
-MAX_STOP_BYTES = 256  # each stop string's UTF-8 bytes: streamed text is searched for every one as it comes
+MAX_STOP_BYTES = MAX_WORD_BYTES  # each stop string's UTF-8 bytes: streamed text is searched for every one as it comes
 MAX_PROMPTS = 16  # prompts of one completions request (each is answered n times)
 MAX_BODY_BYTES = 8 * 2**20  # a request's body; read before any parsing, refused (413) past this
 
