@@ -11,7 +11,8 @@ import time
 
 import psutil
 import pytest
-from trtglm.serve.stubs import ZOMBIE_S, DeathWatch, describe, descendants
+from trtglm.serve import stubs
+from trtglm.serve.stubs import ZOMBIE_S, DeathWatch, child_pids, describe, descendants
 from trtglm.serve.tritonserver import STUB
 
 
@@ -108,3 +109,17 @@ def test_other_children_are_no_stubs(spawn, tmp_path):
     finally:
         end(other)
 
+
+
+def test_a_process_gone_while_its_children_are_read_has_none(monkeypatch):
+    """The supervisor reads children lists every poll; a process that exits before or while its task folder is
+    read has no children (it once stopped a launch with FileNotFoundError)."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert child_pids(gone.pid) == [] and descendants(gone.pid) == []
+
+    def vanished(path):
+        raise FileNotFoundError(2, "No such file or directory", path)
+
+    monkeypatch.setattr(stubs.os, "listdir", vanished)
+    assert child_pids(os.getpid()) == []

@@ -61,10 +61,14 @@ def child_pids(pid: int) -> list[int]:
             return [child.pid for child in psutil.Process(pid).children()]
         except psutil.Error:
             return []
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:  # gone (or going) while being looked at
+        return []
     pids = []
-    for path in Path(f"/proc/{pid}/task").glob("*/children"):
+    for thread in threads:
         try:
-            pids += [int(child) for child in path.read_text().split()]
+            pids += [int(child) for child in Path(f"/proc/{pid}/task/{thread}/children").read_text().split()]
         except (OSError, ValueError):
             continue
     return pids
