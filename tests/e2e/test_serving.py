@@ -30,6 +30,7 @@ from trtglm.backend.llm_responses import Reply
 from trtglm.runtime.request import Output
 
 WORLD_SIZES = (1, 2, 4)
+RETURN_SEQUENCES = 8  # the most sequences of one prompt engine_requests is told to allow
 KINDS = {kind: match for kind, match in CONVERSATION_KINDS.items()  # also streamed: the first of each kind
          if kind != "tool call and observation"}
 
@@ -90,9 +91,9 @@ def test_penalties_reach_the_executor_request():
 ])
 def test_requests_outside_the_contract_are_usage_errors(extra, message):
     with pytest.raises(UsageError, match=message):
-        engine_requests({**arrays(), **extra})
+        engine_requests({**arrays(), **extra}, RETURN_SEQUENCES)
     with pytest.raises(UsageError, match="request_output_len is required"):
-        engine_requests({k: v for k, v in arrays().items() if k != "request_output_len"})
+        engine_requests({k: v for k, v in arrays().items() if k != "request_output_len"}, RETURN_SEQUENCES)
 
 
 def two_sequences(**values) -> dict[str, np.ndarray]:
@@ -103,7 +104,7 @@ def two_sequences(**values) -> dict[str, np.ndarray]:
 
 
 def test_each_sequence_of_a_batch_is_a_request_of_its_own():
-    (first, second), streaming = engine_requests(two_sequences(end_id=np.array([2, 3], np.int32)))
+    (first, second), streaming = engine_requests(two_sequences(end_id=np.array([2, 3], np.int32)), RETURN_SEQUENCES)
     assert (list(first.prompt), first.max_new_tokens, first.end_id) == ([5, 6, 7], 4, 2)
     assert (list(second.prompt), second.max_new_tokens, second.end_id) == ([8, 9, 10, 11], 6, 3)
     assert streaming is False
@@ -115,12 +116,12 @@ def test_each_sequence_of_a_batch_is_a_request_of_its_own():
 ])
 def test_a_batch_with_a_bad_sequence_is_refused_whole(extra, message):
     with pytest.raises(UsageError, match=message):
-        engine_requests(two_sequences(**extra))
+        engine_requests(two_sequences(**extra), RETURN_SEQUENCES)
 
 
 def test_a_streamed_batch_is_a_streamed_request_per_prompt():
     """NVIDIA's decoupled backend streams each prompt of a batch; the model refuses a batch when not decoupled."""
-    requests, streaming = engine_requests(two_sequences(streaming=np.array([[True], [True]])))
+    requests, streaming = engine_requests(two_sequences(streaming=np.array([[True], [True]])), RETURN_SEQUENCES)
     assert [list(r.prompt) for r in requests] == [[5, 6, 7], [8, 9, 10, 11]] and streaming is True
     assert batch_size(two_sequences()) == 2 and batch_size(arrays()) == 1
 
