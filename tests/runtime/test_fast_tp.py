@@ -152,7 +152,7 @@ def test_the_served_runtime_is_the_portable_one_on_cpu_unless_the_fast_one_is_as
     from trtglm.runtime.distributed import RankInfo
 
     monkeypatch.setenv("TRTGLM_RUNTIME", runtime)
-    engine = EngineInfo(checkpoints[1], 1, MAX_BATCH, MAX_SEQ_LEN, MAX_SEQ_LEN, 576)
+    engine = EngineInfo(checkpoints[1].parent, checkpoints[1], 1, MAX_BATCH, MAX_SEQ_LEN, MAX_SEQ_LEN, 576)
     model = slot_model(engine, RankInfo(0, 1, 0, 1), torch.device("cpu"))
     assert type(model).__name__ == expected and model.max_batch == MAX_BATCH
 
@@ -162,6 +162,6 @@ def test_an_unknown_runtime_is_refused(checkpoints, monkeypatch):
     from trtglm.runtime.distributed import RankInfo
 
     monkeypatch.setenv("TRTGLM_RUNTIME", "turbo")
-    engine = EngineInfo(checkpoints[1], 1, MAX_BATCH, MAX_SEQ_LEN, MAX_SEQ_LEN, 576)
+    engine = EngineInfo(checkpoints[1].parent, checkpoints[1], 1, MAX_BATCH, MAX_SEQ_LEN, MAX_SEQ_LEN, 576)
     with pytest.raises(UsageError, match=r"\$TRTGLM_RUNTIME must be one of auto, fast, portable, not 'turbo'"):
         slot_model(engine, RankInfo(0, 1, 0, 1), torch.device("cpu"))

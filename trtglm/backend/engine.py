@@ -91,7 +91,8 @@ def slot_model(engine: EngineInfo, info: RankInfo, device: torch.device, group: 
         try:
             from trtglm.runtime.fast import kernel_cache, load_fast_model
 
-            kernel_cache.use(engine.engine_dir, device)
+            if device.type == "cuda":  # what the start compiles and tunes is kept with the engine
+                kernel_cache.use(engine.engine_dir, device)
             return load_fast_model(engine.checkpoint_dir, rank=rank, process_group=group.group if group else None,
                                    max_batch=slots, max_seq_len=engine.max_seq_len, device=device)
         except ImportError as e:
