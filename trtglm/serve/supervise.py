@@ -119,7 +119,7 @@ class Supervisor:
         try:
             failure = self._serve()
         finally:
-            self.shutdown(GRACE_S if failure is None else DEATH_GRACE_S)
+            self.shutdown(failed=failure is not None)
             self.launch.state_file.unlink(missing_ok=True)
             self._restore_handlers(previous)
         if failure is not None:
@@ -323,19 +323,21 @@ class Supervisor:
 
     # --- stopping ---------------------------------------------------------------------------------
 
-    def shutdown(self, grace_s: float = GRACE_S) -> None:
-        """Stop the ranks and the OpenAI API, reap what they leave, remove leftover shared memory. On a stop the
-        API goes first (its requests end while the ranks still serve them); after a death (a short `grace_s`)
-        the ranks go first, and the API passes their requests' errors on before it goes."""
-        grace_s = 0.0 if self.hurry else grace_s
-        if self.openai is not None and grace_s == GRACE_S:
+    def shutdown(self, failed: bool = False) -> None:
+        """Stop the ranks and the OpenAI API, reap what they leave, remove leftover shared memory. An orderly stop
+        gives GRACE_S and stops the API first (its requests end while the ranks still serve them); after a
+        failure (a death) the ranks go first, given DEATH_GRACE_S, and the API passes their requests' errors on
+        before it goes; a second signal gives no grace at all."""
+        orderly = not (failed or self.hurry)
+        grace_s = GRACE_S if orderly else 0.0 if self.hurry else DEATH_GRACE_S
+        if self.openai is not None and orderly:
             self.openai.stop(grace_s)
-        self._stop_ranks(grace_s)
+        self._stop_ranks(grace_s, orderly)
         if self.openai is not None:
             self.openai.stop(grace_s)
         reap_orphans(self._own_children())
 
-    def _stop_ranks(self, grace_s: float) -> None:
+    def _stop_ranks(self, grace_s: float, orderly: bool) -> None:
         """SIGTERM every rank, wait up to `grace_s`, SIGKILL what is left, remove leftover shared memory."""
         if self.popen is None:
             return
@@ -346,7 +348,7 @@ class Supervisor:
         if not ranks and self.popen.poll() is None:
             self.popen.terminate()
         self._wait(lambda: self.popen.poll() is None or any(map(alive, self.tracked.values())), grace_s)
-        if self.popen.poll() is None and grace_s == GRACE_S:  # after a death, no more waiting
+        if self.popen.poll() is None and orderly:  # after a failure, no more waiting
             self.popen.terminate()
             self._wait(lambda: self.popen.poll() is None, 3.0)
         leftovers = [p for p in [*ranks, *self.tracked.values()] if alive(p)]
