@@ -11,11 +11,13 @@
 #   PARTS=tp scripts/bench_gpu.sh [DEST]
 #   PARTS=sampling [BASELINE_TREE=.baseline] scripts/bench_gpu.sh [DEST]
 #   PARTS=firstlaunch scripts/bench_gpu.sh [DEST]
+#   PARTS="overlap inflight" [BASELINE_TREE=.baseline] scripts/bench_gpu.sh [DEST]
 #
 # PARTS picks the parts (each takes five to seven minutes on an H200): `runtime` (bench runtime),
 # `kernels` (bench matmul, pdl, prefill, step-parts, Nsight Compute), `inflight` (bench inflight: the
 # executor's mixed workload against the ideal of its parts, and a shared 1,000-token prefix with KV-cache
-# reuse off and on; results DEST/inflight/inflight.json and DEST/inflight.txt) and `serving`
+# reuse off and on; results DEST/inflight/inflight.json and DEST/inflight.txt; with BASELINE_TREE also that tree's,
+# DEST/inflight-baseline*; INFLIGHT_FLAGS replaces the load's flags) and `serving`
 # (not in the default set; trtglm.bench.pipeline in one call: synth-model 6b → build-engine
 # chatglm3-6b-bf16-tp1 with the torch engine → patch-repo → launch --detach, timed cold → `bench served`:
 # Triton's overhead at 128 new tokens, 256 streamed requests at concurrency 64 through ensemble and
@@ -57,6 +59,15 @@
 # SAMPLING_MODEL (an HF folder instead of random weights), SAMPLING_LOAD (the served load's flags), SAMPLING_IN_PROCESS
 # (the in-process run's model and load flags); a dry run on a CPU: SAMPLING_MODEL=tests/fixtures/tiny-chatglm3
 # SAMPLING_CONFIG=configs/tiny.yaml TOKENIZER_DIR=tests/fixtures/tiny-chatglm3 and small loads.
+# `overlap` (not in the default set): the step loop served, this tree next to BASELINE_TREE's in one run: synth-model
+# 6b (fp16) → build-engine configs/chatglm3-6b-fp16-tp1.yaml (torch) → for each tree patch-repo, launch --detach,
+# `bench sampling --cases greedy,top-p` (256 streamed requests of 128 prompt ids → 128 tokens at 64 in flight;
+# tokens/s and wall ms per decode step from the server's counters), for this tree py-spy on the engine process
+# under the same load (DEST/overlap-py-spy.txt, summarised by trtglm.bench.profile_summary), stop; then the
+# executor and fast-runtime tests on the GPU (among them: serving after the warm-up compiles no kernel). Results
+# DEST/overlap-this/, DEST/overlap-baseline/ (sampling.json) and DEST/overlap.txt. Knobs: OVERLAP_WORK, OVERLAP_CONFIG,
+# OVERLAP_MODEL, OVERLAP_LOAD, OVERLAP_ROUNDS (default 2), OVERLAP_PROFILE_S (default 10); a dry run on a CPU as for
+# `sampling` (OVERLAP_MODEL=$PWD/tests/fixtures/tiny-chatglm3 OVERLAP_CONFIG=configs/tiny.yaml, small loads).
 # `firstlaunch` (not in the default set): the README's GPU block as written (the model's place aside) on a machine
 # whose caches are empty, each command timed: synth-model 6b (bf16) → build-engine configs/chatglm3-6b-bf16-tp1.yaml
 # (build.engine auto; on a GPU it compiles and tunes the kernels into the engine's kernels/ folder) → patch-repo →
@@ -76,13 +87,47 @@ if ! python3 -c "import fire" 2>/dev/null; then
         .whl/fire-*.whl .whl/termcolor-*.whl
     export PYTHONPATH=/tmp/trtglm-site${PYTHONPATH:+:$PYTHONPATH}
 fi
-served() { [[ " $PARTS " == *" serving "* || " $PARTS " == *" sampling "* || " $PARTS " == *" firstlaunch "* ]]; }
+served() { [[ " $PARTS " == *" serving "* || " $PARTS " == *" sampling "* || " $PARTS " == *" firstlaunch "* \
+    || " $PARTS " == *" overlap "* ]]; }
 tokenizer_65k() {  # the 65k tokenizer that random 6B weights need (TOKENIZER_DIR, else carried or beside)
     if [ -n "${TOKENIZER_DIR:-}" ]; then echo "$TOKENIZER_DIR"; return; fi
     for candidate in .whl/tokenizer-65k shared/gpu/tokenizer-65k ../shared/gpu/tokenizer-65k; do
         if [ -f "$candidate/tokenizer.model" ]; then echo "$candidate"; return; fi
     done
     echo "bench_gpu.sh: no tokenizer-65k (set TOKENIZER_DIR)" >&2; exit 3
+}
+start_part() {  # NAME WORK: a served part's folder and caches; its `phase` lines go to DEST/NAME.txt too
+    part=$1 work=$2 root=$PWD started=$SECONDS
+    mkdir -p "$work"
+    export TRTGLM_STATE_DIR=$work/state TRITON_CACHE_DIR=$work/triton-cache XDG_CACHE_HOME=$work/cache
+}
+phase() { echo "[$part $((SECONDS - started)) s] $*" | tee -a "$DEST/$part.txt"; }
+engine_6b() {  # WORK CONFIG [MODEL]: random 6B fp16 weights (or the HF folder MODEL) built into WORK/engine (torch)
+    local work=$1 config=$2 model=${3:-$1/model} tokenizer
+    tokenizer=$(realpath "$(tokenizer_65k)")
+    if [ -z "${3:-}" ] && [ ! -f "$model/.trtglm-synth-done" ]; then
+        python3 -m trtglm synth-model --preset 6b --dtype float16 --out "$model" --force
+        cp "$tokenizer/tokenizer.model" "$tokenizer/tokenizer_config.json" "$model/"
+        touch "$model/.trtglm-synth-done"
+    fi
+    python3 -m trtglm build-engine --config "$config" --model-dir "$model" --output-dir "$work/engine" \
+        --set build.engine=torch --force
+}
+in_tree() {  # TREE ARGS…: trtglm of that tree (this one, or a baseline's copy) with the wheels' site
+    local tree=$1 site
+    shift
+    site=$(tr ':' '\n' <<< "${PYTHONPATH:-}" | grep -v "^$PWD$" | paste -sd: - || true)
+    (cd "$tree" && PYTHONPATH=$tree${site:+:$site} python3 -m trtglm "$@")
+}
+launch_tree() {  # TREE LABEL WORK: patch-repo and launch --detach WORK/engine from TREE on ports 18000-18002
+    local tree=$1 label=$2 work=$3
+    phase "$label ($tree $(cat "$tree/COMMIT" 2>/dev/null || git -C "$tree" rev-parse --short HEAD)): launch"
+    in_tree "$tree" patch-repo --engine-dir "$work/engine" --tokenizer-dir "$(realpath "$(tokenizer_65k)")" \
+        --output-repo "$work/repo-$label" --force
+    if ! in_tree "$tree" launch --repo "$work/repo-$label" --detach --timeout 400 --http-port 18000 --grpc-port 18001 \
+            --metrics-port 18002 --no-openai --log-dir "$work/logs-$label"; then
+        phase "$label: launch failed"; tail -n 40 "$work"/logs-"$label"/* 2>/dev/null || true; return 1
+    fi
 }
 if served && [ -d .whl ]; then
     # Every wheel of .whl/ that this python3 can install (numpy's is left to the stubs' pip, below).
@@ -106,6 +151,7 @@ PY
             --target /tmp/trtglm-site "${wheels[@]}"
     fi
     [[ ":${PYTHONPATH:-}:" == *":/tmp/trtglm-site:"* ]] || export PYTHONPATH=/tmp/trtglm-site${PYTHONPATH:+:$PYTHONPATH}
+    export PATH=/tmp/trtglm-site/bin:$PATH  # the wheels' commands (py-spy)
     # A packed server (e.g. pytriton/ and nvidia_pytriton.libs/ of nvidia-pytriton), unpacked when no tritonserver
     # is found yet and its name names no other Python (…-py312.tar.xz needs Python 3.12).
     python_tag=$(python3 -c 'import sys; print(f"py{sys.version_info[0]}{sys.version_info[1]}")')
@@ -130,9 +176,14 @@ if [[ " $PARTS " == *" runtime "* ]]; then
         --out "$DEST" "$@" 2>&1 | tee "$DEST/log.txt"
 fi
 if [[ " $PARTS " == *" inflight "* ]]; then
-    python3 -m trtglm bench inflight --preset 6b --weight-only none --requests 256 --concurrency 64 \
-        --prompts 32,1024 --outputs 16,256 --prefix 1000 --max-num-tokens 8192 --tokens-per-block 64 \
-        --out "$DEST/inflight" 2>&1 | tee "$DEST/inflight.txt"
+    for tree in "$PWD" ${BASELINE_TREE:+"$(realpath "$BASELINE_TREE")"}; do  # this tree, then the baseline's
+        suffix=$([ "$tree" = "$PWD" ] || echo -baseline)
+        # shellcheck disable=SC2086  # a word list
+        in_tree "$tree" bench inflight ${INFLIGHT_FLAGS:---preset 6b --weight-only none --requests 256 --concurrency 64 \
+            --prompts 32,1024 --outputs 16,256 --prefix 1000 --max-num-tokens 8192 --tokens-per-block 64} \
+            --out "$(realpath "$DEST")/inflight$suffix" 2>&1 | tee "$DEST/inflight$suffix.txt" \
+            || echo "bench inflight failed in $tree" | tee -a "$DEST/inflight$suffix.txt"
+    done
 fi
 if [[ " $PARTS " == *" kernels "* ]]; then
     # The decode matmuls on their own (1 and 8 rows): every block shape; int8/int4 in Gluon against plain Triton.
@@ -175,39 +226,20 @@ if [[ " $PARTS " == *" serving "* ]]; then
         --deadline "${SERVING_DEADLINE:-510}" ${SERVING_PIPELINE:-} -- ${SERVING_FLAGS:-} 2>&1 | tee "$DEST/serving-log.txt"
 fi
 if [[ " $PARTS " == *" sampling "* ]]; then
-    work=${SAMPLING_WORK:-/tmp/trtglm-sampling} tokenizer=$(realpath "$(tokenizer_65k)") root=$PWD
-    mkdir -p "$work"
-    export TRTGLM_STATE_DIR=$work/state TRITON_CACHE_DIR=$work/triton-cache XDG_CACHE_HOME=$work/cache
-    site=$(tr ':' '\n' <<< "$PYTHONPATH" | grep -v "^$root$" | paste -sd: - || true)  # the wheels, not this tree
+    start_part sampling "${SAMPLING_WORK:-/tmp/trtglm-sampling}"
     load=${SAMPLING_LOAD:---requests 256 --concurrency 64 --prompt-len 128 --new-tokens 128}
-    started=$SECONDS
-    phase() { echo "[sampling $((SECONDS - started)) s] $*" | tee -a "$DEST/sampling.txt"; }
-    model=${SAMPLING_MODEL:-$work/model}
     phase "model ${SAMPLING_MODEL:-synth-model 6b (fp16)}, build-engine ${SAMPLING_CONFIG:-configs/chatglm3-6b-fp16-tp1.yaml}"
-    if [ -z "${SAMPLING_MODEL:-}" ] && [ ! -f "$model/.trtglm-synth-done" ]; then
-        python3 -m trtglm synth-model --preset 6b --dtype float16 --out "$model" --force
-        cp "$tokenizer/tokenizer.model" "$tokenizer/tokenizer_config.json" "$model/"
-        touch "$model/.trtglm-synth-done"
-    fi
-    python3 -m trtglm build-engine --config "${SAMPLING_CONFIG:-configs/chatglm3-6b-fp16-tp1.yaml}" \
-        --model-dir "$model" --output-dir "$work/engine" --set build.engine=torch --force
+    engine_6b "$work" "${SAMPLING_CONFIG:-configs/chatglm3-6b-fp16-tp1.yaml}" "${SAMPLING_MODEL:-}"
     for tree in "$root" ${BASELINE_TREE:+"$(realpath "$BASELINE_TREE")"}; do  # this tree's cold launch first
         label=$([ "$tree" = "$root" ] && echo this || echo baseline)
         flags=$([ "$label" = this ] && echo "--rounds ${SAMPLING_ROUNDS:-3}" || echo "${SAMPLING_BASELINE_FLAGS:---rounds 1}")
-        in_tree() { (cd "$tree" && PYTHONPATH=$tree${site:+:$site} python3 -m trtglm "$@"); }
-        phase "$label ($tree $(cat "$tree/COMMIT" 2>/dev/null || git -C "$tree" rev-parse --short HEAD)): launch"
-        in_tree patch-repo --engine-dir "$work/engine" --tokenizer-dir "$tokenizer" --output-repo "$work/repo-$label" \
-            --force
-        if ! in_tree launch --repo "$work/repo-$label" --detach --timeout 400 --http-port 18000 --grpc-port 18001 \
-                --metrics-port 18002 --no-openai --log-dir "$work/logs-$label"; then
-            phase "$label: launch failed"; tail -n 40 "$work"/logs-"$label"/* 2>/dev/null || true; continue
-        fi
+        launch_tree "$tree" "$label" "$work" || continue
         phase "$label: bench sampling $flags"
         # shellcheck disable=SC2086  # word lists
         python3 -m trtglm bench sampling --url http://127.0.0.1:18000 --metrics-url http://127.0.0.1:18002/metrics \
             $load $flags --timeout 120 --out "$DEST/sampling-$label" 2>&1 | grep -v "^round" \
             | tee -a "$DEST/sampling.txt" || phase "$label: failed"
-        in_tree stop --repo "$work/repo-$label" || true
+        in_tree "$tree" stop --repo "$work/repo-$label" || true
     done
     phase "in-process: ${SAMPLING_IN_PROCESS:-random 6B bf16 weights}"
     # shellcheck disable=SC2086  # word lists
@@ -216,6 +248,43 @@ if [[ " $PARTS " == *" sampling "* ]]; then
         || phase "in-process: failed"
     phase "the sampling tests on the GPU"
     python3 -m pytest -q -p no:cacheprovider tests/runtime/test_sampling.py 2>&1 | tail -n 15 | tee -a "$DEST/sampling.txt"
+    phase done
+fi
+if [[ " $PARTS " == *" overlap "* ]]; then
+    start_part overlap "${OVERLAP_WORK:-/tmp/trtglm-overlap}"
+    config=${OVERLAP_CONFIG:-configs/chatglm3-6b-fp16-tp1.yaml}
+    load=${OVERLAP_LOAD:---requests 256 --concurrency 64 --prompt-len 128 --new-tokens 128}
+    phase "model ${OVERLAP_MODEL:-synth-model 6b (fp16)}, build-engine $config"
+    engine_6b "$work" "$config" "${OVERLAP_MODEL:-}"
+    for tree in "$root" ${BASELINE_TREE:+"$(realpath "$BASELINE_TREE")"}; do
+        label=$([ "$tree" = "$root" ] && echo this || echo baseline)
+        launch_tree "$tree" "$label" "$work" || continue
+        phase "$label: served greedy and top-p, $load"
+        # shellcheck disable=SC2086  # word lists
+        python3 -m trtglm bench sampling --url http://127.0.0.1:18000 --metrics-url http://127.0.0.1:18002/metrics \
+            --cases greedy,top-p $load --rounds "${OVERLAP_ROUNDS:-2}" --timeout 120 --out "$DEST/overlap-$label" 2>&1 \
+            | grep -v "^round" | tee -a "$DEST/overlap.txt" || phase "$label: failed"
+        if [ "$label" = this ] && command -v py-spy > /dev/null; then
+            # Where the engine's host time goes under the same load: py-spy on the engine process, its frames by
+            # samples (own, and with what they call).
+            engine=$(pgrep -f "trtglm.backend.engine_process" | head -n 1 || true)
+            phase "this: py-spy of the engine process ${engine:-(not found)} under load"
+            # shellcheck disable=SC2086
+            python3 -m trtglm bench sampling --url http://127.0.0.1:18000 --metrics-url http://127.0.0.1:18002/metrics \
+                --cases greedy $load --rounds 2 --timeout 120 > /dev/null 2>&1 &
+            sleep 4
+            if [ -n "$engine" ]; then
+                py-spy record --pid "$engine" --duration "${OVERLAP_PROFILE_S:-10}" --rate 250 --format raw \
+                    --output "$DEST/overlap-py-spy.txt" --nonblocking > /dev/null 2>&1 || phase "py-spy failed"
+                python3 -m trtglm.bench.profile_summary "$DEST/overlap-py-spy.txt" 2>&1 | tee -a "$DEST/overlap.txt" || true
+            fi
+            wait || true
+        fi
+        in_tree "$tree" stop --repo "$work/repo-$label" || true
+    done
+    phase "the executor and fast-runtime tests on the GPU (nothing compiles while serving)"
+    python3 -m pytest -q -p no:cacheprovider tests/runtime/test_fast_runtime.py tests/runtime/test_executor.py \
+        2>&1 | tail -n 15 | tee -a "$DEST/overlap.txt"
     phase done
 fi
 if [[ " $PARTS " == *" firstlaunch "* ]]; then

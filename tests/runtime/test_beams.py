@@ -128,15 +128,16 @@ def run_all(executor, limit: int = 500) -> None:
 
 
 @pytest.mark.parametrize("width", [2, 4])
+@pytest.mark.parametrize("overlap", [False, True], ids=["in_turn", "overlapped"])
 def test_the_executor_answers_every_beam_with_other_requests_running(tp1_model, glm_reference, four_prompts, end_id,
-                                                                     width):
+                                                                     width, overlap):
     """Beam searches share the steps with greedy requests (their slots decoded together, beams copied between
     slots as they move on) and still give transformers' beams; the greedy requests give generate()'s tokens."""
     from trtglm.runtime.executor import Executor, Request
     from trtglm.runtime.generate import generate
     from trtglm.runtime.slot_runtime import ShardedSlotModel
 
-    executor = Executor(ShardedSlotModel(tp1_model, max_batch=2 * width + 2, max_seq_len=256), max_beam_width=width)
+    executor = Executor(ShardedSlotModel(tp1_model, max_batch=2 * width + 2, max_seq_len=256), max_beam_width=width, overlap=overlap)
     outputs = {}
     for i, prompt in enumerate(four_prompts):
         beams = SamplingConfig(beam_width=width, length_penalty=0.5, early_stopping=0)
@@ -234,9 +235,9 @@ class Passes:
         self.passes.append(("prefill", list(slots), [len(p) for p in prompts]))
         return self.inner.prefill(slots, prompts, starts)
 
-    def step(self, slots, pieces, starts):
-        self.passes.append(("step", list(slots), [len(p) for p in pieces]))
-        return self.inner.step(slots, pieces, starts)
+    def step(self, slots, pieces, starts, decode_ids=None):
+        self.passes.append(("step", list(slots), [1 if p is None else len(p) for p in pieces]))
+        return self.inner.step(slots, pieces, starts, decode_ids)
 
     def decode(self, slots, tokens):
         self.passes.append(("decode", list(slots), [1] * len(slots)))
@@ -251,13 +252,14 @@ def without_end(beams, end_id):
     return [b.tokens[:-1] if b.tokens[-1] == end_id else b.tokens for b in beams]
 
 
-def test_beams_decode_in_the_same_pass_as_another_requests_prompt_chunks(tp1_model, four_prompts, end_id):
+@pytest.mark.parametrize("overlap", [False, True], ids=["in_turn", "overlapped"])
+def test_beams_decode_in_the_same_pass_as_another_requests_prompt_chunks(tp1_model, four_prompts, end_id, overlap):
     from trtglm.runtime.executor import Executor, Request
     from trtglm.runtime.generate import generate
     from trtglm.runtime.slot_runtime import ShardedSlotModel
 
     model = Passes(ShardedSlotModel(tp1_model, max_batch=3, max_seq_len=256))
-    executor = Executor(model, max_num_tokens=8, max_beam_width=2)
+    executor = Executor(model, max_num_tokens=8, max_beam_width=2, overlap=overlap)
     beams, plain = [], []
     executor.submit(Request(four_prompts[0], NEW, end_id=end_id, sampling=SamplingConfig(beam_width=2)), beams.append)
     while not executor.stats().generated_tokens:  # its prompt in chunks of 8, then the first beam step

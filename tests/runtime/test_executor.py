@@ -23,6 +23,7 @@ from trtglm.runtime.request import ExecutorStopped, Output, QueueFullError, Requ
 from trtglm.runtime.generate import full_logits, generate
 from trtglm.runtime.model import load_model
 from trtglm.runtime.slot_runtime import ShardedSlotModel
+from trtglm.runtime.slots import filled_pieces
 
 MAX_SEQ = 256
 
@@ -91,8 +92,9 @@ def alone(model, tok, prompt: list[int], max_new: int = 40) -> list[int]:
     return tokens + [tok.special_ids["<|user|>"]] if len(tokens) < max_new else tokens
 
 
-def test_interleaved_arrivals_give_each_request_its_tokens_alone(model, tok, prompts):
-    executor = Executor(ShardedSlotModel(model, max_batch=3, max_seq_len=MAX_SEQ), max_queue=16)
+@pytest.mark.parametrize("overlap", [False, True], ids=["in_turn", "overlapped"])
+def test_interleaved_arrivals_give_each_request_its_tokens_alone(model, tok, prompts, overlap):
+    executor = Executor(ShardedSlotModel(model, max_batch=3, max_seq_len=MAX_SEQ), max_queue=16, overlap=overlap)
     results = [Collected() for _ in prompts]
     arrivals = {0: [0, 1], 2: [2], 3: [3, 4, 5, 6], 9: [7], 12: [8, 9, 10]}  # step -> requests arriving
     for step in range(400):
@@ -160,7 +162,8 @@ def test_a_callback_that_fails_stops_its_request(model, tok, prompts):
     assert executor.stats().generated_tokens == 1 + len(other.tokens)  # the first request stopped at once
 
 
-def test_stop_words_match_on_the_suffix_and_are_returned(model, tok, prompts):
+@pytest.mark.parametrize("overlap", [False, True], ids=["in_turn", "overlapped"])
+def test_stop_words_match_on_the_suffix_and_are_returned(model, tok, prompts, overlap):
     expected = alone(model, tok, prompts[3])
     assert len(expected) > 6
 
@@ -176,7 +179,7 @@ def test_stop_words_match_on_the_suffix_and_are_returned(model, tok, prompts):
     }
     assert len(cases["two tokens"][1]) < len(expected)
     for name, (words, wanted) in cases.items():
-        executor = Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ))
+        executor = Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ), overlap=overlap)
         result = Collected()
         executor.submit(Request(prompts[3], 40, end_id=tok.eos_id, stop_words=words + stops(tok)), result)
         run(executor)
@@ -193,10 +196,11 @@ def test_end_id_ends_without_being_returned(model, tok, prompts):
     assert result.outputs[-1].tokens == []
 
 
-def test_bad_words_are_banned(model, tok, prompts):
+@pytest.mark.parametrize("overlap", [False, True], ids=["in_turn", "overlapped"])
+def test_bad_words_are_banned(model, tok, prompts, overlap):
     expected = alone(model, tok, prompts[3])
     for words, position in (([[expected[0]]], 0), ([expected[1:3]], 2)):
-        executor = Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ))
+        executor = Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ), overlap=overlap)
         result = Collected()
         executor.submit(Request(prompts[3], 6, bad_words=words), result)
         run(executor)
@@ -237,9 +241,10 @@ def test_log_probs_are_those_of_the_chosen_tokens(model, tok, prompts):
     assert log_probs == pytest.approx(expected, abs=1e-4)
 
 
-def test_the_same_seed_gives_the_same_tokens_whatever_runs_beside(model, tok, prompts):
+@pytest.mark.parametrize("overlap", [False, True], ids=["in_turn", "overlapped"])
+def test_the_same_seed_gives_the_same_tokens_whatever_runs_beside(model, tok, prompts, overlap):
     def sampled(seed: int, company: int) -> list[int]:
-        executor = Executor(ShardedSlotModel(model, max_batch=4, max_seq_len=MAX_SEQ))
+        executor = Executor(ShardedSlotModel(model, max_batch=4, max_seq_len=MAX_SEQ), overlap=overlap)
         result = Collected()
         for index in range(company):
             executor.submit(Request(prompts[index + 5], 12, sampling=SamplingConfig(temperature=1.0)), Collected())
@@ -255,9 +260,10 @@ def test_the_same_seed_gives_the_same_tokens_whatever_runs_beside(model, tok, pr
 
 
 @pytest.mark.reliability
-def test_a_degenerate_request_never_hurts_the_others(model, tok, prompts):
+@pytest.mark.parametrize("overlap", [False, True], ids=["in_turn", "overlapped"])
+def test_a_degenerate_request_never_hurts_the_others(model, tok, prompts, overlap):
     """A temperature of 1e-40 samples like greedy; a bias of -inf on every id ends that request alone."""
-    executor = Executor(ShardedSlotModel(model, max_batch=4, max_seq_len=MAX_SEQ))
+    executor = Executor(ShardedSlotModel(model, max_batch=4, max_seq_len=MAX_SEQ), overlap=overlap)
     cold, banned, plain = Collected(), Collected(), Collected()
     executor.submit(Request(prompts[2], 40, end_id=tok.eos_id, stop_words=stops(tok),
                             sampling=SamplingConfig(temperature=1e-40, top_k=5)),
@@ -359,9 +365,9 @@ class Recording:
         self.calls.append(("prefill", list(slots), list(starts), [len(p) for p in prompts]))
         return self.inner.prefill(slots, prompts, starts)
 
-    def step(self, slots, pieces, starts):
-        self.calls.append(("step", list(slots), list(starts), [len(p) for p in pieces]))
-        return self.inner.step(slots, pieces, starts)
+    def step(self, slots, pieces, starts, decode_ids=None):
+        self.calls.append(("step", list(slots), list(starts), [1 if p is None else len(p) for p in pieces]))
+        return self.inner.step(slots, pieces, starts, decode_ids)
 
     def decode(self, slots, tokens):
         self.calls.append(("decode", list(slots)))
@@ -467,7 +473,8 @@ class Separate:
     def prefill(self, slots, prompts, starts=None):
         return self.inner.prefill(slots, prompts, starts)
 
-    def step(self, slots, pieces, starts):
+    def step(self, slots, pieces, starts, decode_ids=None):
+        pieces = filled_pieces(pieces, decode_ids)
         self.mixed += any(len(p) == 1 and start for p, start in zip(pieces, starts)) and \
             any(len(p) > 1 for p in pieces)
         return torch.cat([self.inner.prefill([slot], [piece], [start])
@@ -480,9 +487,10 @@ class Separate:
         self.inner.release(slot)
 
 
-def test_a_mixed_pass_gives_the_tokens_of_separate_passes(model, tok, all_prompts):
+@pytest.mark.parametrize("overlap", [False, True], ids=["in_turn", "overlapped"])
+def test_a_mixed_pass_gives_the_tokens_of_separate_passes(model, tok, all_prompts, overlap):
     def executor(slots) -> Executor:
-        return Executor(slots, max_queue=len(all_prompts), max_num_tokens=40)
+        return Executor(slots, max_queue=len(all_prompts), max_num_tokens=40, overlap=overlap)
 
     separate = Separate(ShardedSlotModel(model, max_batch=4, max_seq_len=320))
     assert answers(executor(ShardedSlotModel(model, max_batch=4, max_seq_len=320)), all_prompts, tok) == \
@@ -490,11 +498,13 @@ def test_a_mixed_pass_gives_the_tokens_of_separate_passes(model, tok, all_prompt
     assert separate.mixed > 10  # steps that carried decode tokens and prompt chunks together
 
 
-def test_a_full_kv_cache_keeps_requests_queued_until_a_finished_one_frees_it(model, tok, prompts):
+@pytest.mark.parametrize("overlap", [False, True], ids=["in_turn", "overlapped"])
+def test_a_full_kv_cache_keeps_requests_queued_until_a_finished_one_frees_it(model, tok, prompts, overlap):
     recording = Recording(ShardedSlotModel(model, max_batch=3, max_seq_len=MAX_SEQ))
     first, second = Collected(), Collected()
     need = [-(-(len(prompts[i]) + 40) // 16) for i in (1, 2)]
-    executor = Executor(recording, max_kv_tokens=16 * max(need), tokens_per_block=16)  # one request at a time
+    # one request at a time
+    executor = Executor(recording, max_kv_tokens=16 * max(need), tokens_per_block=16, overlap=overlap)
     executor.submit(Request(prompts[1], 40, end_id=tok.eos_id, stop_words=stops(tok)), first)
     executor.submit(Request(prompts[2], 40, end_id=tok.eos_id, stop_words=stops(tok)), second)
     executor.step()
@@ -524,6 +534,47 @@ def test_cancelling_a_request_mid_prefill_frees_its_slot(model, tok, prompts):
     assert executor.stats().cancelled == 1
 
 
+class DecodeInputs(Recording):
+    """A Recording that also keeps the type of each decode's tokens."""
+
+    def decode(self, slots, tokens):
+        self.calls.append(("decode tokens", type(tokens)))
+        return super().decode(slots, tokens)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["in_turn", "overlapped"])
+def test_overlapped_steps_hand_out_a_step_late_and_feed_tokens_on_the_device(model, tok, prompts, overlap):
+    """Overlapped, a step hands out the tokens of the step before, and a request ended by its stop word runs one
+    more token that is never sent; either way a decode's input tokens never pass through the host."""
+    recording = DecodeInputs(ShardedSlotModel(model, max_batch=2, max_seq_len=MAX_SEQ))
+    executor, result = Executor(recording, overlap=overlap), Collected()
+    executor.submit(Request(prompts[1], 40, end_id=tok.eos_id, stop_words=stops(tok)), result)
+    executor.step()  # the prompt
+    assert len(result.tokens) == (0 if overlap else 1)
+    executor.step()
+    assert len(result.tokens) == (1 if overlap else 2)
+    run(executor)
+    assert result.tokens == alone(model, tok, prompts[1]) and result.reason == "stop_word"
+    decodes = [call for call in recording.calls if call[0] == "decode"]
+    assert len(decodes) == len(result.tokens) - (not overlap)  # the first token is the prompt's
+    assert {call[1] for call in recording.calls if call[0] == "decode tokens"} == {torch.Tensor}
+
+
+def test_a_request_cancelled_with_a_token_on_the_way_never_gets_it(model, tok, prompts):
+    executor, long, other = Executor(ShardedSlotModel(model, max_batch=2, max_seq_len=MAX_SEQ), overlap=True), \
+        Collected(), Collected()
+    handle = executor.submit(Request(prompts[0], 100), long)
+    executor.submit(Request(prompts[1], 40, end_id=tok.eos_id, stop_words=stops(tok)), other)
+    for _ in range(3):
+        executor.step()  # two tokens handed out, the third launched
+    assert len(long.tokens) == 2
+    handle.cancel()
+    executor.step()
+    assert long.outputs[-1] == Output([], finished=True, reason="cancelled") and len(long.tokens) == 2
+    run(executor)
+    assert other.tokens == alone(model, tok, prompts[1]) and len(long.outputs) == 3
+
+
 def test_the_step_budget_and_the_kv_cache_must_be_positive(model):
     for name in ("max_num_tokens", "max_kv_tokens", "tokens_per_block"):
         with pytest.raises(UsageError, match=f"{name} must be >= 1, not 0"):
@@ -543,12 +594,13 @@ def served_one_at_a_time(executor: Executor, prompts, tok) -> list[list[int]]:
     return [answers(executor, [prompt], tok)[0] for prompt in prompts]
 
 
-def test_a_shared_prefix_is_reused_with_the_tokens_it_gives_computed(model, tok, all_prompts):
+@pytest.mark.parametrize("overlap", [False, True], ids=["in_turn", "overlapped"])
+def test_a_shared_prefix_is_reused_with_the_tokens_it_gives_computed(model, tok, all_prompts, overlap):
     prompts = shared_prefix_prompts(all_prompts)
 
     def executor(reuse: bool) -> Executor:
         return Executor(Recording(ShardedSlotModel(model, max_batch=2, max_seq_len=320)), max_queue=8,
-                        tokens_per_block=16, kv_cache_reuse=reuse)
+                        tokens_per_block=16, kv_cache_reuse=reuse, overlap=overlap)
 
     off, on = executor(False), executor(True)
     expected = served_one_at_a_time(off, prompts, tok)
@@ -592,8 +644,8 @@ class Failing:
     def prefill(self, slots, prompts, starts=None):
         return self.inner.prefill(slots, prompts, starts)
 
-    def step(self, slots, pieces, starts):
-        return self.inner.step(slots, pieces, starts)
+    def step(self, slots, pieces, starts, decode_ids=None):
+        return self.inner.step(slots, pieces, starts, decode_ids)
 
     def decode(self, slots, tokens):
         if not self.failed:
@@ -605,8 +657,9 @@ class Failing:
         self.inner.release(slot)
 
 
-def test_a_model_failure_ends_the_running_requests_with_an_error_and_serving_goes_on(model, tok, prompts):
-    executor = Executor(Failing(ShardedSlotModel(model, max_batch=2, max_seq_len=MAX_SEQ)))
+@pytest.mark.parametrize("overlap", [False, True], ids=["in_turn", "overlapped"])
+def test_a_model_failure_ends_the_running_requests_with_an_error_and_serving_goes_on(model, tok, prompts, overlap):
+    executor = Executor(Failing(ShardedSlotModel(model, max_batch=2, max_seq_len=MAX_SEQ)), overlap=overlap)
     first, later = Collected(), Collected()
     executor.submit(Request(prompts[0], 10), first)
     executor.step()  # prefill
@@ -617,8 +670,9 @@ def test_a_model_failure_ends_the_running_requests_with_an_error_and_serving_goe
     assert later.tokens == alone(model, tok, prompts[1])
 
 
-def test_background_thread_serves_concurrent_submitters_and_stop_ends_the_rest(model, tok, prompts):
-    executor = Executor(ShardedSlotModel(model, max_batch=4, max_seq_len=MAX_SEQ), max_queue=32)
+@pytest.mark.parametrize("overlap", [False, True], ids=["in_turn", "overlapped"])
+def test_background_thread_serves_concurrent_submitters_and_stop_ends_the_rest(model, tok, prompts, overlap):
+    executor = Executor(ShardedSlotModel(model, max_batch=4, max_seq_len=MAX_SEQ), max_queue=32, overlap=overlap)
     executor.start()
     results = [Collected() for _ in prompts]
     handles = []

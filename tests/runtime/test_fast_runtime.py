@@ -35,7 +35,7 @@ from trtglm.convert.writer import convert_checkpoint
 from trtglm.errors import DependencyError, ModelFileError, UsageError
 from trtglm.runtime.cache import SlotCache
 from trtglm.runtime.checkpoint import load_checkpoint
-from trtglm.request_config import OutputConfig
+from trtglm.request_config import OutputConfig, SamplingConfig
 from trtglm.runtime.executor import Executor
 from trtglm.runtime.fast import FastModel, batch_buckets, load_fast_model
 from trtglm.runtime.fast import shapes
@@ -382,13 +382,15 @@ def test_weight_only_matches_quantized_reference(checkpoint, reference, hf_cfg, 
 
 @pytest.mark.parametrize("max_num_tokens,reuse", [(None, False), (4, False), (6, True)],
                          ids=["whole", "chunked", "reused prefix"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["in_turn", "overlapped"])
 def test_executor_over_fast_model_decodes_greedily_like_the_reference(any_model, reference, hf_cfg, max_num_tokens,
-                                                                       reuse):
+                                                                       reuse, overlap):
     model = any_model[0]
     prefix, *tails = sequences(hf_cfg.vocab_size, [16, 7, 15, 3], seed=13)
     prompts = [prefix + tail for tail in tails] if reuse else tails
     got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    executor = Executor(model, max_queue=8, max_num_tokens=max_num_tokens, tokens_per_block=8, kv_cache_reuse=reuse)
+    executor = Executor(model, max_queue=8, max_num_tokens=max_num_tokens, tokens_per_block=8, kv_cache_reuse=reuse,
+                        overlap=overlap)
     for i, prompt in enumerate(prompts):
         executor.submit(Request(prompt, max_new_tokens=6), lambda out, i=i: got[i].extend(out.tokens))
     while executor.has_work():
@@ -399,6 +401,31 @@ def test_executor_over_fast_model_decodes_greedily_like_the_reference(any_model,
             ids.append(int(ref_logits(reference(None), ids)[-1].argmax()))
         assert got[i] == ids[len(prompt):]
     assert executor.stats().reused_tokens == (16 * (len(prompts) - 1) if reuse else 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton compiles on a GPU")
+def test_serving_after_the_warm_up_compiles_no_kernel(checkpoint, hf_cfg):
+    """Arrivals at random steps, prompts of every length chunked at a small budget, greedy and sampled requests
+    beside each other (all the shapes mixed steps, prefills and decodes meet): nothing compiles once the model and
+    the executor are up."""
+    from trtglm.runtime.fast import kernel_cache
+
+    model = load_fast_model(checkpoint, device="cuda", max_batch=5, max_seq_len=64)
+    executor = Executor(model, max_queue=64, max_num_tokens=13, tokens_per_block=8, kv_cache_reuse=True, device="cuda")
+    lengths = [(7 * i) % 40 + 1 for i in range(30)]
+    samplings = [SamplingConfig(), SamplingConfig(temperature=0.7, top_p=0.9, seed=1), SamplingConfig(temperature=1.0,
+                 top_k=20, seed=2)]
+    with kernel_cache.compilations() as compiled:
+        for i, prompt in enumerate(sequences(hf_cfg.vocab_size, lengths, seed=17)):
+            request = Request(prompt, max_new_tokens=1 + i % 9, sampling=samplings[i % 3],
+                              output=OutputConfig(return_log_probs=i % 4 == 0))
+            executor.submit(request, lambda out: None)
+            for _ in range(i % 3):
+                executor.step()
+        while executor.has_work():
+            executor.step()
+    assert executor.stats().finished == len(lengths) and executor.stats().prefill_chunks > len(lengths)
+    assert compiled == []
 
 
 def test_executor_over_fast_model_returns_the_references_logits_when_asked(model, reference, hf_cfg):

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from trtglm.errors import UsageError
 from trtglm.runtime.checkpoint import CheckpointConfig
+from trtglm.runtime.transfer import upload
 
 
 @runtime_checkable
@@ -304,8 +305,7 @@ class StaticCache:
         for slot, length in zip(slots, lengths, strict=True):
             self.lengths[slot] = length
         device = self.device_lengths.device
-        self.device_lengths[torch.tensor(list(slots), device=device)] = torch.tensor(list(lengths), dtype=torch.int32,
-                                                                                    device=device)
+        self.device_lengths[upload(list(slots), device)] = upload(list(lengths), device, torch.int32)
 
     def copy(self, slot: int, source: int, length: int) -> None:
         """The slot holds the first `length` positions of `source`."""

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from trtglm.errors import UsageError
-from trtglm.runtime.slots import SlotModel, prefill_starts
+from trtglm.runtime.slots import SlotModel, filled_pieces, prefill_starts
 
 log = logging.getLogger(__name__)
 
@@ -224,11 +224,16 @@ class LeaderSlotModel:
         self.channel.send(Step.prefill([slot], [chunk], [start], op=PREFILL_ALL))
         return self.inner.prefill_all(slot, chunk, start)
 
-    def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
-        self.channel.send(Step(DECODE, list(slots), [int(t) for t in tokens]))
+    # The followers are told the ids of a step, so tokens left on the device are brought to the host first (rank 0
+    # waits for the step before).
+    def decode(self, slots: Sequence[int], tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else [int(t) for t in tokens]
+        self.channel.send(Step(DECODE, list(slots), tokens))
         return self.inner.decode(slots, tokens)
 
-    def step(self, slots: Sequence[int], pieces: Sequence[Sequence[int]], starts: Sequence[int]) -> torch.Tensor:
+    def step(self, slots: Sequence[int], pieces: Sequence[Sequence[int] | None], starts: Sequence[int],
+             decode_ids: torch.Tensor | None = None) -> torch.Tensor:
+        pieces = filled_pieces(pieces, decode_ids)
         step = Step.prefill(slots, pieces, starts, op=MIXED)
         self.channel.send(step)
         return self.inner.step(slots, pieces, step.starts())

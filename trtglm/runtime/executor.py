@@ -67,6 +67,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -76,8 +77,9 @@ from trtglm.runtime.beams import Beam, BeamSearch, continued_slots, ends_with_an
 from trtglm.runtime.prefix import PrefixIndex
 from trtglm.runtime.request import (ExecutorStats, ExecutorStopped, Handle, Output, OutputCallback, QueueFullError,
                                     Request, check_request, fitted)
-from trtglm.runtime.sampling import BadWords, TokenChooser, held_until_min_tokens, processed
+from trtglm.runtime.sampling import BadWords, Chosen, TokenChooser, held_until_min_tokens, processed
 from trtglm.runtime.slots import SlotModel
+from trtglm.runtime.transfer import upload
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +95,8 @@ class _Sequence:
         self.history = [int(t) for t in request.prompt]  # prompt + generated, for word matching
         self.prefilled = 0  # prompt tokens in the slot's cache so far
         self.generated = 0
+        self.pending = 0  # tokens chosen on the device whose results have not reached the host yet
+        self.finished = False
         self.slot: int | None = None
         self.scheduled_ns: int | None = None  # when it got its slot, until its first Output carries it
         self.stops_by_last = _by_last_token(request.stop_words)
@@ -131,11 +135,27 @@ class _Sequence:
             banned += held_until_min_tokens(self.request.end_id, self.request.stop_words)
         return banned
 
-    def decode_pieces(self) -> list[tuple[int, list[int], int]]:
-        """(slot, [token], start) of each decode token this sequence puts into a step: one per running beam."""
+    @property
+    def host_bound(self) -> bool:
+        """Whether choosing its next token needs its last step's results on the host: a beam search, logits asked
+        for, bad words longer than one token (banned by the history)."""
+        output = self.request.output
+        return (self.beams is not None or self.context_rows is not None or output.return_generation_logits
+                or bool(self.bad_words.after))
+
+    @property
+    def decodes(self) -> bool:
+        """Whether its next step takes a decode token: its prompt is in and (a single sequence) its last token is
+        not already on the way."""
+        return not self.unprefilled and (self.beams is not None or
+                                         self.generated + self.pending < self.request.max_new_tokens)
+
+    def decode_rows(self) -> list[tuple[int, int]]:
+        """(slot, position) of each decode token this sequence puts into a step: one per running beam. The token is
+        the slot's newest (`TokenChooser.last_tokens`), which may still be on the way."""
         if self.beams is None:
-            return [(self.slot, [self.history[-1]], len(self.history) - 1)]
-        return [(slot, [tokens[-1]], len(self.history) + len(tokens) - 1)
+            return [(self.slot, len(self.history) - 1 + self.pending)]
+        return [(slot, len(self.history) + len(tokens) - 1)
                 for slot, tokens in zip(self.beam_slots, self.beams.running, strict=True)]
 
     def beam_step(self, logits: torch.Tensor, vocab_limit: int) -> list[int]:
@@ -175,18 +195,28 @@ def _by_last_token(words: Sequence[Sequence[int]]) -> dict[int, list[list[int]]]
     return table
 
 
+@dataclass
+class _Pass:
+    """A launched pass: the sequences whose tokens it chose, and the choice on its way to the host."""
+
+    sequences: list[_Sequence]
+    chosen: Chosen
+
+
 class Executor:
     """In-flight batching of `Request`s over `model` (see the module docstring)."""
 
     def __init__(self, model: SlotModel, max_queue: int = 64, max_num_tokens: int | None = None,
                  device: torch.device | str = "cpu", vocab_limit: int | None = None,
                  on_step_end: Callable[[], None] | None = None, max_kv_tokens: int | None = None,
-                 tokens_per_block: int = 64, kv_cache_reuse: bool = False, max_beam_width: int = 1):
+                 tokens_per_block: int = 64, kv_cache_reuse: bool = False, max_beam_width: int = 1,
+                 overlap: bool | None = None):
         """`max_num_tokens`: tokens of one step (None: max_seq_len). `max_kv_tokens`: what the KV cache holds,
         in blocks of `tokens_per_block` (None: every slot's whole length). `vocab_limit`: ids at or above it (the
         padding of an engine's vocabulary past its tokenizer's) are never chosen. `on_step_end` is called after
         every step, on the step's thread (to send a step's outputs together). `max_beam_width`: the widest beam
-        search taken (each beam takes a slot)."""
+        search taken (each beam takes a slot). `overlap` (None: on a GPU): each step's tokens are handed out while the
+        next step runs (see `step`)."""
         if max_queue < 0:
             raise UsageError(f"max_queue must be >= 0, not {max_queue}")
         for name, value in (("max_num_tokens", max_num_tokens), ("max_kv_tokens", max_kv_tokens),
@@ -206,7 +236,11 @@ class Executor:
         self.prefixes = PrefixIndex(tokens_per_block, model.max_batch) if kv_cache_reuse else None
         self.vocab_limit = min(vocab_limit or model.vocab_size, model.vocab_size)
         self.device = torch.device(device)
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap
+        self._in_flight: _Pass | None = None  # the pass launched last, whose tokens are not handed out yet
         self.chooser = TokenChooser(model.max_batch, self.vocab_limit, self.device)
+        if self.device.type == "cuda":
+            self.chooser.warm_up()
         self._lock = threading.Condition()
         self._queue: deque[_Sequence] = deque()
         self._active: dict[int, _Sequence] = {}  # slot -> sequence
@@ -276,14 +310,14 @@ class Executor:
 
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._queue or self._active)
+            return bool(self._queue or self._active or self._in_flight)
 
     def _loop(self) -> None:
         if self.device.type == "cuda":  # a new thread starts on GPU 0; the model's kernels launch on the current GPU
             torch.cuda.set_device(self.device)
         while True:
             with self._lock:
-                while not (self._stopping or self._queue or self._active):
+                while not (self._stopping or self._queue or self._active or self._in_flight):
                     self._lock.wait()
                 if self._stopping:
                     break
@@ -291,16 +325,25 @@ class Executor:
         self._abort("the server is shutting down")
 
     def step(self) -> None:
-        """One step: drop cancelled requests, then one forward pass of the running requests' decode tokens and
-        as many prompt tokens as the budget leaves."""
+        """One step: drop cancelled requests, launch one forward pass of the running requests' decode tokens and
+        as many prompt tokens as the budget leaves, and hand out the tokens the pass chose.
+
+        Overlapped, the tokens handed out are those of the pass before, while this one runs on the GPU: the host
+        never waits for a pass it could prepare the next one during, and a running request's next input is its
+        newest token where the device left it. A request that ends (end id, stop word, cancelled) may so run one
+        more token that is never sent. A step with a request whose choice needs its results on the host
+        (`_Sequence.host_bound`) is not overlapped."""
         started = time.perf_counter()
         try:
             self._drop_cancelled()
-            decoding = sorted((s for s in self._active.values() if not s.unprefilled), key=lambda s: s.handle.id)
-            decode_tokens = sum(s.request.sampling.beam_width for s in decoding)
-            chunks = self._plan_prefill(max(1, self.max_num_tokens - decode_tokens))
-            if decoding or chunks:
-                self._forward(decoding, chunks)
+            overlap = self.overlap and not self._host_bound()
+            if not overlap:
+                self._hand_out_in_flight()
+            launched = self._launch()
+            self._hand_out_in_flight()
+            self._in_flight = launched
+            if not overlap:
+                self._hand_out_in_flight()
             self._stats.steps += 1
         except Exception as e:
             log.exception("the model failed")
@@ -308,6 +351,22 @@ class Executor:
         self._stats.step_us += int(1e6 * (time.perf_counter() - started))
         if self.on_step_end is not None:
             self.on_step_end()
+
+    def _launch(self) -> _Pass | None:
+        """The step's forward pass and token choice, queued on the model's device."""
+        decoding = sorted((s for s in self._active.values() if s.decodes), key=lambda s: s.handle.id)
+        decode_tokens = sum(s.request.sampling.beam_width for s in decoding)
+        chunks = self._plan_prefill(max(1, self.max_num_tokens - decode_tokens))
+        return self._forward(decoding, chunks) if decoding or chunks else None
+
+    def _host_bound(self) -> bool:
+        with self._lock:
+            return any(s.host_bound for s in (*self._active.values(), *self._queue))
+
+    def _hand_out_in_flight(self) -> None:
+        launched, self._in_flight = self._in_flight, None
+        if launched is not None:
+            self._hand_out(launched)
 
     def _drop_cancelled(self) -> None:
         now = time.monotonic()
@@ -393,15 +452,14 @@ class Executor:
     def _free_slots(self) -> list[int]:
         return [slot for slot in range(self.model.max_batch) if slot not in self._active and slot not in self._held]
 
-    def _forward(self, decoding: list[_Sequence], chunks: list[tuple[_Sequence, int]]) -> None:
+    def _forward(self, decoding: list[_Sequence], chunks: list[tuple[_Sequence, int]]) -> _Pass | None:
         """One pass of the decode tokens (a beam search's: one per beam) and the prompt chunks; the requests whose
         prompt it completes get their first token. Chunks of requests that ask for their context logits run
         on their own first, keeping the logits of every position."""
         for sequence, length in [(s, n) for s, n in chunks if s.context_rows is not None]:
             self._prefill_keeping_logits(sequence, length)
         chunks = [(s, n) for s, n in chunks if s.context_rows is None]
-        if decoding or chunks:
-            self._pass(decoding, chunks)
+        return self._pass(decoding, chunks) if decoding or chunks else None
 
     def _prefill_keeping_logits(self, sequence: _Sequence, length: int) -> None:
         logits = self.model.prefill_all(sequence.slot, sequence.next_chunk(length), sequence.prefilled)
@@ -409,7 +467,9 @@ class Executor:
         self._stats.prefill_calls += 1
         self._chunk_done(sequence, length)
         if not sequence.unprefilled:
-            self._take_rows([sequence], logits[-1:], [1])
+            chosen = self._take_rows([sequence], logits[-1:], [1])
+            if chosen is not None:  # its request is host-bound: the step is not overlapped
+                self._hand_out(chosen)
 
     def _chunk_done(self, sequence: _Sequence, length: int) -> None:
         sequence.prefilled += length
@@ -418,44 +478,49 @@ class Executor:
         if self.prefixes is not None:
             self.prefixes.holds(sequence.slot, sequence.request.prompt, sequence.prefilled)
 
-    def _pass(self, decoding: list[_Sequence], chunks: list[tuple[_Sequence, int]]) -> None:
-        work = [piece for s in decoding for piece in s.decode_pieces()]
-        decode_rows = len(work)
-        work += [(s.slot, s.next_chunk(length), s.prefilled) for s, length in chunks]
-        slots, pieces, starts = (list(column) for column in zip(*work))
+    def _pass(self, decoding: list[_Sequence], chunks: list[tuple[_Sequence, int]]) -> _Pass | None:
+        decode_rows = [row for s in decoding for row in s.decode_rows()]
+        slots = [slot for slot, _ in decode_rows] + [s.slot for s, _ in chunks]
+        starts = [position for _, position in decode_rows] + [s.prefilled for s, _ in chunks]
+        prompts = [s.next_chunk(length) for s, length in chunks]
+        decode_ids = self.chooser.last_tokens[upload(slots[:len(decode_rows)], self.device)] if decode_rows else None
         # Decode tokens alone and prompts alone go through decode and prefill, which the fast runtime replays as
         # CUDA graphs (for a decode batch and for a lone prompt).
         if not chunks:
-            logits = self.model.decode(slots, [piece[0] for piece in pieces])
+            logits = self.model.decode(slots, decode_ids)
+        elif not decoding:
+            logits = self.model.prefill(slots, prompts, starts)
         else:
-            logits = (self.model.step if decoding else self.model.prefill)(slots, pieces, starts)
+            logits = self.model.step(slots, [None] * len(decode_rows) + prompts, starts, decode_ids=decode_ids)
         self._stats.prefill_calls += bool(chunks)
         self._stats.decode_calls += bool(decoding)
         self._stats.max_decode_batch = max(self._stats.max_decode_batch, len(decoding))
         for sequence, length in chunks:
             self._chunk_done(sequence, length)
         complete = [i for i, (s, _) in enumerate(chunks) if not s.unprefilled]
-        rows = list(range(decode_rows)) + [decode_rows + i for i in complete]
+        rows = list(range(len(decode_rows))) + [len(decode_rows) + i for i in complete]
         if rows and len(rows) < len(slots):
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            logits = logits.index_select(0, upload(rows, logits.device))
         widths = [s.request.sampling.beam_width for s in decoding] + [1] * len(complete)
-        self._take_rows(decoding + [chunks[i][0] for i in complete], logits, widths)
+        return self._take_rows(decoding + [chunks[i][0] for i in complete], logits, widths)
 
-    def _take_rows(self, sequences: list[_Sequence], logits: torch.Tensor, widths: list[int]) -> None:
+    def _take_rows(self, sequences: list[_Sequence], logits: torch.Tensor, widths: list[int]) -> _Pass | None:
         """Each sequence's next token from its `widths[i]` rows of `logits` (a beam search's: one per beam, one
-        before its first step)."""
+        before its first step): a beam search's chosen now, the others' launched (the pass to hand out)."""
         firsts = list(itertools.accumulate(widths, initial=0))
         plain = [i for i, s in enumerate(sequences) if s.beams is None]
         for i in plain:
             if sequences[i].request.output.return_generation_logits:
                 sequences[i].step_logits = logits[firsts[i]].float().cpu().numpy()
+        launched = None
         if plain:
             rows = logits if len(plain) == len(logits) else \
-                logits.index_select(0, torch.tensor([firsts[i] for i in plain], device=logits.device))
-            self._choose_all([sequences[i] for i in plain], rows)
+                logits.index_select(0, upload([firsts[i] for i in plain], logits.device))
+            launched = self._choose_later([sequences[i] for i in plain], rows)
         for i, sequence in enumerate(sequences):
             if sequence.beams is not None:
                 self._beam_step(sequence, logits[firsts[i]:firsts[i + 1]])
+        return launched
 
     def _beam_step(self, sequence: _Sequence, logits: torch.Tensor) -> None:
         try:
@@ -472,12 +537,23 @@ class Executor:
         sequence.beam_slots, sources, targets = continued_slots(sequence.beam_slots, parents)
         if sources:
             self.model.copy(sources, targets)
+        self.chooser.set_last_tokens(sequence.beam_slots, [tokens[-1] for tokens in sequence.beams.running])
 
-    def _choose_all(self, sequences: list[_Sequence], logits: torch.Tensor) -> None:
-        """Each sequence's next token from its row of `logits`, all in one pass (sampling.TokenChooser); a row whose
-        settings leave nothing to choose ends its request alone, with the error."""
-        tokens, log_probs, errors = self.chooser.choose([s.slot for s in sequences], logits)
-        for sequence, token, log_prob, error in zip(sequences, tokens, log_probs, errors, strict=True):
+    def _choose_later(self, sequences: list[_Sequence], logits: torch.Tensor) -> _Pass:
+        """Each sequence's next token from its row of `logits`, all in one pass (sampling.TokenChooser), launched:
+        `_hand_out` gives them to their requests."""
+        for sequence in sequences:
+            sequence.pending += 1
+        return _Pass(sequences, self.chooser.choose_later([s.slot for s in sequences], logits))
+
+    def _hand_out(self, launched: _Pass) -> None:
+        """The tokens of a launched pass to their requests (those still running); a row whose settings left nothing
+        to choose ends its request alone, with the error."""
+        tokens, log_probs, errors = launched.chosen.result()
+        for sequence, token, log_prob, error in zip(launched.sequences, tokens, log_probs, errors, strict=True):
+            sequence.pending -= 1
+            if sequence.finished:
+                continue  # cancelled, or ended by the token before (this one is never sent)
             if error is not None:
                 log.warning("request %d: %s", sequence.handle.id, error)
                 self._finish(sequence, Output([], finished=True, reason="error",
@@ -506,6 +582,7 @@ class Executor:
             self._finish(sequence, Output([], finished=True, reason="cancelled"))
 
     def _finish(self, sequence: _Sequence, output: Output) -> None:
+        sequence.finished = True
         if sequence.slot is not None and self._active.get(sequence.slot) is sequence:
             del self._active[sequence.slot]
             self._free_kv_blocks += sequence.kv_blocks
@@ -538,6 +615,7 @@ class Executor:
         """The model raised: end the running requests with the error and free every slot; if even that
         fails, the executor takes no more requests."""
         message = f"the model failed: {type(error).__name__}: {error}"
+        self._in_flight = None
         running = list(self._active.values())
         self._active.clear()
         self._held.clear()
@@ -560,6 +638,7 @@ class Executor:
         """End every queued and running request with `message`."""
         with self._lock:
             sequences = list(self._queue) + list(self._active.values())
+            self._in_flight = None
             self._queue.clear()
             self._active.clear()
             self._held.clear()

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from trtglm.errors import UsageError
-from trtglm.request_config import SamplingConfig
+from trtglm.request_config import OutputConfig, SamplingConfig
 from trtglm.runtime.gumbel import gumbel_argmax
 from trtglm.runtime.request import Request
+from trtglm.runtime.transfer import Download, upload
 
 NEG_INF = float("-inf")
 # the errors a row's processed logits can give (a row's code in `TokenChooser.choose`'s transfer)
@@ -63,7 +64,7 @@ def penalty_scale(sampling: SamplingConfig) -> float:
 
 def id_counts(ids: Sequence[int], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """float32 `[vocab]`: how often each id below `vocab` occurs in `ids`."""
-    ids = torch.tensor([int(t) for t in ids if 0 <= int(t) < vocab], dtype=torch.long, device=device)
+    ids = upload([int(t) for t in ids if 0 <= int(t) < vocab], torch.device(device))
     return torch.bincount(ids, minlength=vocab).to(torch.float32)
 
 
@@ -205,6 +206,19 @@ class _Slot:
     top_k: int  # 0 unless sampled
 
 
+class Chosen:
+    """A step's choice on its way to the host: `result()` waits for it (see `TokenChooser.choose`)."""
+
+    def __init__(self, rows: int, columns: dict[str, torch.Tensor]):
+        self.rows, self.names = rows, list(columns)
+        self._download = Download(torch.stack([c.double() for c in columns.values()]))
+
+    def result(self) -> tuple[list[int], list[float], list[str | None]]:
+        host = dict(zip(self.names, self._download.values()))
+        return ([int(t) for t in host["token"]], host.get("log_prob", [0.0] * self.rows),
+                [ROW_ERRORS.get(int(code)) for code in host.get("error", [0] * self.rows)])
+
+
 class TokenChooser:
     """The token choice of up to `slots` requests at once, each request's settings held in its slot (see the
     module docstring). `vocab`: ids from it on (an engine's padding past its tokenizer's) are never chosen."""
@@ -220,7 +234,7 @@ class TokenChooser:
         self._slots: dict[int, _Slot] = {}
         self._uses: Counter[str] = Counter()  # how many occupied slots need each kind of processing
         self._top_ks: Counter[int] = Counter()  # how many occupied slots sample with each top_k
-        self._pinned: torch.Tensor | None = None  # host staging of a step's slots (on a GPU)
+        self.last_tokens = torch.zeros(slots, dtype=torch.int64, device=self.device)  # each slot's newest token
 
     def admit(self, slot: int, request: Request, history: list[int]) -> None:
         """Write the settings of `request`, whose prompt and generated ids `history` holds, into `slot`."""
@@ -230,12 +244,12 @@ class TokenChooser:
         uses = needs(request, words, held)
         sampled, scale = "sampled" in uses, penalty_scale(sampling)
         seed = sampling.seed if sampling.seed is not None else random.randrange(2**63)
-        self.floats[slot] = torch.tensor([sampling.temperature if sampled else 1.0, sampling.top_p,
-                                          sampling.repetition_penalty, sampling.presence_penalty * scale,
-                                          sampling.frequency_penalty * scale])
-        self.ints[slot] = torch.tensor([sampling.top_k if sampled else 0, seed - 2**64 if seed >= 2**63 else seed, 0,
-                                        sampling.min_tokens, int(sampled), int(bool(uses & set(CHECKED_USES))),
-                                        int(request.output.return_log_probs)])
+        self.floats[slot].copy_(upload([sampling.temperature if sampled else 1.0, sampling.top_p,
+                                        sampling.repetition_penalty, sampling.presence_penalty * scale,
+                                        sampling.frequency_penalty * scale], self.device, torch.float32))
+        self.ints[slot].copy_(upload([sampling.top_k if sampled else 0, seed - 2**64 if seed >= 2**63 else seed, 0,
+                                      sampling.min_tokens, int(sampled), int(bool(uses & set(CHECKED_USES))),
+                                      int(request.output.return_log_probs)], self.device))
         self._write_rows(slot, request, uses, words.always, held)
         self._slots[slot] = _Slot(frozenset(uses), words, history, sampling.top_k if sampled else 0)
         self._uses.update(uses)
@@ -251,13 +265,13 @@ class TokenChooser:
             if request.embedding_bias is not None:
                 width = min(request.embedding_bias.numel(), self.vocab)
                 row[:width] = request.embedding_bias[:width].to(device=self.device, dtype=torch.float32)
-            row[[t for t in banned if t < self.vocab]] = NEG_INF
+            row[upload([t for t in banned if t < self.vocab], self.device)] = NEG_INF
         elif self.added is not None:
             self.added[slot].zero_()
         if "held" in uses:
             row = self._table("held", torch.bool)[slot]
             row.zero_()
-            row[held] = True
+            row[upload(held, self.device)] = True
 
     def release(self, slot: int) -> None:
         """The slot's request is gone."""
@@ -271,16 +285,34 @@ class TokenChooser:
         self._uses.clear()
         self._top_ks.clear()
 
+    def warm_up(self) -> None:
+        """Choose once with each kind of request settings (greedy, sampled by temperature alone, within a top-k and a
+        top-p, penalised, with log probabilities) so that serving compiles no kernel for them."""
+        kinds = [SamplingConfig(), SamplingConfig(temperature=0.8, seed=0),
+                 SamplingConfig(temperature=0.8, top_k=50, top_p=0.8, seed=0, repetition_penalty=1.1)]
+        logits = torch.zeros(1, self.vocab, device=self.device)
+        for sampling in kinds:
+            for log_probs in (False, True):
+                request = Request([0], 1, sampling=sampling, output=OutputConfig(return_log_probs=log_probs))
+                self.admit(0, request, [0])
+                self.choose([0], logits)
+                self.release(0)
+
     def choose(self, slots: Sequence[int], logits: torch.Tensor) -> tuple[list[int], list[float], list[str | None]]:
         """The next token of the request in each of `slots` from its row of `logits` (`[rows, ≥ vocab]`), its log
         probability (0.0 unless asked for) and the error that ends that request alone (None: none), in one
         batched pass and one host transfer."""
+        return self.choose_later(slots, logits).result()
+
+    def choose_later(self, slots: Sequence[int], logits: torch.Tensor) -> Chosen:
+        """`choose`, launched: the choice is queued on the device (each slot's token also goes to `last_tokens`,
+        where the next step reads it) and its results reach the host when `Chosen.result()` asks."""
         rows = self._rows(slots)
         logits = logits[:, :self.vocab].float()
         if not any(self._uses.values()):  # plain greedy rows: the argmax of the model's logits
             tokens = logits.argmax(dim=-1)
             self._advance(rows, tokens)
-            return tokens.tolist(), [0.0] * len(slots), [None] * len(slots)
+            return Chosen(len(slots), {"token": tokens})
         floats, ints = self.floats[rows], self.ints[rows]
         logits = self._processed(logits, rows, slots, floats, ints)
         temperature, scaled = floats[:, TEMPERATURE:TEMPERATURE + 1], logits
@@ -300,9 +332,7 @@ class TokenChooser:
             log_probs = torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None])[:, 0]
             columns["log_prob"] = torch.where(ints[:, LOG_PROBS].bool(), log_probs, 0.0)
         self._advance(rows, tokens)
-        host = dict(zip(columns, torch.stack([c.double() for c in columns.values()]).cpu().tolist()))
-        return ([int(t) for t in host["token"]], host.get("log_prob", [0.0] * len(slots)),
-                [ROW_ERRORS.get(int(code)) for code in host.get("error", [0] * len(slots))])
+        return Chosen(len(slots), columns)
 
     def _draw(self, logits: torch.Tensor, scaled: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
               top_p: torch.Tensor, ints: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
@@ -332,15 +362,8 @@ class TokenChooser:
         return tokens
 
     def _rows(self, slots: Sequence[int]) -> torch.Tensor:
-        """The slots as a device index; on a GPU copied from pinned memory without waiting for the step's pass
-        (the buffer is free again: the previous step's results have reached the host)."""
-        if self.device.type != "cuda":
-            return torch.tensor(list(slots), dtype=torch.long)
-        if self._pinned is None:
-            self._pinned = torch.empty(self.slots, dtype=torch.long).pin_memory()
-        staged = self._pinned[:len(slots)]
-        staged.copy_(torch.tensor(list(slots), dtype=torch.long))
-        return staged.to(self.device, non_blocking=True)
+        """The slots as a device index (uploaded without waiting for the step's pass)."""
+        return upload(list(slots), self.device)
 
     def _processed(self, logits: torch.Tensor, rows: torch.Tensor, slots: Sequence[int], floats: torch.Tensor,
                    ints: torch.Tensor) -> torch.Tensor:
@@ -368,8 +391,14 @@ class TokenChooser:
         rows, ids = (torch.tensor(column, device=logits.device) for column in zip(*pairs))
         return logits.index_put((rows, ids), torch.tensor(NEG_INF, device=logits.device))
 
+    def set_last_tokens(self, slots: Sequence[int], tokens: Sequence[int]) -> None:
+        """The newest token of each of `slots` (chosen elsewhere: a beam search's)."""
+        self.last_tokens.index_copy_(0, upload(list(slots), self.device), upload(list(tokens), self.device))
+
     def _advance(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Count the chosen tokens: each row's draws, and the ids a penalised sequence holds."""
+        """Count the chosen tokens (each row's draws, and the ids a penalised sequence holds) and keep them where the
+        next step reads its input."""
+        self.last_tokens.index_copy_(0, rows, tokens)
         self.ints[:, DRAWN].index_add_(0, rows, torch.ones_like(rows))
         if self._uses["penalised"]:
             self.counts.index_put_((rows, tokens), torch.ones(len(rows), device=self.device), accumulate=True)

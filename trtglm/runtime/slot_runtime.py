@@ -21,7 +21,7 @@ import torch
 from trtglm.errors import UsageError
 from trtglm.runtime.cache import ShardedCache
 from trtglm.runtime.model import ShardedModel
-from trtglm.runtime.slots import check_copy, check_reuse, check_start, prefill_starts
+from trtglm.runtime.slots import check_copy, check_reuse, check_start, filled_pieces, prefill_starts
 
 
 class ShardedSlotModel:
@@ -53,7 +53,7 @@ class ShardedSlotModel:
             rows.append(self.model.forward(ids, self.cache.prefill_view(slot, start), last_only=True)[:, -1])
         return torch.cat(rows) if rows else torch.empty(0, self.vocab_size)
 
-    def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+    def decode(self, slots: Sequence[int], tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
         if len(slots) != len(tokens) or not slots:
             raise UsageError("decode needs one token for each of at least one slot")
         for slot in slots:
@@ -62,10 +62,13 @@ class ShardedSlotModel:
                 raise UsageError(f"slot {slot} holds {self.cache.lengths[slot]} tokens: nothing to continue, or full "
                                  f"({self.max_seq_len})")
         view = self.cache.decode_view(slots)
-        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.model.device)[:, None]
+        ids = torch.as_tensor(tokens if isinstance(tokens, torch.Tensor) else list(tokens), dtype=torch.long,
+                              device=self.model.device)[:, None]
         return self.model.forward(ids, view, view.positions[:, None])[:, -1]
 
-    def step(self, slots: Sequence[int], pieces: Sequence[Sequence[int]], starts: Sequence[int]) -> torch.Tensor:
+    def step(self, slots: Sequence[int], pieces: Sequence[Sequence[int] | None], starts: Sequence[int],
+             decode_ids: torch.Tensor | None = None) -> torch.Tensor:
+        pieces = filled_pieces(pieces, decode_ids)
         starts = prefill_starts(starts, len(pieces))
         if len(slots) != len(pieces) or not slots or len(set(slots)) != len(slots):
             raise UsageError("a step needs one piece for each of at least one slot, each slot once")

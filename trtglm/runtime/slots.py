@@ -43,12 +43,15 @@ class SlotModel(Protocol):
         `start` positions (UsageError otherwise).
         """
 
-    def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
-        """Append one token to each slot at its next position; float32 logits, [len(slots), vocab]."""
+    def decode(self, slots: Sequence[int], tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Append one token to each slot at its next position; float32 logits, [len(slots), vocab]. `tokens` may be
+        a tensor on the model's device (the tokens the last step chose, never brought to the host)."""
 
-    def step(self, slots: Sequence[int], pieces: Sequence[Sequence[int]], starts: Sequence[int]) -> torch.Tensor:
+    def step(self, slots: Sequence[int], pieces: Sequence[Sequence[int] | None], starts: Sequence[int],
+             decode_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One forward pass of every piece into its slot, as `prefill(slots, pieces, starts)` leaves the cache, with
-        its logits: float32, each piece's last position, [len(slots), vocab]."""
+        its logits: float32, each piece's last position, [len(slots), vocab]. The first pieces may be None: decode
+        tokens whose ids are `decode_ids`, in order (a tensor on the model's device)."""
 
     def prefill_all(self, slot: int, chunk: Sequence[int], start: int = 0) -> torch.Tensor:
         """Run one prompt chunk into its slot, as `prefill([slot], [chunk], [start])` does; float32 logits of every
@@ -64,6 +67,19 @@ class SlotModel(Protocol):
     def copy(self, sources: Sequence[int], targets: Sequence[int]) -> None:
         """Each target slot takes a copy of its source slot's sequence (beam search: a beam that continues
         another beam). No target is also a source."""
+
+
+def filled_pieces(pieces: Sequence[Sequence[int] | None], decode_ids: torch.Tensor | None) -> list[list[int]]:
+    """`pieces` with each None replaced by the next of `decode_ids` (brought to the host: this waits for the
+    device)."""
+    ids = iter(decode_ids.tolist() if decode_ids is not None else [])
+    try:
+        filled = [[next(ids)] if piece is None else [int(t) for t in piece] for piece in pieces]
+    except StopIteration:
+        raise UsageError("a step has more decode pieces than decode ids") from None
+    if next(ids, None) is not None:
+        raise UsageError("a step has more decode ids than decode pieces")
+    return filled
 
 
 def prefill_starts(starts: Sequence[int] | None, count: int) -> list[int]:

@@ -21,11 +21,13 @@ anew.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -139,3 +141,23 @@ def save(device: torch.device) -> None:
         tmp.replace(path)
     except OSError as e:
         log.warning("could not write the tuning file %s (%s)", path, e)
+
+
+@contextlib.contextmanager
+def compilations() -> Iterator[list[str]]:
+    """The names of the Triton kernels compiled in the block (a kernel found in Triton's cache on disk counts too:
+    it is loaded, not launched from memory)."""
+    from triton.runtime.jit import JITFunction
+
+    compiled: list[str] = []
+    original = JITFunction._do_compile
+
+    def counted(self, *args, **kwargs):
+        compiled.append(self.fn.__name__)
+        return original(self, *args, **kwargs)
+
+    JITFunction._do_compile = counted
+    try:
+        yield compiled
+    finally:
+        JITFunction._do_compile = original

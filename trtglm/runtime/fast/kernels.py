@@ -45,6 +45,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.errors import OutOfResources
 
+from trtglm.runtime.fast.shapes import row_bucket
+
 if importlib.util.find_spec("triton.experimental.gluon"):  # Gluon (Triton with explicit layouts): Triton 3.5 on
     from trtglm.runtime.fast import gluon_gemv
 else:
@@ -757,10 +759,6 @@ CUBLAS = Config(-1, 0, 0, 0, 0)
 AnyConfig = Config | GemvConfig | PairConfig | MmaConfig
 CHOSEN: dict[tuple, AnyConfig] = {}  # (weight kind, row bucket, N, K, swiglu) -> config
 TIMED: dict[tuple, dict[AnyConfig, float]] = {}  # the same keys -> each candidate's time alone, as `tune` took it
-
-
-def row_bucket(m: int) -> int:
-    return 1 if m == 1 else 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, weight: int,

@@ -38,6 +38,7 @@ others follow its steps: trtglm.runtime.distributed). At tp 1 there are no colle
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -58,10 +59,11 @@ from trtglm.runtime.checkpoint import CheckpointConfig, load_checkpoint
 from trtglm.runtime.fast.linear import Linear
 from trtglm.runtime.fast.ops import TritonOps, select_ops
 from trtglm.runtime.fast.parallel import RankGroup
-from trtglm.runtime.fast.shapes import (batch_buckets, check_shape_options, prefill_groups, prefill_widths, resolve_dtype,
-                                        resolve_weight_only)
+from trtglm.runtime.fast.shapes import (batch_buckets, check_shape_options, eager_row_counts, prefill_groups,
+                                        prefill_widths, resolve_dtype, resolve_weight_only)
 from trtglm.runtime.model import one_rank_checkpoint, rotary_tables
 from trtglm.runtime.slots import check_copy, check_reuse, check_start, prefill_starts
+from trtglm.runtime.transfer import upload
 
 log = logging.getLogger(__name__)
 
@@ -210,16 +212,11 @@ class FastModel:
                        all_positions: bool = False) -> torch.Tensor:
         """Prompts (longest first) right-padded into one batch, each at positions start… of its slot; logits of
         each last position (or of all)."""
-        n, width = len(prompts), len(prompts[0])
-        dev = self.device
-        tokens = torch.zeros(n, width, dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            tokens[row, : len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
-        slot_ids = torch.tensor(slots, device=dev)
+        width, dev = len(prompts[0]), self.device
+        tokens = upload([t for prompt in prompts for t in [*prompt, *[0] * (width - len(prompt))]], dev)
         positions = torch.arange(start, start + width, device=dev, dtype=torch.int32)
-        last = None if all_positions else \
-            torch.tensor([row * width + len(p) - 1 for row, p in enumerate(prompts)], device=dev)
-        return self._prefill_rows(tokens.to(dev).view(-1), slot_ids, positions, start, last)
+        last = None if all_positions else upload([row * width + len(p) - 1 for row, p in enumerate(prompts)], dev)
+        return self._prefill_rows(tokens, upload(slots, dev), positions, start, last)
 
     def _prefill_rows(self, tokens: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor, start: int,
                       last: torch.Tensor | None) -> torch.Tensor:
@@ -247,18 +244,22 @@ class FastModel:
             x, delta = x[last], delta[last]
         return self._logits(x, delta)
 
-    def _packed_rows(self, pieces: list[list[int]], slots: list[int], starts: list[int]) -> torch.Tensor:
+    def _packed_rows(self, pieces: list[list[int]], slots: list[int], starts: list[int],
+                     decode_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One forward pass of every piece at positions starts[i]… of slots[i]; logits of each last position.
-        One-token pieces attend through the decode kernel, together; longer ones each through SDPA."""
+        One-token pieces attend through the decode kernel, together; longer ones each through SDPA. `decode_ids`:
+        the ids of the first pieces (device tensor; their values in `pieces` are not read)."""
         dev, lengths = self.device, [len(p) for p in pieces]
-        tokens = torch.tensor([t for p in pieces for t in p], dtype=torch.long, device=dev)
-        token_slots = torch.tensor([s for s, n in zip(slots, lengths) for _ in range(n)], device=dev)
-        token_positions = torch.tensor([start + i for start, n in zip(starts, lengths) for i in range(n)],
-                                       dtype=torch.int32, device=dev)
-        ends = torch.tensor(lengths).cumsum(0)
+        skipped = 0 if decode_ids is None else len(decode_ids)
+        tokens = upload([t for p in pieces[skipped:] for t in p], dev)
+        if decode_ids is not None:
+            tokens = torch.cat([decode_ids.to(torch.long), tokens])
+        token_slots = upload([s for s, n in zip(slots, lengths) for _ in range(n)], dev)
+        token_positions = upload([start + i for start, n in zip(starts, lengths) for i in range(n)], dev, torch.int32)
+        ends = list(itertools.accumulate(lengths))
         single = [i for i, n in enumerate(lengths) if n == 1]
-        single_rows = ends[single].to(dev) - 1
-        chunks = [(slots[i], starts[i], int(ends[i]) - lengths[i], lengths[i]) for i, n in enumerate(lengths) if n > 1]
+        single_rows = upload([ends[i] - 1 for i in single], dev)
+        chunks = [(slots[i], starts[i], ends[i] - lengths[i], lengths[i]) for i, n in enumerate(lengths) if n > 1]
 
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
             keys, values = self.cache.keys[i], self.cache.values[i]
@@ -278,7 +279,7 @@ class FastModel:
             return out
 
         x, delta = self._run_layers(F.embedding(tokens, self.embedding), attend)
-        last = (ends - 1).to(dev)
+        last = upload([end - 1 for end in ends], dev)
         return self._logits(x[last], delta[last])
 
     def _prefill_padded(self, width: int) -> torch.Tensor:
@@ -291,7 +292,7 @@ class FastModel:
     def _prefill_one(self, slot: int, prompt: list[int], width: int) -> torch.Tensor:
         """One prompt from position 0 of `slot`, right-padded to `width`: its graph replayed where one was captured
         (no launches from Python), else the same computation run eagerly; float32 logits `[1, vocab]`."""
-        inputs = torch.tensor([slot, len(prompt) - 1, *prompt], dtype=torch.long)
+        inputs = upload([slot, len(prompt) - 1, *prompt], self.device)
         self._prefill_inputs[:inputs.shape[0]].copy_(inputs)
         if width not in self._prefill_graphs:
             return self._prefill_padded(width)
@@ -342,10 +343,9 @@ class FastModel:
         n = len(slots)
         bucket = next(b for b in self.buckets if b >= n)
         if slots != self._uploaded_slots:
-            padded = slots + [self.scratch] * (self.max_batch - n)
-            self._slots.copy_(torch.tensor(padded))
+            self._slots.copy_(upload(slots + [self.scratch] * (self.max_batch - n), self.device))
             self._uploaded_slots = slots
-        token_ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(list(tokens))
+        token_ids = tokens if isinstance(tokens, torch.Tensor) else upload(list(tokens), self.device)
         self._tokens[:n].copy_(token_ids.reshape(-1), non_blocking=True)
         if use_graph and bucket in self._graphs:
             graph, logits = self._graphs[bucket]
@@ -357,13 +357,18 @@ class FastModel:
         return logits
 
     @torch.no_grad()
-    def step(self, slots: Sequence[int], pieces: Sequence[Sequence[int]], starts: Sequence[int]) -> torch.Tensor:
+    def step(self, slots: Sequence[int], pieces: Sequence[Sequence[int] | None], starts: Sequence[int],
+             decode_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One eager forward pass of every piece into its slot (see SlotModel.step): decode tokens (one-token
-        pieces after the cached positions) and prompt chunks together; float32 logits of each last position."""
-        slots, pieces = list(slots), [list(p) for p in pieces]
+        pieces after the cached positions, or leading None pieces whose ids are `decode_ids`, on the device) and
+        prompt chunks together; float32 logits of each last position."""
+        given = 0 if decode_ids is None else len(decode_ids)
+        if any(p is None for p in pieces[given:]) or any(p is not None for p in pieces[:given]):
+            raise UsageError(f"a step's first {given} pieces, and only those, are None (decode_ids gives their ids)")
+        slots, pieces = list(slots), [[0] if p is None else list(p) for p in pieces]  # 0: checked as an id
         starts = prefill_starts(starts, len(pieces))
         self._check_prefill(slots, pieces, starts)
-        logits = self._packed_rows(pieces, slots, starts)
+        logits = self._packed_rows(pieces, slots, starts, decode_ids)
         self.cache.set_lengths(slots, [start + len(piece) for start, piece in zip(starts, pieces)])
         return logits
 
@@ -426,6 +431,7 @@ class FastModel:
                     self._decode_step(n)
             for width in reversed(self.prefill_widths):
                 self._prefill_padded(width)
+            self._warm_eager_steps()
         torch.cuda.current_stream(self.device).wait_stream(side)
         warmed = time.monotonic()
         # In-step tuning times each rank's own choice of steps: ranks would disagree on how many (collectives) to run.
@@ -458,6 +464,16 @@ class FastModel:
         log.info("start-up: kernels compiled and matmuls tuned while warming up in %.1f s, one-row layouts tuned in "
                  "the step in %.1f s, graphs captured in %.1f s", warmed - started, tuned - warmed,
                  time.monotonic() - tuned)
+
+    def _warm_eager_steps(self) -> None:
+        """Run the eager passes (mixed steps, prefills of several prompts) at every row count class they can meet, in
+        the scratch slot, so that serving compiles and tunes nothing: each count of tokens with one prompt chunk, and
+        each count of pieces (what the lm_head takes) with one token each but one."""
+        scratch, longest = self.scratch, min(self.max_seq_len - 1, 2 * self.prefill_widths[-1])
+        for tokens in eager_row_counts(longest):
+            self._packed_rows([[0] * tokens], [scratch], [0])
+        for pieces in eager_row_counts(self.max_batch):
+            self._packed_rows([[0]] * (pieces - 1) + [[0, 0]], [scratch] * pieces, [1] * (pieces - 1) + [0])
 
     def _tune_in_step(self) -> None:
         """Choose each one-row matmul's layout again, among those `tune` timed close to the fastest alone, by timing

@@ -23,6 +23,23 @@ def prefill_widths(max_seq_len: int) -> list[int]:
     return widths + [max_seq_len] if max_seq_len <= PREFILL_GRAPH_WIDTHS[-1] else widths
 
 
+ROW_BUCKETS = (1, 8, 16, 32, 64, 128)  # the matmuls' block shapes are chosen per bucket: rows up to each, then more
+
+
+def row_bucket(rows: int) -> int:
+    return next((bucket for bucket in ROW_BUCKETS if rows <= bucket), ROW_BUCKETS[-1])
+
+
+def eager_row_counts(limit: int) -> list[int]:
+    """Row counts (1 to `limit`) that meet every compiled variant of the kernels an eager pass launches: one of each
+    row bucket (the matmuls' block shapes) and, within it, of each kind of integer Triton compiles a kernel anew
+    for (1, a multiple of 16, any other); and `limit` itself."""
+    kinds: dict[tuple[int, bool, bool], int] = {}
+    for rows in range(1, limit + 1):
+        kinds.setdefault((row_bucket(rows), rows == 1, rows % 16 == 0), rows)
+    return sorted({*kinds.values(), limit})
+
+
 def batch_buckets(max_batch: int) -> list[int]:
     """Decode batch sizes that get a graph: powers of two below max_batch, and max_batch."""
     sizes, n = [], 1
