@@ -207,11 +207,12 @@ class Executor:
     """In-flight batching of `Request`s over `model` (see the module docstring)."""
 
     def __init__(self, model: SlotModel, max_queue: int = 64, max_num_tokens: int | None = None,
-                 device: torch.device | str = "cpu", vocab_limit: int | None = None,
+                 device: torch.device | str | None = None, vocab_limit: int | None = None,
                  on_step_end: Callable[[], None] | None = None, max_kv_tokens: int | None = None,
                  tokens_per_block: int = 64, kv_cache_reuse: bool = False, max_beam_width: int = 1,
                  overlap: bool | None = None):
-        """`max_num_tokens`: tokens of one step (None: max_seq_len). `max_kv_tokens`: what the KV cache holds,
+        """`device`: where tokens are chosen (None: the model's, else the CPU). `max_num_tokens`: tokens of one step
+        (None: max_seq_len). `max_kv_tokens`: what the KV cache holds,
         in blocks of `tokens_per_block` (None: every slot's whole length). `vocab_limit`: ids at or above it (the
         padding of an engine's vocabulary past its tokenizer's) are never chosen. `on_step_end` is called after
         every step, on the step's thread (to send a step's outputs together). `max_beam_width`: the widest beam
@@ -235,7 +236,7 @@ class Executor:
         self._free_kv_blocks = self.kv_blocks
         self.prefixes = PrefixIndex(tokens_per_block, model.max_batch) if kv_cache_reuse else None
         self.vocab_limit = min(vocab_limit or model.vocab_size, model.vocab_size)
-        self.device = torch.device(device)
+        self.device = torch.device(device if device is not None else getattr(model, "device", "cpu"))
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self._in_flight: _Pass | None = None  # the pass launched last, whose tokens are not handed out yet
         self.chooser = TokenChooser(model.max_batch, self.vocab_limit, self.device)

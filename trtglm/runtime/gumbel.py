@@ -87,7 +87,9 @@ def _gumbel_argmax_gpu(scores: torch.Tensor, seeds: torch.Tensor, drawn: torch.T
     out = torch.empty(rows, dtype=torch.int64, device=scores.device)
     if rows:
         has_cols = cols is not None
+        # Copies: a column of the chooser's table may start off Triton's 16-byte alignment, for which it compiles a
+        # kernel of its own.
         gumbel_argmax_kernel[(rows,)](scores, scores.stride(0), cols if has_cols else scores,
-                                      cols.stride(0) if has_cols else 0, seeds.contiguous(), drawn.contiguous(), out,
+                                      cols.stride(0) if has_cols else 0, seeds.clone(), drawn.clone(), out,
                                       n, HAS_COLS=has_cols, BLOCK=BLOCK, num_warps=8)
     return out

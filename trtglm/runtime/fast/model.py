@@ -23,9 +23,14 @@ tensor-parallel checkpoint runs one `FastModel` per GPU, one process each (paral
   padded to the next of shapes.PREFILL_GRAPH_WIDTHS and replays that width's CUDA graph; batches
   and chunks are launched eagerly.
 - Mixed steps (`step`: the decode tokens of running slots and prompt chunks of others, as the
-  in-flight executor schedules them) run eagerly as one forward pass: the matmuls take every
-  token at once; attention is the decode kernel for one-token pieces and SDPA for each chunk
-  (attending to its slot's cached positions). Steps of decode tokens only replay the graphs.
+  in-flight executor schedules them; and prefills of several prompts or of chunks) of up to
+  shapes.MIXED_GRAPH_TOKENS[-1] tokens replay a CUDA graph captured for the next of those token
+  counts: every token, a decode token or one of a chunk, attends through the decode kernel to its
+  slot's positions up to its own (the chunk's keys are written first), so one launch covers any mix
+  of pieces and nothing in the step depends on the host but its input buffers. Longer steps run
+  eagerly: the matmuls take every token at once, one-token pieces attend through the decode kernel
+  and each chunk through SDPA. The warm-up runs each eager shape class once, so serving compiles
+  nothing.
 - Weight-only int8 / int4 (linear.py) for the qkv, dense, fc and proj weights; Triton and Gluon
   matmuls (kernels.py, gluon_gemv.py).
 
@@ -59,8 +64,8 @@ from trtglm.runtime.checkpoint import CheckpointConfig, load_checkpoint
 from trtglm.runtime.fast.linear import Linear
 from trtglm.runtime.fast.ops import TritonOps, select_ops
 from trtglm.runtime.fast.parallel import RankGroup
-from trtglm.runtime.fast.shapes import (batch_buckets, check_shape_options, eager_row_counts, prefill_groups,
-                                        prefill_widths, resolve_dtype, resolve_weight_only)
+from trtglm.runtime.fast.shapes import (MIXED_GRAPH_TOKENS, batch_buckets, check_shape_options, eager_row_counts,
+                                        prefill_groups, prefill_widths, resolve_dtype, resolve_weight_only)
 from trtglm.runtime.model import one_rank_checkpoint, rotary_tables
 from trtglm.runtime.slots import check_copy, check_reuse, check_start, prefill_starts
 from trtglm.runtime.transfer import upload
@@ -115,6 +120,13 @@ class FastModel:
         self.prefill_widths = prefill_widths(max_seq_len)
         self._prefill_inputs = torch.zeros(2 + self.prefill_widths[-1], dtype=torch.long, device=self.device)
         self._prefill_positions = torch.arange(self.prefill_widths[-1], dtype=torch.int32, device=self.device)
+        self.mixed_widths = list(MIXED_GRAPH_TOKENS)
+        widest = self.mixed_widths[-1]
+        self._mixed_tokens = torch.zeros(widest, dtype=torch.long, device=self.device)
+        self._mixed_slots = torch.full((widest,), self.scratch, dtype=torch.long, device=self.device)
+        self._mixed_positions = torch.zeros(widest, dtype=torch.int32, device=self.device)
+        self._mixed_last = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        self._mixed_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_buffers: list[torch.Tensor] = []
         self._tuned_in_step = False
         if graphs is None:
@@ -282,6 +294,48 @@ class FastModel:
         last = upload([end - 1 for end in ends], dev)
         return self._logits(x[last], delta[last])
 
+    def _mixed_padded(self, width: int) -> torch.Tensor:
+        """The first `width` tokens of the mixed input buffers (each at its slot's position; padding at the scratch
+        slot's position 0) in one pass, every token attending through the decode kernel to its slot's positions up
+        to its own: a prompt chunk's causal attention, its keys written before they are read. Logits of the rows
+        `_mixed_last` `[max_batch, vocab]` (static shapes: what a mixed-step graph replays)."""
+        tokens, slots = self._mixed_tokens[:width], self._mixed_slots[:width]
+        positions = self._mixed_positions[:width]
+
+        def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
+            keys, values = self.cache.keys[i], self.cache.values[i]
+            q = self.ops.rope_cache(qkv, slots, positions, self.cos, self.sin, keys, values, self.heads)
+            return self.ops.decode_attention(q, keys, values, slots, positions)
+
+        x, delta = self._run_layers(F.embedding(tokens, self.embedding), attend)
+        return self._logits(x[self._mixed_last], delta[self._mixed_last])
+
+    def _mixed(self, slots: list[int], pieces: list[list[int]], starts: list[int],
+               decode_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """`_packed_rows` through the mixed input buffers, padded to the smallest of `mixed_widths` that holds it: its
+        graph replayed where one was captured, else run eagerly; None when no width holds it."""
+        lengths = [len(p) for p in pieces]
+        total = sum(lengths)
+        width = next((w for w in self.mixed_widths if w >= total), None)
+        if width is None:
+            return None
+        pad, dev = width - total, self.device
+        given = 0 if decode_ids is None else len(decode_ids)
+        if decode_ids is not None:
+            self._mixed_tokens[:given].copy_(decode_ids)
+        self._mixed_tokens[given:width].copy_(upload([t for p in pieces[given:] for t in p] + [0] * pad, dev))
+        self._mixed_slots[:width].copy_(upload([s for s, n in zip(slots, lengths) for _ in range(n)]
+                                               + [self.scratch] * pad, dev))
+        self._mixed_positions[:width].copy_(upload([start + i for start, n in zip(starts, lengths) for i in range(n)]
+                                                   + [0] * pad, dev, torch.int32))
+        ends = list(itertools.accumulate(lengths))
+        self._mixed_last.copy_(upload([end - 1 for end in ends] + [0] * (self.max_batch - len(pieces)), dev))
+        if width not in self._mixed_graphs:
+            return self._mixed_padded(width)[:len(pieces)]
+        graph, logits = self._mixed_graphs[width]
+        graph.replay()
+        return logits[:len(pieces)].clone()  # the next replay overwrites the graph's output
+
     def _prefill_padded(self, width: int) -> torch.Tensor:
         """The prompt of the prefill input buffer (slot, last position, then its tokens) right-padded to `width`:
         logits of its last position `[1, vocab]` (static shapes: what a prefill graph replays). The padding's cache
@@ -317,6 +371,11 @@ class FastModel:
         slots, prompts = list(slots), [list(p) for p in prompts]
         starts = prefill_starts(starts, len(prompts))
         self._check_prefill(slots, prompts, starts)
+        alone = len(prompts) == 1 and starts[0] == 0 and self._prefill_width(len(prompts[0])) is not None
+        mixed = self._mixed(slots, prompts, starts) if use_graph and not alone else None
+        if mixed is not None:  # prompts, or chunks, of a few hundred tokens together: one pass
+            self.cache.set_lengths(slots, [start + len(prompt) for start, prompt in zip(starts, prompts)])
+            return mixed
         order = sorted(range(len(prompts)), key=lambda i: (starts[i], -len(prompts[i])))
         rows: list[torch.Tensor | None] = [None] * len(prompts)
         for group in prefill_groups(order, [len(p) for p in prompts], starts):
@@ -368,7 +427,9 @@ class FastModel:
         slots, pieces = list(slots), [[0] if p is None else list(p) for p in pieces]  # 0: checked as an id
         starts = prefill_starts(starts, len(pieces))
         self._check_prefill(slots, pieces, starts)
-        logits = self._packed_rows(pieces, slots, starts, decode_ids)
+        logits = self._mixed(slots, pieces, starts, decode_ids)
+        if logits is None:
+            logits = self._packed_rows(pieces, slots, starts, decode_ids)
         self.cache.set_lengths(slots, [start + len(piece) for start, piece in zip(starts, pieces)])
         return logits
 
@@ -414,14 +475,18 @@ class FastModel:
 
     @torch.no_grad()
     def capture_graphs(self) -> None:
-        """Warm up (compiles the Triton kernels, tunes the matmuls if asked) and capture one decode graph per bucket
-        and one prefill graph per prompt width (in the scratch slot)."""
+        """Warm up (compiles the Triton kernels, tunes the matmuls if asked) and capture one decode graph per bucket,
+        one prefill graph per prompt width and one mixed-step graph per token count (in the scratch slot)."""
         if self.device.type != "cuda":
             raise UsageError("CUDA graphs need a CUDA device")
         self._slots.fill_(self.scratch)
         self._uploaded_slots = []
         self._prefill_inputs.zero_()
         self._prefill_inputs[0] = self.scratch
+        self._mixed_tokens.zero_()
+        self._mixed_slots.fill_(self.scratch)
+        self._mixed_positions.zero_()
+        self._mixed_last.zero_()
         started = time.monotonic()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -431,6 +496,8 @@ class FastModel:
                     self._decode_step(n)
             for width in reversed(self.prefill_widths):
                 self._prefill_padded(width)
+            for width in reversed(self.mixed_widths):
+                self._mixed_padded(width)
             self._warm_eager_steps()
         torch.cuda.current_stream(self.device).wait_stream(side)
         warmed = time.monotonic()
@@ -454,13 +521,20 @@ class FastModel:
             with torch.cuda.graph(graph, **capture):
                 logits = self._prefill_padded(width)
             self._prefill_graphs[width] = (graph, logits)
+        for width in tqdm(list(reversed(self.mixed_widths)), desc="capture mixed", unit="graph", disable=None,
+                          leave=False):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, **capture):
+                logits = self._mixed_padded(width)
+            self._mixed_graphs[width] = (graph, logits)
         torch.cuda.synchronize(self.device)
         # The graphs replay the buffers they were captured with, even where a larger weight elsewhere replaces them.
         from trtglm.runtime.fast import kernels
 
         self._graph_buffers = kernels.dequantize_buffers()
-        log.info("captured decode graphs for batch sizes %s and prefill graphs for prompts of up to %s tokens",
-                 ", ".join(map(str, self.buckets)), ", ".join(map(str, self.prefill_widths)))
+        log.info("captured decode graphs for batch sizes %s, prefill graphs for prompts of up to %s tokens and mixed-step "
+                 "graphs for up to %s tokens", ", ".join(map(str, self.buckets)), ", ".join(map(str, self.prefill_widths)),
+                 ", ".join(map(str, self.mixed_widths)))
         log.info("start-up: kernels compiled and matmuls tuned while warming up in %.1f s, one-row layouts tuned in "
                  "the step in %.1f s, graphs captured in %.1f s", warmed - started, tuned - warmed,
                  time.monotonic() - tuned)

@@ -23,6 +23,10 @@ def prefill_widths(max_seq_len: int) -> list[int]:
     return widths + [max_seq_len] if max_seq_len <= PREFILL_GRAPH_WIDTHS[-1] else widths
 
 
+# Token counts of the mixed steps replayed as CUDA graphs (a step of more tokens runs eagerly): every token attends
+# through the decode kernel, which re-reads its slot's keys for each of a prompt chunk's tokens, fine for chunks of a
+# few hundred tokens, while longer ones are compute-bound anyway and go to flash attention.
+MIXED_GRAPH_TOKENS = (32, 64, 96, 128, 192, 256, 384, 512)
 ROW_BUCKETS = (1, 8, 16, 32, 64, 128)  # the matmuls' block shapes are chosen per bucket: rows up to each, then more
 
 
