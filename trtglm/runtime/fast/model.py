@@ -510,23 +510,14 @@ class FastModel:
         # With collectives, PyTorch's NCCL watchdog thread polls its events during the capture: only this thread's
         # calls must be capture-safe.
         capture = {"pool": pool, "capture_error_mode": "thread_local" if self.ranks else "global"}
-        for n in tqdm(list(reversed(self.buckets)), desc="capture", unit="graph", disable=None, leave=False):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, **capture):
-                logits = self._decode_step(n)
-            self._graphs[n] = (graph, logits)
-        for width in tqdm(list(reversed(self.prefill_widths)), desc="capture prefill", unit="graph", disable=None,
-                          leave=False):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, **capture):
-                logits = self._prefill_padded(width)
-            self._prefill_graphs[width] = (graph, logits)
-        for width in tqdm(list(reversed(self.mixed_widths)), desc="capture mixed", unit="graph", disable=None,
-                          leave=False):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, **capture):
-                logits = self._mixed_padded(width)
-            self._mixed_graphs[width] = (graph, logits)
+        for graphs, sizes, run, what in ((self._graphs, self.buckets, self._decode_step, "decode"),
+                                         (self._prefill_graphs, self.prefill_widths, self._prefill_padded, "prefill"),
+                                         (self._mixed_graphs, self.mixed_widths, self._mixed_padded, "mixed")):
+            for size in tqdm(list(reversed(sizes)), desc=f"capture {what}", unit="graph", disable=None, leave=False):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, **capture):
+                    logits = run(size)
+                graphs[size] = (graph, logits)
         torch.cuda.synchronize(self.device)
         # The graphs replay the buffers they were captured with, even where a larger weight elsewhere replaces them.
         from trtglm.runtime.fast import kernels
