@@ -283,7 +283,7 @@ if [[ " $PARTS " == *" overlap "* ]]; then
         in_tree "$tree" stop --repo "$work/repo-$label" || true
     done
     phase "the executor and fast-runtime tests on the GPU (nothing compiles while serving)"
-    python3 -m pytest -q -p no:cacheprovider tests/runtime/test_fast_runtime.py -k "executor or compiles" \
+    python3 -m pytest -q -p no:cacheprovider tests/runtime/test_fast_runtime.py -k "executor or compiles or mixed_step" \
         2>&1 | tail -n 15 | tee -a "$DEST/overlap.txt"
     phase done
 fi

@@ -38,6 +38,7 @@ from trtglm.runtime.checkpoint import load_checkpoint
 from trtglm.request_config import OutputConfig, SamplingConfig
 from trtglm.runtime.executor import Executor
 from trtglm.runtime.fast import FastModel, batch_buckets, load_fast_model
+from trtglm.runtime.fast import model as fast_model
 from trtglm.runtime.fast import shapes
 from trtglm.runtime.fast.linear import Linear, pack_int4, pack_int8, unpack_int4, unpack_int8
 from trtglm.runtime.fast.ops import TorchOps
@@ -315,10 +316,17 @@ def test_chunks_and_fresh_prompts_share_a_prefill_call(model, reference, hf_cfg)
         model.release(slot)
 
 
-def test_a_mixed_step_gives_the_logits_of_decode_and_prefill(any_model, reference, hf_cfg):
+@pytest.mark.parametrize("attention", ["padded", "decode kernel", "flash"])
+def test_a_mixed_step_gives_the_logits_of_decode_and_prefill(any_model, reference, hf_cfg, attention, monkeypatch):
     """Decode tokens of two slots, a chunk continuing a third, a fresh prompt and a one-token prompt in one
-    eager pass: each row is its sequence's logits; the slots then decode on (the graph path's lengths)."""
+    pass: each row is its sequence's logits; the slots then decode on (the graph path's lengths). The pass is
+    padded to a mixed-step width (a graph on a GPU), or eager with every token through the decode kernel, or
+    with each chunk through flash attention."""
     model, tol = any_model
+    if attention != "padded":
+        monkeypatch.setattr(model, "mixed_widths", [])
+    if attention == "flash":
+        monkeypatch.setattr(fast_model, "DECODE_ATTENTION_POSITIONS", 0)
     seqs = sequences(hf_cfg.vocab_size, [30, 30, 40, 24, 30], seed=29)
     refs = [ref_logits(reference(None), seq) for seq in seqs]
     model.prefill([0, 1, 2], [seqs[0][:9], seqs[1][:17], seqs[2][:5]])
@@ -404,13 +412,16 @@ def test_executor_over_fast_model_decodes_greedily_like_the_reference(any_model,
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton compiles on a GPU")
-def test_serving_after_the_warm_up_compiles_no_kernel(checkpoint, hf_cfg):
+@pytest.mark.parametrize("graphed_steps", ["mixed graphs", "eager only"])
+def test_serving_after_the_warm_up_compiles_no_kernel(checkpoint, hf_cfg, graphed_steps):
     """Arrivals at random steps, prompts of every length chunked at a small budget, greedy and sampled requests
     beside each other (all the shapes mixed steps, prefills and decodes meet): nothing compiles once the model and
-    the executor are up."""
+    the executor are up; nor with every mixed step eager (as steps past the widest graph run)."""
     from trtglm.runtime.fast import kernel_cache
 
     model = load_fast_model(checkpoint, device="cuda", max_batch=5, max_seq_len=64)
+    if graphed_steps == "eager only":
+        model.mixed_widths = []
     executor = Executor(model, max_queue=64, max_num_tokens=13, tokens_per_block=8, kv_cache_reuse=True, device="cuda")
     lengths = [(7 * i) % 40 + 1 for i in range(30)]
     samplings = [SamplingConfig(), SamplingConfig(temperature=0.7, top_p=0.9, seed=1), SamplingConfig(temperature=1.0,

@@ -45,14 +45,13 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.errors import OutOfResources
 
-from trtglm.runtime.fast.shapes import row_bucket
+from trtglm.runtime.fast.shapes import DECODE_CHUNK, row_bucket
 
 if importlib.util.find_spec("triton.experimental.gluon"):  # Gluon (Triton with explicit layouts): Triton 3.5 on
     from trtglm.runtime.fast import gluon_gemv
 else:
     gluon_gemv = None
 
-DECODE_CHUNK = 256  # positions per decode-attention program
 ROPE_ATTENTION_CHUNK = 256  # positions per program of the one-head decode attention (rope_attention)
 ROPE_ATTENTION_BATCH = 1  # decode steps of at most this many sequences use rope_attention
 PDL_ENABLED = True  # programmatic dependent launch on GPUs that have it (Hopper on): see `pdl`
@@ -277,23 +276,24 @@ def decode_block(batch: int) -> int:
     return 128 if batch <= 16 else 64
 
 
-def _split_outputs(batch: int, num_heads: int, k_cache: torch.Tensor, chunk: int, dtype: torch.dtype
-                   ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(chunks of the cache length, each chunk's float32 output and log-sum-exp per head, the output `[B, H·D]`)
-    for a split-K decode attention launch."""
+def _split_outputs(batch: int, num_heads: int, k_cache: torch.Tensor, chunk: int, dtype: torch.dtype,
+                   length: int | None = None) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(chunks of `length` positions (None: the cache's), each chunk's float32 output and log-sum-exp per head, the
+    output `[B, H·D]`) for a split-K decode attention launch."""
     _, _, max_len, head = k_cache.shape
-    splits = triton.next_power_of_2(triton.cdiv(max_len, chunk))
+    splits = triton.next_power_of_2(triton.cdiv(length or max_len, chunk))
     parts = torch.empty(batch, num_heads, splits, head, dtype=torch.float32, device=k_cache.device)
     lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=k_cache.device)
     return splits, parts, lse, torch.empty(batch, num_heads * head, dtype=dtype, device=k_cache.device)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     positions: torch.Tensor) -> torch.Tensor:
-    """One query per sequence `q` `[B, H, D]` over cache positions 0..position of its slot; `[B, H·D]`."""
+                     positions: torch.Tensor, length: int | None = None) -> torch.Tensor:
+    """One query per sequence `q` `[B, H, D]` over cache positions 0..position of its slot; `[B, H·D]`. `length`:
+    no position reaches it (None: the cache's length), so fewer partial outputs are kept."""
     batch, num_heads, head = q.shape
     kv_heads = k_cache.shape[1]
-    splits, parts, lse, out = _split_outputs(batch, num_heads, k_cache, DECODE_CHUNK, q.dtype)
+    splits, parts, lse, out = _split_outputs(batch, num_heads, k_cache, DECODE_CHUNK, q.dtype, length)
     _decode_attention_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, slots, positions, parts, lse, out, _arrivals(q.device, batch * kv_heads), head ** -0.5,
         k_cache.stride(0), k_cache.stride(1), H=num_heads, GROUP=num_heads // kv_heads,

@@ -64,8 +64,9 @@ from trtglm.runtime.checkpoint import CheckpointConfig, load_checkpoint
 from trtglm.runtime.fast.linear import Linear
 from trtglm.runtime.fast.ops import TritonOps, select_ops
 from trtglm.runtime.fast.parallel import RankGroup
-from trtglm.runtime.fast.shapes import (MIXED_GRAPH_TOKENS, batch_buckets, check_shape_options, eager_row_counts,
-                                        prefill_groups, prefill_widths, resolve_dtype, resolve_weight_only)
+from trtglm.runtime.fast.shapes import (DECODE_ATTENTION_POSITIONS, DECODE_CHUNK, MIXED_GRAPH_TOKENS, batch_buckets,
+                                        check_shape_options, eager_row_counts, prefill_groups, prefill_widths,
+                                        resolve_dtype, resolve_weight_only)
 from trtglm.runtime.model import one_rank_checkpoint, rotary_tables
 from trtglm.runtime.slots import check_copy, check_reuse, check_start, prefill_starts
 from trtglm.runtime.transfer import upload
@@ -258,9 +259,10 @@ class FastModel:
 
     def _packed_rows(self, pieces: list[list[int]], slots: list[int], starts: list[int],
                      decode_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """One forward pass of every piece at positions starts[i]… of slots[i]; logits of each last position.
-        One-token pieces attend through the decode kernel, together; longer ones each through SDPA. `decode_ids`:
-        the ids of the first pieces (device tensor; their values in `pieces` are not read)."""
+        """One forward pass of every piece at positions starts[i]… of slots[i]; logits of each last position. Below
+        DECODE_ATTENTION_POSITIONS every token attends through the decode kernel in one launch; otherwise one-token
+        pieces do, together, and longer ones each through SDPA. `decode_ids`: the ids of the first pieces (device
+        tensor; their values in `pieces` are not read)."""
         dev, lengths = self.device, [len(p) for p in pieces]
         skipped = 0 if decode_ids is None else len(decode_ids)
         tokens = upload([t for p in pieces[skipped:] for t in p], dev)
@@ -272,10 +274,13 @@ class FastModel:
         single = [i for i, n in enumerate(lengths) if n == 1]
         single_rows = upload([ends[i] - 1 for i in single], dev)
         chunks = [(slots[i], starts[i], ends[i] - lengths[i], lengths[i]) for i, n in enumerate(lengths) if n > 1]
+        reach = max(start + n for start, n in zip(starts, lengths))
 
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
             keys, values = self.cache.keys[i], self.cache.values[i]
             q = self.ops.rope_cache(qkv, token_slots, token_positions, self.cos, self.sin, keys, values, self.heads)
+            if reach <= DECODE_ATTENTION_POSITIONS:
+                return self.ops.decode_attention(q, keys, values, token_slots, token_positions, reach)
             out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=dev)
             if single:
                 out[single_rows] = self.ops.decode_attention(q[single_rows], keys, values, token_slots[single_rows],
@@ -539,6 +544,10 @@ class FastModel:
             self._packed_rows([[0] * tokens], [scratch], [0])
         for pieces in eager_row_counts(self.max_batch):
             self._packed_rows([[0]] * (pieces - 1) + [[0, 0]], [scratch] * pieces, [1] * (pieces - 1) + [0])
+        reach = DECODE_CHUNK
+        while reach <= min(DECODE_ATTENTION_POSITIONS, self.max_seq_len - 1):  # each count of its split-K partials
+            self._packed_rows([[0] * reach], [scratch], [0])
+            reach *= 2
 
     def _tune_in_step(self) -> None:
         """Choose each one-row matmul's layout again, among those `tune` timed close to the fastest alone, by timing

@@ -47,9 +47,10 @@ class TorchOps:
 
     @staticmethod
     def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                         positions: torch.Tensor) -> torch.Tensor:
+                         positions: torch.Tensor, length: int | None = None) -> torch.Tensor:
         batch, num_heads, head = q.shape
-        keys, values = k_cache[slots.long()].float(), v_cache[slots.long()].float()  # [B, KVH, L, D]
+        keys = k_cache[slots.long(), :, :length].float()  # [B, KVH, L, D]
+        values = v_cache[slots.long(), :, :length].float()
         visible = torch.arange(keys.shape[2], device=q.device)[None, :] <= positions.long()[:, None]
         out = F.scaled_dot_product_attention(q.float()[:, :, None], keys, values, attn_mask=visible[:, None, None],
                                              enable_gqa=True)

@@ -27,6 +27,11 @@ def prefill_widths(max_seq_len: int) -> list[int]:
 # through the decode kernel, which re-reads its slot's keys for each of a prompt chunk's tokens, fine for chunks of a
 # few hundred tokens, while longer ones are compute-bound anyway and go to flash attention.
 MIXED_GRAPH_TOKENS = (32, 64, 96, 128, 192, 256, 384, 512)
+# An eager step whose tokens all sit below this position attends through the decode kernel, every token at once, as
+# the mixed-step graphs do (one launch, however many prompt chunks); one with longer chunks takes flash attention,
+# one chunk at a time.
+DECODE_ATTENTION_POSITIONS = 2048
+DECODE_CHUNK = 256  # positions per decode-attention program
 ROW_BUCKETS = (1, 8, 16, 32, 64, 128)  # the matmuls' block shapes are chosen per bucket: rows up to each, then more
 
 
