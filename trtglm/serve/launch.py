@@ -28,7 +28,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from trtglm.errors import DependencyError, TrtglmError, UsageError
-from trtglm.serve.checks import check_ports, check_repo, profile_ports, resolve_world_size
+from trtglm.model_repository import profile_ports
+from trtglm.serve.checks import check_ports, check_repo, resolve_world_size
 from trtglm.serve.command import Endpoints
 from trtglm.serve.launch_spec import EXIT_TIMEOUT_S, LaunchSpec
 from trtglm.serve.state import LaunchDir, all_launch_dirs, clean_stale, only_launch

@@ -48,14 +48,14 @@ from pathlib import Path
 
 import numpy as np
 
-from trtglm.backend.contract import (BLS, CHATGLM_VERSION, ENSEMBLE, MAX_INPUT_LEN, MAX_RETURN_SEQUENCES, MAX_SEQ_LEN,
-                                     PREPROCESSING, PYTHON, TENSORRT_LLM, TOKENIZER_DIR)
+from trtglm.backend.contract import (BLS, CHATGLM_VERSION, ENSEMBLE, MAX_INPUT_LEN, MAX_SEQ_LEN, PREPROCESSING, PYTHON,
+                                     TOKENIZER_DIR)
 from trtglm.chatglm.chat import PROMPT_IDS, may_call_tool, tool_call
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError, is_busy
-from trtglm.engine.manifest import read_manifest
+from trtglm.model_repository import (engine_backend, has_model, model_config, parameters, return_sequences_limit,
+                                     served_name)
 from trtglm.request_config import OutputConfig, SamplingConfig, check_return_sequences, client_inputs
-from trtglm.serve.checks import MANIFEST, engine_dir, model_config
 from trtglm.serve.openai_protocol import (MAX_BODY_BYTES, ApiError, ChatRequest, CompletionRequest, Sampling,
                                           chatglm_messages, completion_messages, refuse_unsupported, wants_log_probs)
 
@@ -90,48 +90,22 @@ class Served:
 def served_model(repo: Path) -> Served | None:
     """What `repo` serves to the API; None when it has no client-facing model (no BLS, no ensemble)."""
     triton_model = client_model(repo)
-    if triton_model is None or not (repo / PREPROCESSING / "config.pbtxt").is_file():
+    if triton_model is None or not has_model(repo, PREPROCESSING):
         return None
-    params = {key: value.string_value
-              for key, value in model_config(repo / PREPROCESSING / "config.pbtxt").parameters.items()}
-    return Served(model_id=model_id(repo), triton_model=triton_model,
+    params = parameters(model_config(repo, PREPROCESSING))
+    return Served(model_id=served_name(repo), triton_model=triton_model,
                   tokenizer_dir=params[TOKENIZER_DIR], max_input_len=int(params[MAX_INPUT_LEN]),
                   max_seq_len=int(params[MAX_SEQ_LEN]), max_return_sequences=return_sequences_limit(repo),
                   chatglm_version=params.get(CHATGLM_VERSION) or "chatglm3",
                   trtglm_engine=engine_backend(repo) == PYTHON)
 
 
-def return_sequences_limit(repo: Path) -> int:
-    """The repository's max_return_sequences (tensorrt_llm's parameter, which the BLS model's repeats)."""
-    params = model_config(repo / TENSORRT_LLM / "config.pbtxt").parameters
-    if MAX_RETURN_SEQUENCES not in params:
-        raise UsageError(f"{repo}: {TENSORRT_LLM} has no parameter {MAX_RETURN_SEQUENCES} (render the repository "
-                         "again with trtglm patch-repo)")
-    return int(params[MAX_RETURN_SEQUENCES].string_value)
-
-
 def client_model(repo: Path) -> str | None:
     """The Triton model that answers the API (see the module's doc); None when there is none."""
-    present = [m for m in (ENSEMBLE, BLS) if (repo / m / "config.pbtxt").is_file()]
+    present = [m for m in (ENSEMBLE, BLS) if has_model(repo, m)]
     if ENSEMBLE in present and engine_backend(repo) == PYTHON:
         return ENSEMBLE
     return BLS if BLS in present else next(iter(present), None)
-
-
-def engine_backend(repo: Path) -> str | None:
-    """The backend serving tensorrt_llm (python: trtglm's runtime); None without its config."""
-    engine_config = repo / TENSORRT_LLM / "config.pbtxt"
-    return model_config(engine_config).backend if engine_config.is_file() else None
-
-
-def model_id(repo: Path) -> str:
-    """The engine's name (trtglm.json), else its folder's name, else the repository's."""
-    engine = engine_dir(repo)
-    if engine is None:
-        return repo.name
-    if (engine / MANIFEST).is_file():
-        return str(read_manifest(engine).get("name") or engine.name)
-    return engine.name
 
 
 # --- one generation through Triton ---------------------------------------------------------------
