@@ -176,7 +176,7 @@ def test_prompts_are_counted_in_the_engines_own_format(rendered, fixture_dir, ve
     messages = [{"role": "user", "content": "What color is the sky?"}, {"role": "assistant", "content": "Blue."},
                 {"role": "user", "content": "And the grass?"}]
     api = Api(served, triton=None, tokenizer=tokenizer)
-    assert served.chatglm_version == version and served.trtglm_engine
+    assert served.limits.chatglm_version == version and served.trtglm_engine
     assert api.prompt_length(messages, "messages") == len(prompt_ids(tokenizer, messages))
     assert len(chatglm2_ids(tokenizer, messages)) != len(chat_ids(tokenizer, messages))
 

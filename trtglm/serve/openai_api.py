@@ -48,11 +48,10 @@ from pathlib import Path
 
 import numpy as np
 
-from trtglm.backend.contract import (BLS, CHATGLM_VERSION, ENSEMBLE, MAX_INPUT_LEN, MAX_SEQ_LEN, PREPROCESSING, PYTHON,
-                                     TOKENIZER_DIR)
-from trtglm.chatglm.chat import PROMPT_IDS, may_call_tool, tool_call
+from trtglm.backend.contract import BLS, ENSEMBLE, PREPROCESSING, PYTHON, TOKENIZER_DIR, Limits, parameter
+from trtglm.chatglm.chat import PROMPT_IDS, may_call_tool, reply_tokens, tool_call
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
-from trtglm.errors import UsageError, is_busy
+from trtglm.errors import PromptTooLongError, UsageError, is_busy
 from trtglm.model_repository import (engine_backend, has_model, model_config, parameters, return_sequences_limit,
                                      served_name)
 from trtglm.request_config import OutputConfig, SamplingConfig, check_return_sequences, client_inputs
@@ -75,15 +74,14 @@ RETRY_AFTER_S = 1  # what a 503 tells a client to wait before it asks again (Ret
 @dataclass(frozen=True)
 class Served:
     """The model behind the API: its id, the Triton model answering, the tokenizer, the engine's limits and prompt
-    format, and whether its engine is trtglm's runtime (which counts every token without log probabilities)."""
+    format (preprocessing's), and whether its engine is trtglm's runtime (which counts every token without log
+    probabilities)."""
 
     model_id: str
     triton_model: str
     tokenizer_dir: str
-    max_input_len: int
-    max_seq_len: int
+    limits: Limits
     max_return_sequences: int  # the most choices of one prompt (n), as the served models allow
-    chatglm_version: str = "chatglm3"
     trtglm_engine: bool = True
 
 
@@ -94,10 +92,9 @@ def served_model(repo: Path) -> Served | None:
         return None
     params = parameters(model_config(repo, PREPROCESSING))
     return Served(model_id=served_name(repo), triton_model=triton_model,
-                  tokenizer_dir=params[TOKENIZER_DIR], max_input_len=int(params[MAX_INPUT_LEN]),
-                  max_seq_len=int(params[MAX_SEQ_LEN]), max_return_sequences=return_sequences_limit(repo),
-                  chatglm_version=params.get(CHATGLM_VERSION) or "chatglm3",
-                  trtglm_engine=engine_backend(repo) == PYTHON)
+                  tokenizer_dir=parameter(params, TOKENIZER_DIR, PREPROCESSING),
+                  limits=Limits.from_parameters(params, PREPROCESSING),
+                  max_return_sequences=return_sequences_limit(repo), trtglm_engine=engine_backend(repo) == PYTHON)
 
 
 def client_model(repo: Path) -> str | None:
@@ -308,24 +305,23 @@ class Api:
 
     def prompt_length(self, messages: list[dict], param: str) -> int:
         """The prompt's token count, as the served preprocessing will count it; 400 when it does not fit."""
-        size = len(json.dumps(messages, ensure_ascii=False).encode())
-        if size > 4 * self.served.max_input_len * self.tokenizer.longest_piece_bytes:
-            raise ApiError(400, f"the prompt ({size:,} bytes) is longer than the engine's max_input_len "
-                                f"({self.served.max_input_len} tokens) can hold", param, "context_length_exceeded")
+        limits = self.served.limits
         try:
-            count = len(PROMPT_IDS[self.served.chatglm_version](self.tokenizer, messages))
+            limits.check_prompt_bytes(len(json.dumps(messages, ensure_ascii=False).encode()),
+                                      self.tokenizer.longest_piece_bytes)
+            count = len(PROMPT_IDS[limits.chatglm_version](self.tokenizer, messages))
+            limits.check_prompt_tokens(count)
+        except PromptTooLongError as e:
+            raise ApiError(400, str(e), param, "context_length_exceeded") from None
         except UsageError as e:
             raise ApiError(400, str(e), param) from None
-        if count > self.served.max_input_len:
-            raise ApiError(400, f"the prompt is {count} tokens, more than the engine's max_input_len "
-                                f"({self.served.max_input_len})", param, "context_length_exceeded")
         return count
 
     def token_limit(self, requested: int | None, prompt_tokens: int) -> int:
-        room = self.served.max_seq_len - prompt_tokens
+        room = self.served.limits.max_seq_len - prompt_tokens
         if room < 1:
             raise ApiError(400, f"the prompt ({prompt_tokens} tokens) leaves no room for an answer within the "
-                                f"engine's max_seq_len ({self.served.max_seq_len})", "messages",
+                                f"engine's max_seq_len ({self.served.limits.max_seq_len})", "messages",
                            "context_length_exceeded")
         return min(requested, room) if requested is not None else room
 
@@ -348,14 +344,10 @@ def _tool_calls(call: dict, streamed: bool) -> list[dict]:
 
 def token_log_probs(tokenizer: ChatGLMTokenizer, text: str, call: dict | None,
                     values: list[float]) -> list[tuple[str, float]]:
-    """(token text, log prob) per generated token: the reply spelled as ChatGLM3 writes a turn (metadata line,
-    content, then the stop token), paired with the engine's values in order ("" past that spelling)."""
-    metadata, _, content = text.partition("\n") if call else ("", "", text)
-    # a call's text has the space that encoding its content added (SentencePiece's dummy prefix): encoding adds it again
-    ids = tokenizer.sp.encode(metadata + "\n") + tokenizer.sp.encode(content.removeprefix(" "))
-    pieces = [tokenizer.decode(ids[:i + 1])[len(tokenizer.decode(ids[:i])):] for i in range(len(ids))]
-    pieces.append("<|observation|>" if call else "<|user|>")
-    return [(pieces[i] if i < len(pieces) else "", value) for i, value in enumerate(values)]
+    """(token text, log prob) per generated token: the reply's tokens as ChatGLM3 writes its turn, paired with the
+    engine's values in order ("" past them)."""
+    tokens = reply_tokens(tokenizer, text, call is not None)
+    return [(tokens[i] if i < len(tokens) else "", value) for i, value in enumerate(values)]
 
 
 # --- one request's answer --------------------------------------------------------------------------
