@@ -81,6 +81,11 @@ def chat_messages(text: str, name: str = "the prompt") -> list:
     return [{"role": "user", "content": text}] if messages is None else messages
 
 
+def chat_text(messages: Sequence[dict]) -> str:
+    """A chat as the JSON text that `chat_messages` reads back: `{"messages": [...]}`."""
+    return json.dumps({"messages": list(messages)}, ensure_ascii=False)
+
+
 def _json_chat(text: str, name: str) -> list | None:
     """The messages of a JSON chat, or None when `text` is not one."""
     if text.lstrip()[:1] not in ("{", "["):

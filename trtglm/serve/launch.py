@@ -97,7 +97,7 @@ def _serves_openai(repo: Path) -> bool:
         if importlib.util.find_spec(package) is None:
             raise DependencyError(f"the OpenAI API needs {package}: pip install 'trtglm[openai]' (or launch with "
                                   "--no-openai)")
-    from trtglm.serve.openai_api import served_model
+    from trtglm.openai_api.served import served_model
 
     if served_model(repo) is None:
         log.debug("%s has no tensorrt_llm_bls or ensemble with preprocessing: not serving the OpenAI API", repo)
