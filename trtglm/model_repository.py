@@ -91,14 +91,19 @@ def engine_dir(repo: Path) -> Path | None:
     """The engine folder tensorrt_llm serves; None when the repository has no tensorrt_llm model."""
     if not has_model(repo, TENSORRT_LLM):
         return None
-    path = config_path(repo, TENSORRT_LLM)
-    value = parameters(model_config(repo, TENSORRT_LLM)).get(ENGINE_DIR, "")
+    return engine_folder(model_config(repo, TENSORRT_LLM), str(config_path(repo, TENSORRT_LLM)))
+
+
+def engine_folder(config, where: str) -> Path:
+    """The engine folder that tensorrt_llm's ModelConfig names (its gpt_model_path parameter), which must exist;
+    `where` names the configuration in errors."""
+    value = parameters(config).get(ENGINE_DIR, "")
     if not value or "${" in value:
-        raise ModelFileError(f"{path}: parameter {ENGINE_DIR} (the engine folder) is not set "
+        raise ModelFileError(f"{where}: parameter {ENGINE_DIR} (the engine folder) is not set "
                              "(render the repository with `trtglm patch-repo`)")
     folder = Path(value)
     if not folder.is_dir():
-        raise ModelFileError(f"{path}: engine folder {folder} does not exist")
+        raise ModelFileError(f"{where}: engine folder {folder} does not exist")
     return folder
 
 

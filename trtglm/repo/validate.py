@@ -27,8 +27,8 @@ from trtglm.backend.contract import (ENGINE_DIR, HISTORY_CHAT, LLM_DECOUPLED, MO
                                      TENSORRT_LLM)
 from trtglm.engine.manifest import MANIFEST, read_manifest
 from trtglm.errors import ModelFileError
-from trtglm.model_repository import (CONFIG, config_path, described_mapping, engine_description, parse_config,
-                                     protobuf)
+from trtglm.model_repository import (CONFIG, config_path, described_mapping, engine_description, engine_folder,
+                                     parse_config, protobuf)
 from trtglm.repo.placeholders import PLACEHOLDER, split_comment
 from trtglm.repo.values import BACKENDS
 
@@ -260,19 +260,19 @@ def _type(data_type: int) -> str:
 def _engine(configs: dict, manifest: Mapping | None, problems: list[str]) -> Engine | None:
     """The engine the repository serves: from `manifest`, else from tensorrt_llm's engine folder."""
     if manifest is None:
-        config = configs.get("tensorrt_llm")
+        config = configs.get(TENSORRT_LLM)
         if config is None:
             return None
-        engine_dir = config.parameters[ENGINE_DIR].string_value \
-            if ENGINE_DIR in config.parameters else ""
-        if not engine_dir:
-            problems.append(f"tensorrt_llm/config.pbtxt: parameter {ENGINE_DIR} (the engine folder) is "
-                            "not set")
+        where = f"{TENSORRT_LLM}/{CONFIG}"
+        try:
+            folder = engine_folder(config, where)
+        except ModelFileError as e:
+            problems.append(str(e))
             return None
         try:
-            return _engine_from_dir(Path(engine_dir))
+            return _engine_from_dir(folder)
         except ModelFileError as e:
-            problems.append(f"tensorrt_llm/config.pbtxt: {ENGINE_DIR}: {e}")
+            problems.append(f"{where}: {ENGINE_DIR}: {e}")
             return None
     return _engine_from_manifest(manifest)
 
@@ -294,7 +294,7 @@ def _engine_from_dir(engine_dir: Path) -> Engine:
 
 def _engine_from_manifest(manifest: Mapping) -> Engine:
     mapping, serve = manifest["mapping"], manifest["profile"].get("serve", {})
-    world = {"trtglm.json mapping.world_size": mapping["world_size"]}
+    world = {f"{MANIFEST} mapping.world_size": mapping["world_size"]}
     if "world_size" in serve:
         world["profile serve.world_size"] = serve["world_size"]
     return Engine(manifest["engine_dir"], manifest["engine"], dict(manifest["limits"]), mapping["tp_size"],
