@@ -16,7 +16,7 @@ from pathlib import Path
 
 from trtglm.backend.contract import BLS, ENSEMBLE
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
-from trtglm.errors import UsageError
+from trtglm.errors import TrtglmError, UsageError
 from trtglm.openai_api.answers import Answering, Api, Chat, Completion
 from trtglm.openai_api.errors import ApiError, validation_error
 from trtglm.openai_api.protocol import MAX_BODY_BYTES, ChatRequest, CompletionRequest
@@ -27,7 +27,6 @@ from trtglm.openai_api.triton import Triton
 log = logging.getLogger(__name__)
 
 GRACEFUL_S = 5  # how long a stopped server lets open answers finish (< the supervisor's grace)
-PROGRAM = "trtglm.openai_api"
 
 
 def create_app(api: Api):
@@ -140,7 +139,7 @@ def serve(repo: Path, grpc_url: str, host: str, port: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     """`python -m trtglm.openai_api --repo REPO --grpc HOST:PORT --host H --port P [--launch SHM_BASE]`
     (--launch only marks the process as the launch's, for the supervisor and stale-launch cleanup)."""
-    parser = argparse.ArgumentParser(prog=PROGRAM)
+    parser = argparse.ArgumentParser(prog=__package__)  # python -m runs the package
     parser.add_argument("--repo", required=True)
     parser.add_argument("--grpc", required=True)
     parser.add_argument("--host", default="127.0.0.1")
@@ -150,6 +149,6 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         serve(Path(args.repo), args.grpc, args.host, args.port)
-    except UsageError as e:
+    except TrtglmError as e:  # a repository it cannot serve: one line, as the CLI says it
         print(f"trtglm: error: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
