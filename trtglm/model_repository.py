@@ -121,23 +121,15 @@ def described_mapping(name: str, description: dict) -> dict | None:
     return mapping if isinstance(mapping, dict) else None
 
 
-def engine_mapping(folder: Path) -> dict:
-    """The tp/pp mapping of the engine in `folder`."""
-    mapping = described_mapping(*engine_description(folder))
-    if mapping is None:
-        raise ModelFileError(f"engine {folder}: no tp/pp mapping in {MANIFEST} or {ENGINE_CONFIG}")
-    return mapping
-
-
 def engine_world_size(repo: Path) -> int | None:
     """tp × pp of the engine that tensorrt_llm serves; None when the repository has no such model."""
     folder = engine_dir(repo)
     if folder is None:
         return None
-    mapping = engine_mapping(folder)
+    mapping = described_mapping(*engine_description(folder))
     try:
         return int(mapping.get("tp_size", 1)) * int(mapping.get("pp_size", 1))
-    except (TypeError, ValueError):
+    except (AttributeError, TypeError, ValueError):  # no mapping, or not numbers
         raise ModelFileError(f"engine {folder}: no tp/pp mapping in {MANIFEST} or {ENGINE_CONFIG}") from None
 
 
@@ -145,10 +137,10 @@ def profile_ports(repo: Path) -> dict[str, int]:
     """The ports the engine's profile names for its server (serve.http_port, grpc_port, metrics_port, as
     build-engine recorded them in trtglm.json), by endpoint; {} for an engine built elsewhere or none."""
     folder = engine_dir(repo)
-    if folder is None:
+    if folder is None or not (folder / MANIFEST).is_file():
         return {}
-    name, description = engine_description(folder)
-    serve = (description.get("profile") or {}).get("serve") or {} if name == MANIFEST else {}
+    _, manifest = engine_description(folder)
+    serve = (manifest.get("profile") or {}).get("serve") or {}
     return {port: serve[f"{port}_port"] for port in PORTS if f"{port}_port" in serve}
 
 
