@@ -9,7 +9,7 @@ from pathlib import Path
 from conftest import REPO
 
 EVERYTHING = {"errors", "files", "request_config", "chatglm", "convert", "profile", "engine", "runtime", "backend",
-              "repo", "serve", "client", "bench", "cli"}
+              "model_repository", "repo", "openai_api", "serve", "client", "bench", "cli"}
 ALLOWED = {
     "errors": set(),
     "files": {"errors"},
@@ -20,8 +20,11 @@ ALLOWED = {
     "engine": {"chatglm", "convert", "errors", "files", "profile"},
     "runtime": {"chatglm", "errors", "files", "request_config"},
     "backend": {"chatglm", "engine", "errors", "files", "request_config", "runtime"},
-    "repo": {"backend.contract", "chatglm", "engine", "errors", "files"},
-    "serve": {"backend.contract", "backend.cpus", "chatglm", "client", "engine", "errors", "files", "request_config"},
+    "model_repository": {"backend.contract", "engine", "errors", "files"},
+    "repo": {"backend.contract", "chatglm", "engine", "errors", "files", "model_repository"},
+    "openai_api": {"backend.contract", "chatglm", "errors", "model_repository", "request_config"},
+    "serve": {"backend.contract", "backend.cpus", "chatglm", "client", "engine", "errors", "files", "model_repository",
+              "openai_api.served", "request_config"},
     "client": {"errors"},
     "bench": EVERYTHING - {"cli", "bench"},
     "cli": EVERYTHING - {"cli"},

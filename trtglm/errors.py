@@ -13,6 +13,10 @@ class UsageError(TrtglmError):
     exit_code = 2
 
 
+class PromptTooLongError(UsageError):
+    """A prompt longer than the engine's max_input_len."""
+
+
 class ModelFileError(TrtglmError):
     """Missing, corrupt or mis-shaped input files (HF folder, checkpoint, tokenizer)."""
 

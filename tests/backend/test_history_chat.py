@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from trtglm.backend.contract import Limits
 from trtglm.backend.history_chat import engine_request, request_turns, sampling_config
-from trtglm.backend.preprocessing import Limits
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
 

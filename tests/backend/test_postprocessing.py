@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from trtglm.backend.bls import Reply, engine_inputs
+from trtglm.backend.contract import Limits
 from trtglm.backend.postprocessing import flat_texts, postprocess, reply_prefixes
-from trtglm.backend.preprocessing import Limits, preprocess
+from trtglm.backend.preprocessing import preprocess
 from trtglm.chatglm.chat import ReplyStream, tool_call
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError

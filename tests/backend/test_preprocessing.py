@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from trtglm.backend import preprocessing
-from trtglm.backend.preprocessing import Limits, preprocess, refuse_streaming
+from trtglm.backend.contract import Limits
+from trtglm.backend.preprocessing import preprocess, refuse_streaming
 from trtglm.chatglm.chat import chat_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError

@@ -8,8 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from trtglm.backend.contract import Limits
 from trtglm.backend.llm_requests import engine_request
-from trtglm.backend.preprocessing import Limits, preprocess
+from trtglm.backend.preprocessing import preprocess
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
 

@@ -17,7 +17,7 @@ import pytest
 from conftest import FIXTURE
 from support.servers import fixture_answers, launched_server
 from support.tokenizer import reply_ids, sp  # noqa: F401 (a fixture)
-from trtglm.serve.openai_protocol import MAX_BODY_BYTES
+from trtglm.openai_api.protocol import MAX_BODY_BYTES
 
 pytestmark = pytest.mark.slow
 

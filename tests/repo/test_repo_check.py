@@ -150,6 +150,19 @@ def test_engine_folder_without_trtglm_json_is_read_from_its_config_json(repo, tm
     assert not any("world_size" in p for p in problems)
 
 
+def test_an_engine_folder_that_is_gone_or_not_an_engine_is_reported(repo, tmp_path):
+    """What launch refuses the check reports, in the words of the reader they share (model_repository)."""
+    engine = str((tmp_path / "engine-tensorrt").resolve())
+    edit(repo, "tensorrt_llm", engine, "/no/such/engine")
+    assert check_repo(repo) == ["tensorrt_llm/config.pbtxt: engine folder /no/such/engine does not exist"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    edit(repo, "tensorrt_llm", "/no/such/engine", str(empty))
+    [problem] = check_repo(repo)
+    assert problem.startswith("tensorrt_llm/config.pbtxt: gpt_model_path: ") and \
+        f"engine folder {empty} has neither trtglm.json nor config.json" in problem
+
+
 @pytest.mark.parametrize("version", ["v0.7.1", "v0.19.0"])
 def test_upstream_layout_filled_the_nvidia_way_is_reported(tmp_path, fixture_dir, version):
     """NVIDIA's layout filled with string.Template.safe_substitute as its fill_template.py does, with NVIDIA's

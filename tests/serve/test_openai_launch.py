@@ -14,6 +14,8 @@ import pytest
 from conftest import repo_processes
 from support.servers import Launched
 
+from trtglm.serve.openai_process import API_MODULE
+
 pytestmark = pytest.mark.slow
 
 BODY = {"model": "tiny", "temperature": 0, "messages": [{"role": "user", "content": "What color is grass?"}]}
@@ -25,7 +27,7 @@ def chat(launched: Launched) -> httpx.Response:
 
 
 def api_process(launched: Launched) -> psutil.Process:
-    [api] = [p for p in repo_processes(launched.repo) if "trtglm.serve.openai_api" in p.cmdline()]
+    [api] = [p for p in repo_processes(launched.repo) if API_MODULE in p.cmdline()]
     return api
 
 
@@ -89,6 +91,6 @@ def test_no_openai_serves_none(tmp_path):
         assert "openai" not in state(server)["ports"]
         with socket.socket() as probe:
             assert probe.connect_ex(("127.0.0.1", server.ports["openai"])) != 0
-        assert not [p for p in repo_processes(server.repo) if "trtglm.serve.openai_api" in p.cmdline()]
+        assert not [p for p in repo_processes(server.repo) if API_MODULE in p.cmdline()]
     finally:
         server.stop()

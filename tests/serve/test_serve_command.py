@@ -15,8 +15,9 @@ import pytest
 
 from conftest import free_ports
 from trtglm.errors import DependencyError, ModelFileError, UsageError
+from trtglm.model_repository import engine_world_size, profile_ports
 from trtglm.serve import checks, tritonserver
-from trtglm.serve.checks import check_ports, engine_world_size, profile_ports, resolve_world_size
+from trtglm.serve.checks import check_ports, resolve_world_size
 from trtglm.serve.command import Endpoints, launch_args, mpi_major, restricted_args, server_args
 from trtglm.serve.tritonserver import find_tritonserver, prepare_python_backend
 

@@ -39,9 +39,10 @@ import numpy as np
 from trtglm.backend import triton_io
 from trtglm.backend.contract import (ACCUMULATE_TOKENS, BLS, BLS_ONLY_INPUTS, CONTRACT, ENSEMBLE, FLAGGED_OUTPUTS,
                                      LLM_MODEL_NAME, MAX_RETURN_SEQUENCES, PREPROCESSING, REPLY_FORM_INPUTS,
-                                     TENSORRT_LLM, client_outputs_from, feeds, flag_set, for_backend, names, refusal)
+                                     TENSORRT_LLM, Limits, client_outputs_from, feeds, flag_set, for_backend, names,
+                                     refusal)
 from trtglm.backend.postprocessing import flat_texts, reply_prefixes
-from trtglm.backend.preprocessing import Limits, preprocess
+from trtglm.backend.preprocessing import preprocess
 from trtglm.backend.triton_io import pb_utils
 from trtglm.chatglm.chat import ReplyStream, reply_text
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer

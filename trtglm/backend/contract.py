@@ -12,7 +12,11 @@ against this table, and the python models take their tensor and parameter names 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+
+from trtglm.chatglm.chat import PROMPT_IDS
+from trtglm.errors import PromptTooLongError, UsageError
 
 ENSEMBLE, PREPROCESSING, TENSORRT_LLM, POSTPROCESSING, BLS = (
     "ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
@@ -41,6 +45,57 @@ PYTHON_MODEL_PARAMETERS: dict[str, tuple[str, ...]] = {
     HISTORY_CHAT: (TOKENIZER_DIR, MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE, CHATGLM_VERSION, LLM_MODEL_NAME,
                    LLM_DECOUPLED),
 }
+
+DEFAULT_CHATGLM_VERSION = "chatglm3"  # a repository rendered before chatglm_version was written is ChatGLM3's
+
+
+def parameter(params: Mapping[str, str], key: str, model: str) -> str:
+    """`model`'s parameter `key`; UsageError when it is missing or was never filled."""
+    if key not in params or params[key] == "" or params[key].startswith("${"):
+        raise UsageError(f"{model}: parameter {key} is not set (render the repository with trtglm patch-repo)")
+    return params[key]
+
+
+def int_parameter(params: Mapping[str, str], key: str, model: str) -> int:
+    value = parameter(params, key, model)
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"{model}: parameter {key} must be an integer, not {value!r}") from None
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the engine accepts, as patch-repo wrote it into the parameters of the models that build prompts
+    (preprocessing, BLS, the history model), for them and for the OpenAI API."""
+
+    max_input_len: int
+    max_seq_len: int
+    vocab_size: int  # the engine's vocabulary (embedding bias length)
+    chatglm_version: str = DEFAULT_CHATGLM_VERSION  # the prompt format its model was trained on (chat.PROMPT_IDS)
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, str], model: str) -> "Limits":
+        """The limits in `model`'s parameters."""
+        version = params.get(CHATGLM_VERSION) or DEFAULT_CHATGLM_VERSION
+        if version not in PROMPT_IDS:
+            raise UsageError(f"{model}: parameter {CHATGLM_VERSION} must be one of {', '.join(PROMPT_IDS)}, "
+                             f"not {version!r}")
+        return cls(**{field: int_parameter(params, field, model) for field in (MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE)},
+                   chatglm_version=version)
+
+    def check_prompt_bytes(self, size: int, longest_piece_bytes: int) -> None:
+        """PromptTooLongError for a prompt of `size` UTF-8 bytes that cannot fit: a token stands for at most
+        `longest_piece_bytes` of normalized text, and normalizing shrinks a character of up to 4 bytes to no less
+        than 1, so a larger prompt is refused before tokenizing megabytes."""
+        if size > 4 * self.max_input_len * longest_piece_bytes:
+            raise PromptTooLongError(f"the prompt ({size:,} bytes) is longer than the engine's max_input_len "
+                                     f"({self.max_input_len} tokens) can hold")
+
+    def check_prompt_tokens(self, count: int) -> None:
+        if count > self.max_input_len:
+            raise PromptTooLongError(f"the prompt is {count} tokens, more than the engine's max_input_len "
+                                     f"({self.max_input_len})")
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,8 @@ import math
 import numpy as np
 
 from trtglm.backend import bls, triton_io
-from trtglm.backend.contract import CONTRACT, HISTORY_CHAT, LLM_DECOUPLED, LLM_MODEL_NAME, names
-from trtglm.backend.preprocessing import Limits, preprocess
+from trtglm.backend.contract import CONTRACT, HISTORY_CHAT, LLM_DECOUPLED, LLM_MODEL_NAME, Limits, names
+from trtglm.backend.preprocessing import preprocess
 from trtglm.backend.triton_io import pb_utils
 from trtglm.chatglm import chat
 from trtglm.errors import UsageError, int_range_error

@@ -30,11 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from trtglm.backend import triton_io
-from trtglm.backend.contract import (CHATGLM_VERSION, CONTRACT, ENSEMBLE, MAX_INPUT_LEN, MAX_SEQ_LEN,
-                                     PREPROCESSING, VOCAB_SIZE, feeds, names, refusal)
+from trtglm.backend.contract import CONTRACT, ENSEMBLE, PREPROCESSING, Limits, feeds, names, refusal
 from trtglm.backend.triton_io import pb_utils
-from trtglm.chatglm.chat import (PROMPT_IDS, bad_sequences, prompt_ids, stack_word_lists, stop_sequences, word_ids,
-                                 word_list)
+from trtglm.chatglm.chat import bad_sequences, prompt_ids, stack_word_lists, stop_sequences, word_ids, word_list
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError, int32_range_error
 from trtglm.request_config import check_words
@@ -42,27 +40,6 @@ from trtglm.request_config import check_words
 INPUTS = names(CONTRACT[PREPROCESSING].inputs)
 # what the client calls each input (ensemble and BLS), for error messages
 CLIENT_NAMES = {name: client for client, name in feeds(ENSEMBLE, PREPROCESSING).items()}
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What the engine accepts (from the model's parameters)."""
-
-    max_input_len: int
-    max_seq_len: int
-    vocab_size: int  # the engine's vocabulary (embedding bias length)
-    chatglm_version: str = "chatglm3"  # the prompt format its model was trained on (chat.PROMPT_IDS)
-
-    @classmethod
-    def from_parameters(cls, params: dict, model: str) -> "Limits":
-        """The limits patch-repo wrote into a model's config.pbtxt parameters (a repository rendered before
-        chatglm_version was written is ChatGLM3's)."""
-        version = params.get(CHATGLM_VERSION) or "chatglm3"
-        if version not in PROMPT_IDS:
-            raise UsageError(f"{model}: parameter {CHATGLM_VERSION} must be one of {', '.join(PROMPT_IDS)}, "
-                             f"not {version!r}")
-        return cls(**{field: triton_io.int_parameter(params, field, model)
-                      for field in (MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE)}, chatglm_version=version)
 
 
 @dataclass(frozen=True)
@@ -90,19 +67,12 @@ def preprocess(tokenizer: ChatGLMTokenizer, limits: Limits, inputs: dict[str, np
 
 def prepare(tokenizer: ChatGLMTokenizer, limits: Limits, inputs: dict, row: int) -> Prepared:
     text = _one_text(inputs, "QUERY", row)
-    size = len(text.encode("utf-8"))
-    # A token stands for at most longest_piece_bytes of normalized text, and normalizing shrinks a character
-    # of up to 4 bytes to no less than 1: a larger prompt cannot fit, and is refused before tokenizing megabytes.
-    if size > 4 * limits.max_input_len * tokenizer.longest_piece_bytes:
-        raise UsageError(f"the prompt ({size:,} bytes) is longer than the engine's max_input_len "
-                         f"({limits.max_input_len} tokens) can hold")
+    limits.check_prompt_bytes(len(text.encode("utf-8")), tokenizer.longest_piece_bytes)
     ids = prompt_ids(tokenizer, text, name=CLIENT_NAMES["QUERY"], version=limits.chatglm_version)
     output_len = _one_int(inputs, "REQUEST_OUTPUT_LEN", row)
     if output_len < 1:
         raise int32_range_error("max_tokens", output_len, 1)
-    if len(ids) > limits.max_input_len:
-        raise UsageError(f"the prompt is {len(ids)} tokens, more than the engine's max_input_len "
-                         f"({limits.max_input_len})")
+    limits.check_prompt_tokens(len(ids))
     bias_words = _texts(inputs, "EMBEDDING_BIAS_WORDS", row)
     bias_weights = _floats(inputs, "EMBEDDING_BIAS_WEIGHTS", row)
     return Prepared(

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import psutil
 
-from trtglm.backend.contract import TOKENIZER_DIR
+from trtglm.backend.contract import TOKENIZER_DIR, int_parameter, parameter  # int_parameter: the models' too
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import TrtglmError, UsageError
 
@@ -63,20 +63,6 @@ def setup(args: Mapping, default_name: str) -> Setup:
 def parameters(config: Mapping) -> dict[str, str]:
     """`parameters { key: ..., value { string_value: ... } }` as {key: value}."""
     return {key: entry.get("string_value", "") for key, entry in config.get("parameters", {}).items()}
-
-
-def parameter(params: Mapping[str, str], key: str, model: str) -> str:
-    if key not in params or params[key] == "" or params[key].startswith("${"):
-        raise UsageError(f"{model}: parameter {key} is not set (render the repository with trtglm patch-repo)")
-    return params[key]
-
-
-def int_parameter(params: Mapping[str, str], key: str, model: str) -> int:
-    value = parameter(params, key, model)
-    try:
-        return int(value)
-    except ValueError:
-        raise UsageError(f"{model}: parameter {key} must be an integer, not {value!r}") from None
 
 
 def bool_parameter(params: Mapping[str, str], key: str, model: str) -> bool:

@@ -81,6 +81,11 @@ def chat_messages(text: str, name: str = "the prompt") -> list:
     return [{"role": "user", "content": text}] if messages is None else messages
 
 
+def chat_text(messages: Sequence[dict]) -> str:
+    """A chat as the JSON text that `chat_messages` reads back: `{"messages": [...]}`."""
+    return json.dumps({"messages": list(messages)}, ensure_ascii=False)
+
+
 def _json_chat(text: str, name: str) -> list | None:
     """The messages of a JSON chat, or None when `text` is not one."""
     if text.lstrip()[:1] not in ("{", "["):
@@ -185,6 +190,23 @@ def prompt_ids(tokenizer: ChatGLMTokenizer, text: str, name: str = "the prompt",
 def stop_ids(tokenizer: ChatGLMTokenizer) -> tuple[int, ...]:
     """Ids that end a reply: end_id `</s>`, then `<|user|>` and `<|observation|>`."""
     return (tokenizer.eos_id, *(tokenizer.special_ids[t] for t in STOP_TOKENS))
+
+
+def turn_end(tool_call: bool) -> str:
+    """The stop token that ends a reply's turn: `<|observation|>` after a tool call (its result follows), else
+    `<|user|>` (the next turn)."""
+    next_turn, observation = STOP_TOKENS
+    return observation if tool_call else next_turn
+
+
+def reply_tokens(tokenizer: ChatGLMTokenizer, reply: str, tool_call: bool) -> list[str]:
+    """The text of each token of a reply as ChatGLM3 writes its turn: the metadata line (a tool call's name, else
+    blank), the content, then the stop token that ends the turn."""
+    metadata, _, content = reply.partition("\n") if tool_call else ("", "", reply)
+    # a call's text has the space that encoding its content added (SentencePiece's dummy prefix): encoding adds it again
+    ids = tokenizer.sp.encode(metadata + "\n") + tokenizer.sp.encode(content.removeprefix(" "))
+    return [tokenizer.decode(ids[:i + 1])[len(tokenizer.decode(ids[:i])):] for i in range(len(ids))] + [
+        turn_end(tool_call)]
 
 
 def tokenizer_facts(tokenizer: ChatGLMTokenizer | str | Path) -> dict:

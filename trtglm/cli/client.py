@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Iterator, Literal
@@ -173,13 +172,14 @@ def _request_options(sampling: dict) -> dict:
 
 
 def _served(url, grpc, model, sampling: dict, timeout) -> Replier:
+    from trtglm.chatglm.chat import chat_text
     from trtglm.client import GenerateRequest, check_model
 
     check_model(model)
     options = _request_options(sampling)
 
     def pieces(messages: Sequence[dict]) -> Iterator[str]:
-        request = GenerateRequest(json.dumps({"messages": list(messages)}, ensure_ascii=False), **options)
+        request = GenerateRequest(chat_text(messages), **options)
         return _pieces(url or DEFAULT_URL, grpc, model, request, timeout)
 
     return pieces

@@ -11,9 +11,7 @@ from collections.abc import Mapping
 
 from trtglm.backend.contract import CONTRACT, ENSEMBLE, REPO_MODELS, for_backend, step_reads, step_writes
 from trtglm.errors import UsageError
-from trtglm.repo.patch import parse_config
-from trtglm.repo.placeholders import CONFIG
-from trtglm.repo.validate import protobuf
+from trtglm.model_repository import CONFIG, parse_config, protobuf
 
 
 def check_contract(files: Mapping[str, bytes], backend: str, where: str, models=REPO_MODELS) -> None:

@@ -42,8 +42,8 @@ from trtglm.backend.contract import (BLS, CONTRACT, ENSEMBLE, ENSEMBLE_WIRING, P
                                      PYTHON_MODEL_PARAMETERS, REQUIRED_BY_PREPROCESSING, TENSORRT_LLM, TENSORRTLLM,
                                      contract_tensor, feeds, names)
 from trtglm.errors import UsageError
-from trtglm.repo.placeholders import CONFIG, MODELS, PLACEHOLDER, check_filled, fill_text
-from trtglm.repo.validate import protobuf
+from trtglm.model_repository import CONFIG, parse_config, protobuf
+from trtglm.repo.placeholders import MODELS, PLACEHOLDER, check_filled, fill_text
 
 # tensors of trtglm's contract that NVIDIA's layouts lack: (model, "input" | "output", name)
 ADDED_TENSORS = ((PREPROCESSING, "input", "END_ID"), (PREPROCESSING, "input", "PAD_ID"),
@@ -100,15 +100,6 @@ def patch_upstream(template: Path, version: str, values: Mapping[str, str | None
         check_filled(text, f"{template / model / CONFIG} ({version}, patched)")
         files[f"{model}/{CONFIG}"] = text.encode("utf-8")
     return files
-
-
-def parse_config(text: str, where: str):
-    """A ModelConfig from protobuf text; UsageError with the parser's message."""
-    text_format, model_config_pb2 = protobuf()
-    try:
-        return text_format.Parse(text, model_config_pb2.ModelConfig())
-    except text_format.ParseError as e:
-        raise UsageError(f"{where}: not a valid model configuration ({e})") from None
 
 
 def adapt(configs: dict, values: Mapping[str, str | None]) -> None:

@@ -19,7 +19,6 @@ from trtglm.errors import UsageError
 
 PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
 BARE_VALUE = re.compile(r"[A-Za-z0-9_.+-]+")  # what may stand outside quotes (numbers, enums, booleans)
-CONFIG = "config.pbtxt"
 TRTGLM = "trtglm"
 
 

@@ -26,9 +26,10 @@ from trtglm.backend.contract import HISTORY_CHAT, REPO_MODELS
 from trtglm.chatglm.chat import tokenizer_facts
 from trtglm.engine.manifest import read_manifest
 from trtglm.errors import ModelFileError, OutputExistsError, UsageError
+from trtglm.model_repository import CONFIG
 from trtglm.repo.contract_check import check_contract
 from trtglm.repo.patch import patch_upstream
-from trtglm.repo.placeholders import (CONFIG, MODELS, PLACEHOLDER, TRTGLM, check_filled, detect_version, fill_text,
+from trtglm.repo.placeholders import (MODELS, PLACEHOLDER, TRTGLM, check_filled, detect_version, fill_text,
                                       split_comment)
 from trtglm.repo.validate import check_repo
 from trtglm.repo.values import placeholder_values

@@ -18,7 +18,6 @@ produce.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,7 +26,9 @@ from pathlib import Path
 from trtglm.backend.contract import (ENGINE_DIR, HISTORY_CHAT, LLM_DECOUPLED, MODELS, PYTHON_MODEL_PARAMETERS,
                                      TENSORRT_LLM)
 from trtglm.engine.manifest import MANIFEST, read_manifest
-from trtglm.errors import DependencyError, ModelFileError
+from trtglm.errors import ModelFileError
+from trtglm.model_repository import (CONFIG, config_path, described_mapping, engine_description, engine_folder,
+                                     parse_config, protobuf)
 from trtglm.repo.placeholders import PLACEHOLDER, split_comment
 from trtglm.repo.values import BACKENDS
 
@@ -69,25 +70,13 @@ def check_repo(repo: str | Path, manifest: Mapping | None = None) -> list[str]:
 # --- files ---------------------------------------------------------------------------------------
 
 
-def protobuf():
-    """(google.protobuf.text_format, Triton's model_config_pb2); DependencyError when tritonclient is missing."""
-    try:
-        from google.protobuf import text_format
-        from tritonclient.grpc import model_config_pb2
-    except ImportError:
-        raise DependencyError("reading Triton model configurations needs tritonclient: "
-                              "pip install 'tritonclient[grpc]' (or trtglm[serve])") from None
-    return text_format, model_config_pb2
-
-
 def _load(repo: Path) -> tuple[dict, list[str], set[str]]:
     """(model -> ModelConfig, problems, models whose config.pbtxt exists but cannot be used)"""
-    text_format, model_config_pb2 = protobuf()
     configs, problems, broken = {}, [], set()
-    names = sorted({p.parent.name for p in repo.glob("*/config.pbtxt")} | set(MODELS))
+    names = sorted({p.parent.name for p in repo.glob(f"*/{CONFIG}")} | set(MODELS))
     for name in names:
-        path = repo / name / "config.pbtxt"
-        where = f"{name}/config.pbtxt"
+        path = config_path(repo, name)
+        where = f"{name}/{CONFIG}"
         if not path.is_file():
             problems.append(f"{where}: missing")
             continue
@@ -98,9 +87,9 @@ def _load(repo: Path) -> tuple[dict, list[str], set[str]]:
             broken.add(name)
             continue
         try:
-            configs[name] = text_format.Parse(text, model_config_pb2.ModelConfig())
-        except text_format.ParseError as e:
-            problems.append(f"{where}: does not parse ({e})")
+            configs[name] = parse_config(text, where)
+        except ModelFileError as e:
+            problems.append(str(e))
             broken.add(name)
     return configs, problems, broken
 
@@ -271,43 +260,41 @@ def _type(data_type: int) -> str:
 def _engine(configs: dict, manifest: Mapping | None, problems: list[str]) -> Engine | None:
     """The engine the repository serves: from `manifest`, else from tensorrt_llm's engine folder."""
     if manifest is None:
-        config = configs.get("tensorrt_llm")
+        config = configs.get(TENSORRT_LLM)
         if config is None:
             return None
-        engine_dir = config.parameters[ENGINE_DIR].string_value \
-            if ENGINE_DIR in config.parameters else ""
-        if not engine_dir:
-            problems.append(f"tensorrt_llm/config.pbtxt: parameter {ENGINE_DIR} (the engine folder) is "
-                            "not set")
+        where = f"{TENSORRT_LLM}/{CONFIG}"
+        try:
+            folder = engine_folder(config, where)
+        except ModelFileError as e:
+            problems.append(str(e))
             return None
         try:
-            return _engine_from_dir(Path(engine_dir))
+            return _engine_from_dir(folder)
         except ModelFileError as e:
-            problems.append(f"tensorrt_llm/config.pbtxt: {ENGINE_DIR}: {e}")
+            problems.append(f"{where}: {ENGINE_DIR}: {e}")
             return None
     return _engine_from_manifest(manifest)
 
 
 def _engine_from_dir(engine_dir: Path) -> Engine:
-    if (engine_dir / MANIFEST).is_file():
+    name, description = engine_description(engine_dir)
+    if name == MANIFEST:
         return _engine_from_manifest(read_manifest(engine_dir))
-    config_path = engine_dir / "config.json"
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-        build, mapping = config["build_config"], config["pretrained_config"]["mapping"]
+        build, mapping = description["build_config"], described_mapping(name, description)
         limits = {k: int(build[k]) for k in ("max_batch_size", "max_input_len", "max_seq_len", "max_beam_width")}
         tp, pp = int(mapping.get("tp_size", 1)), int(mapping.get("pp_size", 1))
-        world = {"config.json mapping.world_size": int(mapping.get("world_size", tp * pp))}
-    except FileNotFoundError:
-        raise ModelFileError(f"{engine_dir} has neither {MANIFEST} nor a TensorRT-LLM config.json") from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ModelFileError(f"{config_path}: not a TensorRT-LLM engine config ({type(e).__name__}: {e})") from None
+        world = {f"{name} mapping.world_size": int(mapping.get("world_size", tp * pp))}
+    except (AttributeError, ValueError, KeyError, TypeError) as e:
+        raise ModelFileError(f"{engine_dir / name}: not a TensorRT-LLM engine config ({type(e).__name__}: {e})") \
+            from None
     return Engine(str(engine_dir), "tensorrt", limits, tp, pp, world, decoupled=None)
 
 
 def _engine_from_manifest(manifest: Mapping) -> Engine:
     mapping, serve = manifest["mapping"], manifest["profile"].get("serve", {})
-    world = {"trtglm.json mapping.world_size": mapping["world_size"]}
+    world = {f"{MANIFEST} mapping.world_size": mapping["world_size"]}
     if "world_size" in serve:
         world["profile serve.world_size"] = serve["world_size"]
     return Engine(manifest["engine_dir"], manifest["engine"], dict(manifest["limits"]), mapping["tp_size"],

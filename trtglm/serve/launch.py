@@ -28,7 +28,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from trtglm.errors import DependencyError, TrtglmError, UsageError
-from trtglm.serve.checks import check_ports, check_repo, profile_ports, resolve_world_size
+from trtglm.model_repository import profile_ports
+from trtglm.serve.checks import check_ports, check_repo, resolve_world_size
 from trtglm.serve.command import Endpoints
 from trtglm.serve.launch_spec import EXIT_TIMEOUT_S, LaunchSpec
 from trtglm.serve.state import LaunchDir, all_launch_dirs, clean_stale, only_launch
@@ -96,7 +97,7 @@ def _serves_openai(repo: Path) -> bool:
         if importlib.util.find_spec(package) is None:
             raise DependencyError(f"the OpenAI API needs {package}: pip install 'trtglm[openai]' (or launch with "
                                   "--no-openai)")
-    from trtglm.serve.openai_api import served_model
+    from trtglm.openai_api.served import served_model
 
     if served_model(repo) is None:
         log.debug("%s has no tensorrt_llm_bls or ensemble with preprocessing: not serving the OpenAI API", repo)

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible API's process in a launch (openai_api.py): started by the supervisor once Triton
+"""The OpenAI-compatible API's process in a launch (trtglm/openai_api/): started by the supervisor once Triton
 is ready, answering its /health before the launch reports ready, watched with the ranks (its death stops
 the launch) and stopped first. Its command line carries the launch's shm base, as every process of a
 launch does, so that the remains of a dead launch include it (state.py)."""
@@ -15,12 +15,13 @@ from trtglm.serve.command import Endpoints, client_host
 from trtglm.serve.rank_logs import ERROR_LINE, read_log
 
 LOG_NAME = "openai.log"
+API_MODULE = "trtglm.openai_api"  # run with python -m
 START_TIMEOUT_S = 60.0
 
 
 def api_args(repo: str, endpoints: Endpoints, shm_base: str) -> list[str]:
     """The API's command line (this Python)."""
-    return [sys.executable, "-m", "trtglm.serve.openai_api", "--repo", repo, "--grpc", endpoints.urls()["grpc"],
+    return [sys.executable, "-m", API_MODULE, "--repo", repo, "--grpc", endpoints.urls()["grpc"],
             "--host", endpoints.host, "--port", str(endpoints.openai_port), "--launch", shm_base]
 
 

@@ -67,6 +67,7 @@ from trtglm.backend.contract import HISTORY_CHAT
 from trtglm.backend.cpus import engine_cpus_env
 from trtglm.errors import TrtglmError
 from trtglm.files import PHASE_FILE, read_phase
+from trtglm.model_repository import has_model, model_config, protobuf
 from trtglm.serve.launch_spec import LaunchSpec
 from trtglm.serve.openai_process import OpenAIProcess
 from trtglm.serve.rank_logs import last_error_line, print_excerpt, print_tails, read_log
@@ -393,9 +394,9 @@ class Supervisor:
 def first_requests(repo: Path) -> list[tuple[str, Callable[[str], object]]]:
     """(model, ask it its first request at a Triton HTTP URL) for each model clients ask that `repo` has."""
     asks: list[tuple[str, Callable[[str], object]]] = [
-        (model, partial(ask_generate, model)) for model in CHECKED_MODELS if (repo / model / "config.pbtxt").is_file()]
-    if (repo / HISTORY_CHAT / "config.pbtxt").is_file():
-        asks.append((HISTORY_CHAT, partial(ask_history_model, repo / HISTORY_CHAT / "config.pbtxt")))
+        (model, partial(ask_generate, model)) for model in CHECKED_MODELS if has_model(repo, model)]
+    if has_model(repo, HISTORY_CHAT):
+        asks.append((HISTORY_CHAT, partial(ask_history_model, repo)))
     return asks
 
 
@@ -407,14 +408,13 @@ def ask_generate(model: str, url: str) -> str:
     return generate(url, model, GenerateRequest(CHECK_PROMPT, CHECK_TOKENS), timeout=CHECK_TIMEOUT_S)
 
 
-def ask_history_model(config_path: Path, url: str) -> dict:
+def ask_history_model(repo: Path, url: str) -> dict:
     """The history model: one /infer with the inputs its config declares (CHECK_HISTORY's values: a short
     prompt, no history, greedy); every output it declares must come back."""
     from trtglm.client import ServerError
     from trtglm.client.http import infer
-    from trtglm.serve.checks import model_config
 
-    config = model_config(config_path)
+    config = model_config(repo, HISTORY_CHAT)
     shape = [1, 1] if config.max_batch_size > 0 else [1]
     inputs = [{"name": tensor.name, "datatype": _http_datatype(tensor.data_type), "shape": shape,
                "data": [CHECK_HISTORY[tensor.name]]} for tensor in config.input if tensor.name in CHECK_HISTORY]
@@ -427,9 +427,7 @@ def ask_history_model(config_path: Path, url: str) -> dict:
 
 def _http_datatype(data_type: int) -> str:
     """Triton's HTTP datatype of a config's TYPE_* (TYPE_STRING is BYTES)."""
-    from tritonclient.grpc import model_config_pb2
-
-    name = model_config_pb2.DataType.Name(data_type).removeprefix("TYPE_")
+    name = protobuf()[1].DataType.Name(data_type).removeprefix("TYPE_")
     return "BYTES" if name == "STRING" else name
 
 

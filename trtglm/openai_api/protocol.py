@@ -1,22 +1,18 @@
-"""The OpenAI API's requests as pydantic models, and what they become for ChatGLM3.
+"""The API's requests as pydantic models, and what this server refuses of them.
 
-Requests are read strictly (types, ranges) but fields this server does not know are ignored, as
-clients send many. `chatglm_messages` turns a chat request's messages into ChatGLM3's (chat.py's
-JSON chat, which the served preprocessing reads): `tools` become the system message that offers
-them (the request's first system message's text, or THUDM's sentence, then the functions as
-ChatGLM3 lists them: name, description, parameters), an assistant message's `tool_calls` become
-turns whose metadata is the tool's name and whose content is the call as ChatGLM3 writes it, and
-`tool` messages become `observation` turns. `developer` is a system message.
+Requests are read strictly (types, ranges) but fields this server does not know are ignored, as clients send
+many. Requests it understands but cannot answer are refused with 422 (`refuse_unsupported`): the engine gives the
+chosen token's log probability only, so top_logprobs > 0 and logprobs > 0 are refused, and log probabilities come
+with answers that are not streamed.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trtglm.chatglm.chat import tool_call_content, tools_message
+from trtglm.openai_api.errors import ApiError
 from trtglm.request_config import MAX_WORD_BYTES, SamplingConfig
 
 MAX_STOP_WORDS = 4  # as OpenAI's API
@@ -25,22 +21,6 @@ MAX_PROMPTS = 16  # prompts of one completions request (each is answered n times
 MAX_BODY_BYTES = 8 * 2**20  # a request's body; read before any parsing, refused (413) past this
 
 StopWord = Annotated[str, Field(max_length=MAX_STOP_BYTES)]
-
-
-class ApiError(Exception):
-    """An error answered as OpenAI's `{"error": {...}}` with an HTTP status."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", retry_after: int | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-        self.retry_after = retry_after  # seconds, for a Retry-After header
-
-    def headers(self) -> dict[str, str]:
-        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 class Lenient(BaseModel):
@@ -172,9 +152,6 @@ class CompletionRequest(Sampling):
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
 
 
-# --- what ChatGLM3 is asked -----------------------------------------------------------------------
-
-
 def refuse_unsupported(request: ChatRequest | CompletionRequest) -> None:
     """Requests this server understands but cannot answer (422)."""
     if isinstance(request, ChatRequest):
@@ -205,38 +182,3 @@ def refuse_unsupported(request: ChatRequest | CompletionRequest) -> None:
 def wants_log_probs(request: ChatRequest | CompletionRequest) -> bool:
     """Whether the client asks for the chosen tokens' log probabilities."""
     return request.logprobs if isinstance(request, ChatRequest) else request.logprobs is not None
-
-
-def chatglm_messages(request: ChatRequest) -> list[dict]:
-    """The request's messages as ChatGLM3's chat (see the module docstring)."""
-    tools = [function.model_dump(exclude_none=True) for function in request.offered_tools()]
-    messages: list[dict] = []
-    system_pending = bool(tools)  # the first system message's text goes into the tool prompt
-    for position, message in enumerate(request.messages):
-        role = "system" if message.role == "developer" else message.role
-        if role == "system" and system_pending:
-            messages.insert(0, tools_message(tools, message.text()))
-            system_pending = False
-        elif role == "assistant" and message.tool_calls:
-            messages += [_tool_call_turn(call, position) for call in message.tool_calls]
-        else:
-            messages.append({"role": "observation" if role == "tool" else role, "content": message.text()})
-    if system_pending:
-        messages.insert(0, tools_message(tools))
-    return messages
-
-
-def _tool_call_turn(call: ToolCall, position: int) -> dict:
-    try:
-        arguments = json.loads(call.function.arguments or "{}")
-    except ValueError:
-        arguments = None
-    if not isinstance(arguments, dict):
-        raise ApiError(400, f"messages[{position}]: a tool call's arguments must be a JSON object",
-                       f"messages.[{position}].tool_calls")
-    return {"role": "assistant", "metadata": call.function.name, "content": tool_call_content(arguments)}
-
-
-def completion_messages(prompt: str) -> list[dict]:
-    """A completion's prompt as ChatGLM3's chat: one user turn (the served models answer chats)."""
-    return [{"role": "user", "content": prompt}]

@@ -14,10 +14,13 @@ from trtglm.chatglm.chat import chat_ids, chatglm2_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.repo import patch_repo
 from trtglm.request_config import OutputConfig, SamplingConfig
-from trtglm.serve.openai_api import (Api, Ask, ChoiceText, Piece, _triton_error, client_model, served_model,
-                                     triton_inputs, validation_error)
-from trtglm.serve.openai_protocol import (MAX_PROMPTS, MAX_STOP_BYTES, ApiError, ChatRequest, CompletionRequest,
-                                          chatglm_messages, refuse_unsupported)
+from trtglm.openai_api.answers import Api
+from trtglm.openai_api.errors import ApiError, validation_error
+from trtglm.openai_api.prompts import chatglm_messages
+from trtglm.openai_api.protocol import MAX_PROMPTS, MAX_STOP_BYTES, ChatRequest, CompletionRequest, refuse_unsupported
+from trtglm.openai_api.replies import ChoiceText
+from trtglm.openai_api.served import client_model, served_model
+from trtglm.openai_api.triton import Ask, Piece, triton_error, triton_inputs
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                             "parameters": {"city": "string"}}}
@@ -176,7 +179,7 @@ def test_prompts_are_counted_in_the_engines_own_format(rendered, fixture_dir, ve
     messages = [{"role": "user", "content": "What color is the sky?"}, {"role": "assistant", "content": "Blue."},
                 {"role": "user", "content": "And the grass?"}]
     api = Api(served, triton=None, tokenizer=tokenizer)
-    assert served.chatglm_version == version and served.trtglm_engine
+    assert served.limits.chatglm_version == version and served.trtglm_engine
     assert api.prompt_length(messages, "messages") == len(prompt_ids(tokenizer, messages))
     assert len(chatglm2_ids(tokenizer, messages)) != len(chat_ids(tokenizer, messages))
 
@@ -259,11 +262,11 @@ class StreamError:
     StreamError("busy", "StatusCode.UNAVAILABLE"),
 ])
 def test_a_full_queue_is_503_with_retry_after_whatever_path_refused_it(error):
-    api_error = _triton_error(error)
+    api_error = triton_error(error)
     assert (api_error.status, api_error.code, api_error.headers()) == (503, "server_busy", {"Retry-After": "1"})
     assert api_error.message.startswith("the model server is busy, retry later: ")
 
 
 def test_other_triton_errors_keep_their_status():
-    assert _triton_error(StreamError("max_tokens is required", "StatusCode.INVALID_ARGUMENT")).status == 400
-    assert _triton_error(StreamError("in ensemble 'ensemble', something broke")).status == 500
+    assert triton_error(StreamError("max_tokens is required", "StatusCode.INVALID_ARGUMENT")).status == 400
+    assert triton_error(StreamError("in ensemble 'ensemble', something broke")).status == 500

@@ -1,0 +1,142 @@
+"""The API's client of Triton: one ChatGLM3 chat and its settings (`Ask`) as the ensemble's or the BLS model's
+inputs, sent over gRPC streaming (tritonclient's asyncio client), its responses read back as text pieces with
+their tokens' log probabilities (`Piece`), and Triton's errors as the API's.
+
+trtglm's runtime sends one `output_log_probs` value per generated token in every response (zeros unless asked),
+so their count is the reply's generated tokens (the stop token that ended it included); NVIDIA's engine sends
+them only when asked (answers.py then always asks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from trtglm.backend.contract import MAX_INPUT_LEN
+from trtglm.chatglm.chat import chat_text
+from trtglm.errors import is_busy
+from trtglm.openai_api.errors import ApiError
+from trtglm.request_config import OutputConfig, SamplingConfig, client_inputs
+
+HEALTH_TIMEOUT_S = 2.0
+TRITON_STATUS = {"StatusCode.INVALID_ARGUMENT": 400, "StatusCode.UNAVAILABLE": 503,
+                 "StatusCode.RESOURCE_EXHAUSTED": 503}  # others: 500
+RETRY_AFTER_S = 1  # what a 503 tells a client to wait before it asks again (Retry-After)
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One request to Triton: a ChatGLM3 chat and its settings."""
+
+    messages: list[dict]
+    max_tokens: int
+    sampling: SamplingConfig
+    output: OutputConfig
+    stop: tuple[str, ...]
+    stream: bool
+
+
+@dataclass(frozen=True)
+class Piece:
+    text: str
+    tokens: int  # generated tokens this response carries
+    log_probs: tuple[float, ...]  # theirs, when asked for
+
+
+def triton_inputs(ask: Ask) -> dict[str, np.ndarray]:
+    """The ensemble's / BLS model's inputs ([1, …] each)."""
+    arrays = {
+        "text_input": np.array([[chat_text(ask.messages).encode()]], dtype=object),
+        "max_tokens": np.array([[ask.max_tokens]], dtype=np.int32),
+        "stream": np.array([[ask.stream]]),
+        **{name: np.array([[value]], dtype=dtype) for name, (value, dtype) in
+           client_inputs(ask.sampling, ask.output).items()},
+    }
+    if ask.stop:
+        arrays["stop_words"] = np.array([[word.encode() for word in ask.stop]], dtype=object)
+    return arrays
+
+
+class Triton:
+    """Answers over gRPC streaming from one Triton model."""
+
+    def __init__(self, url: str, model: str):
+        import tritonclient.grpc.aio as grpc
+
+        self.grpc, self.model, self.url = grpc, model, url
+        self._client = None
+
+    @property
+    def client(self):
+        """The gRPC client, made in the serving event loop (grpc.aio binds a client to the loop that made it)."""
+        if self._client is None:
+            self._client = self.grpc.InferenceServerClient(self.url)
+        return self._client
+
+    async def ready(self) -> bool:
+        """Whether Triton calls the model ready now."""
+        try:
+            return await self.client.is_model_ready(self.model, client_timeout=HEALTH_TIMEOUT_S)
+        except Exception:  # unreachable, or no answer in time
+            return False
+
+    async def pieces(self, ask: Ask) -> AsyncIterator[Piece]:
+        """The reply's text pieces with their tokens' log probabilities (one piece when not streamed)."""
+        tensors = []
+        for name, array in triton_inputs(ask).items():
+            tensor = self.grpc.InferInput(name, list(array.shape), _triton_type(array))
+            tensor.set_data_from_numpy(array)
+            tensors.append(tensor)
+        request = {"model_name": self.model, "inputs": tensors, "enable_empty_final_response": True,
+                   "outputs": [self.grpc.InferRequestedOutput(name) for name in ("text_output", "output_log_probs")]}
+
+        async def one_request():
+            yield request
+
+        import grpc
+
+        responses = self.client.stream_infer(one_request())
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    raise triton_error(error)
+                piece = _piece(result, ask.output.return_log_probs)
+                if piece.text or piece.tokens:
+                    yield piece
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    return
+        except grpc.RpcError as e:  # the stream broke: Triton stopped, or is unreachable
+            raise ApiError(503, f"the model server failed: {e.details() or e.code()}", kind="server_error") from None
+        finally:
+            responses.cancel()
+        raise ApiError(503, "the model server ended the stream before the reply", kind="server_error")
+
+
+def _triton_type(array: np.ndarray) -> str:
+    return {np.object_: "BYTES", np.int32: "INT32", np.bool_: "BOOL", np.float32: "FP32",
+            np.uint64: "UINT64"}[array.dtype.type]
+
+
+def _piece(result, asked_log_probs: bool) -> Piece:
+    text = result.as_numpy("text_output")
+    log_probs = result.as_numpy("output_log_probs")
+    joined = b"".join(text.reshape(-1)).decode("utf-8") if text is not None else ""
+    values = tuple(float(v) for v in log_probs.reshape(-1)) if log_probs is not None else ()
+    return Piece(joined, len(values), values if asked_log_probs else ())
+
+
+def triton_error(error) -> ApiError:
+    """A Triton error as the API answers it (see TRITON_STATUS; a full queue is 503 with Retry-After)."""
+    message = error.message() or str(error)
+    # an error inside a gRPC stream carries no status code (Triton sends only its message): a full queue is told
+    # by its words, whichever model refused the request
+    status = 503 if is_busy(message) else TRITON_STATUS.get(str(error.status()), 500)
+    if status == 400:
+        code = "context_length_exceeded" if MAX_INPUT_LEN in message else None
+        return ApiError(400, message, code=code)
+    if status == 503:
+        return ApiError(503, f"the model server is busy, retry later: {message}", kind="server_error",
+                        code="server_busy", retry_after=RETRY_AFTER_S)
+    return ApiError(status, f"the model server failed: {message}", kind="server_error")
