@@ -17,11 +17,21 @@ name: tokens of one engine step across the batch):
    prompt longer than what is left is prefilled in chunks over several steps, holding its slot
    meanwhile; the request gets its first token from its last chunk;
 4. runs it all as one forward pass (`SlotModel.step`); a step of decode tokens only is a
-   `decode`, and one of prompt tokens only a `prefill` (which the fast runtime replays as CUDA
-   graphs, for a decode batch and for a lone prompt).
+   `decode`, and one of prompt tokens only a `prefill` (the fast runtime replays CUDA graphs for
+   a decode batch, a lone prompt and a mixed step of a few hundred tokens);
+5. chooses every row's token on the device (step 4 and 5 are queued, not waited for), then hands
+   out the tokens a step chose: stop checks, outputs, finished requests' slots freed.
 
 Chunks give the tokens one prefill gives (each chunk continues its slot's cache), and a mixed
 pass the tokens separate passes give.
+
+Overlapped (on a GPU, `overlap`), step 5 hands out the tokens of the step before, while this
+step's pass runs: the host never waits for a pass it could prepare the next one during. A running
+request's input is its newest token where the chooser left it (`TokenChooser.last_tokens`), so
+nothing needs the previous step's results on the host; a request whose last token is already on
+the way is not scheduled again, and one that ends (end id, stop word, cancel) may run one more
+token that is never sent. Requests whose choice needs the host (beam search, logits asked for,
+bad words longer than one token) make the steps run in turn while they are there.
 
 With `kv_cache_reuse` (TensorRT-LLM's `enable_kv_cache_reuse`), a new request's prompt is looked
 up block by block (`tokens_per_block`) in the prefix index (prefix.py): the longest prefix of
