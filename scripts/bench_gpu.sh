@@ -63,8 +63,10 @@
 # 6b (fp16) → build-engine configs/chatglm3-6b-fp16-tp1.yaml (torch) → for each tree patch-repo, launch --detach,
 # `bench sampling --cases greedy,top-p` (256 streamed requests of 128 prompt ids → 128 tokens at 64 in flight;
 # tokens/s and wall ms per decode step from the server's counters), for this tree py-spy on the engine process
-# under the same load (DEST/overlap-py-spy.txt, summarised by trtglm.bench.profile_summary), stop; then the
-# executor and fast-runtime tests on the GPU (among them: serving after the warm-up compiles no kernel). Results
+# under the same load (DEST/overlap-py-spy.txt, summarised by trtglm.bench.profile_summary), stop; then the captured
+# batch-64 decode step in-process (`bench tp --tp 1 --dtype float16`, DEST/overlap-tp1/; OVERLAP_TP_FLAGS adds flags,
+# e.g. "--device cpu --preset tiny --dtype float32" for a dry run), and the executor and fast-runtime tests on the
+# GPU (among them: serving after the warm-up compiles no kernel). Results
 # DEST/overlap-this/, DEST/overlap-baseline/ (sampling.json) and DEST/overlap.txt. Knobs: OVERLAP_WORK, OVERLAP_CONFIG,
 # OVERLAP_MODEL, OVERLAP_LOAD, OVERLAP_ROUNDS (default 2), OVERLAP_PROFILE_S (default 10); a dry run on a CPU as for
 # `sampling` (OVERLAP_MODEL=$PWD/tests/fixtures/tiny-chatglm3 OVERLAP_CONFIG=configs/tiny.yaml, small loads).
@@ -282,6 +284,9 @@ if [[ " $PARTS " == *" overlap "* ]]; then
         fi
         in_tree "$tree" stop --repo "$work/repo-$label" || true
     done
+    phase "the captured batch-64 decode step in-process, for the served step to be held against (bench tp --tp 1)"
+    python3 -m trtglm bench tp --tp 1 --dtype float16 --batches 1,64 ${OVERLAP_TP_FLAGS:-} --out "$DEST/overlap-tp1" 2>&1 \
+        | tail -n 12 | tee -a "$DEST/overlap.txt" || phase "bench tp failed"
     phase "the executor and fast-runtime tests on the GPU (nothing compiles while serving)"
     python3 -m pytest -q -p no:cacheprovider tests/runtime/test_fast_runtime.py -k "executor or compiles or mixed_step" \
         2>&1 | tail -n 15 | tee -a "$DEST/overlap.txt"
