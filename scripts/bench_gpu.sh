@@ -12,6 +12,7 @@
 #   PARTS=sampling [BASELINE_TREE=.baseline] scripts/bench_gpu.sh [DEST]
 #   PARTS=firstlaunch scripts/bench_gpu.sh [DEST]
 #   PARTS="overlap inflight" [BASELINE_TREE=.baseline] scripts/bench_gpu.sh [DEST]
+#   PARTS=worldsizes scripts/bench_gpu.sh [DEST]
 #
 # PARTS picks the parts (each takes five to seven minutes on an H200): `runtime` (bench runtime),
 # `kernels` (bench matmul, pdl, prefill, step-parts, Nsight Compute), `inflight` (bench inflight: the
@@ -70,6 +71,15 @@
 # DEST/overlap-this/, DEST/overlap-baseline/ (sampling.json) and DEST/overlap.txt. Knobs: OVERLAP_WORK, OVERLAP_CONFIG,
 # OVERLAP_MODEL, OVERLAP_LOAD, OVERLAP_ROUNDS (default 2), OVERLAP_PROFILE_S (default 10); a dry run on a CPU as for
 # `sampling` (OVERLAP_MODEL=$PWD/tests/fixtures/tiny-chatglm3 OVERLAP_CONFIG=configs/tiny.yaml, small loads).
+# `worldsizes` (not in the default set; a machine with 2 or 4 GPUs): served tensor parallel, world sizes 1, 2 and 4 in
+# one call (those above the GPU count skipped): synth-model 6b (fp16) → for each, build-engine
+# configs/chatglm3-6b-fp16-tp{N}.yaml (torch) → patch-repo, launch --detach (--world-size from the engine) →
+# `bench sampling --cases greedy,top-p` (256 streamed requests of 128 prompt ids → 128 tokens at 64 in flight; the
+# largest world size also 1,024 at 256) → stop; then each world size's tokens/s against world size 1 at 64
+# (trtglm.bench.world_sizes). Results DEST/worldsizes-ws{N}-at{in flight}/sampling.json and DEST/worldsizes.txt.
+# Knobs: WS_WORK, WS_SIZES (default "1 2 4"), WS_MODEL, WS_CONFIG (one profile for every size, its tp and world
+# size set to each), WS_LOAD, WS_LOAD_WIDE, WS_ROUNDS (default 2); a dry run on a CPU: WS_MODEL=$PWD/tests/fixtures/
+# tiny-chatglm3 WS_CONFIG=configs/tiny.yaml TOKENIZER_DIR=$PWD/tests/fixtures/tiny-chatglm3 WS_SIZES="1 2" small loads.
 # `firstlaunch` (not in the default set): the README's GPU block as written (the model's place aside) on a machine
 # whose caches are empty, each command timed: synth-model 6b (bf16) → build-engine configs/chatglm3-6b-bf16-tp1.yaml
 # (build.engine auto; on a GPU it compiles and tunes the kernels into the engine's kernels/ folder) → patch-repo →
@@ -90,7 +100,7 @@ if ! python3 -c "import fire" 2>/dev/null; then
     export PYTHONPATH=/tmp/trtglm-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 served() { [[ " $PARTS " == *" serving "* || " $PARTS " == *" sampling "* || " $PARTS " == *" firstlaunch "* \
-    || " $PARTS " == *" overlap "* ]]; }
+    || " $PARTS " == *" overlap "* || " $PARTS " == *" worldsizes "* ]]; }
 tokenizer_65k() {  # the 65k tokenizer that random 6B weights need (TOKENIZER_DIR, else carried or beside)
     if [ -n "${TOKENIZER_DIR:-}" ]; then echo "$TOKENIZER_DIR"; return; fi
     for candidate in .whl/tokenizer-65k shared/gpu/tokenizer-65k ../shared/gpu/tokenizer-65k; do
@@ -104,16 +114,17 @@ start_part() {  # NAME WORK: a served part's folder and caches; its `phase` line
     export TRTGLM_STATE_DIR=$work/state TRITON_CACHE_DIR=$work/triton-cache XDG_CACHE_HOME=$work/cache
 }
 phase() { echo "[$part $((SECONDS - started)) s] $*" | tee -a "$DEST/$part.txt"; }
-engine_6b() {  # WORK CONFIG [MODEL]: random 6B fp16 weights (or the HF folder MODEL) built into WORK/engine (torch)
-    local work=$1 config=$2 model=${3:-$1/model} tokenizer
+engine_6b() {  # WORK CONFIG [MODEL [ENGINE [FLAGS…]]]: random 6B fp16 weights (or the HF folder MODEL) built into
+    # ENGINE (default WORK/engine) with the torch engine; FLAGS go to build-engine
+    local work=$1 config=$2 model=${3:-$1/model} engine=${4:-$1/engine} tokenizer
     tokenizer=$(realpath "$(tokenizer_65k)")
     if [ -z "${3:-}" ] && [ ! -f "$model/.trtglm-synth-done" ]; then
         python3 -m trtglm synth-model --preset 6b --dtype float16 --out "$model" --force
         cp "$tokenizer/tokenizer.model" "$tokenizer/tokenizer_config.json" "$model/"
         touch "$model/.trtglm-synth-done"
     fi
-    python3 -m trtglm build-engine --config "$config" --model-dir "$model" --output-dir "$work/engine" \
-        --set build.engine=torch --force
+    python3 -m trtglm build-engine --config "$config" --model-dir "$model" --output-dir "$engine" \
+        --set build.engine=torch --force "${@:5}"
 }
 in_tree() {  # TREE ARGS…: trtglm of that tree (this one, or a baseline's copy) with the wheels' site
     local tree=$1 site
@@ -121,10 +132,11 @@ in_tree() {  # TREE ARGS…: trtglm of that tree (this one, or a baseline's copy
     site=$(tr ':' '\n' <<< "${PYTHONPATH:-}" | grep -v "^$PWD$" | paste -sd: - || true)
     (cd "$tree" && PYTHONPATH=$tree${site:+:$site} python3 -m trtglm "$@")
 }
-launch_tree() {  # TREE LABEL WORK: patch-repo and launch --detach WORK/engine from TREE on ports 18000-18002
-    local tree=$1 label=$2 work=$3
+launch_tree() {  # TREE LABEL WORK [ENGINE]: patch-repo and launch --detach ENGINE (default WORK/engine) from TREE on
+    # ports 18000-18002, at the engine's world size
+    local tree=$1 label=$2 work=$3 engine=${4:-$3/engine}
     phase "$label ($tree $(cat "$tree/COMMIT" 2>/dev/null || git -C "$tree" rev-parse --short HEAD)): launch"
-    in_tree "$tree" patch-repo --engine-dir "$work/engine" --tokenizer-dir "$(realpath "$(tokenizer_65k)")" \
+    in_tree "$tree" patch-repo --engine-dir "$engine" --tokenizer-dir "$(realpath "$(tokenizer_65k)")" \
         --output-repo "$work/repo-$label" --force
     if ! in_tree "$tree" launch --repo "$work/repo-$label" --detach --timeout 400 --http-port 18000 --grpc-port 18001 \
             --metrics-port 18002 --no-openai --log-dir "$work/logs-$label"; then
@@ -290,6 +302,37 @@ if [[ " $PARTS " == *" overlap "* ]]; then
     phase "the executor and fast-runtime tests on the GPU (nothing compiles while serving)"
     python3 -m pytest -q -p no:cacheprovider tests/runtime/test_fast_runtime.py -k "executor or compiles or mixed_step" \
         2>&1 | tail -n 15 | tee -a "$DEST/overlap.txt"
+    phase done
+fi
+if [[ " $PARTS " == *" worldsizes "* ]]; then
+    start_part worldsizes "${WS_WORK:-/tmp/trtglm-worldsizes}"
+    load=${WS_LOAD:---requests 256 --concurrency 64 --prompt-len 128 --new-tokens 128}
+    gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    sizes=()
+    for ws in ${WS_SIZES:-1 2 4}; do  # those above the GPU count skipped (none on a CPU: a dry run)
+        if ((gpus == 0 || ws <= gpus)); then sizes+=("$ws"); else phase "world size $ws: skipped ($gpus GPUs)"; fi
+    done
+    for ws in "${sizes[@]}"; do
+        config=${WS_CONFIG:-configs/chatglm3-6b-fp16-tp$ws.yaml}
+        phase "world size $ws: build-engine $config ${WS_MODEL:-(random 6B fp16 weights)}"
+        # shellcheck disable=SC2046  # a word list
+        engine_6b "$work" "$config" "${WS_MODEL:-}" "$work/engine-ws$ws" \
+            $([ -z "${WS_CONFIG:-}" ] || printf -- '--set convert.tp_size=%s --set serve.world_size=%s' "$ws" "$ws")
+        launch_tree "$root" "ws$ws" "$work" "$work/engine-ws$ws" || continue
+        loads=("$load")
+        [ "$ws" != "${sizes[-1]}" ] || loads+=("${WS_LOAD_WIDE:---requests 1024 --concurrency 256 --prompt-len 128 --new-tokens 128}")
+        for each in "${loads[@]}"; do
+            in_flight=$(grep -o -- '--concurrency [0-9]*' <<< "$each" | cut -d' ' -f2)
+            phase "world size $ws: served greedy and top-p, $each"
+            # shellcheck disable=SC2086  # a word list
+            python3 -m trtglm bench sampling --url http://127.0.0.1:18000 --metrics-url http://127.0.0.1:18002/metrics \
+                --cases greedy,top-p $each --rounds "${WS_ROUNDS:-2}" --timeout 120 \
+                --out "$DEST/worldsizes-ws$ws-at$in_flight" 2>&1 | grep -v "^round" | tee -a "$DEST/worldsizes.txt" \
+                || phase "world size $ws: failed"
+        done
+        in_tree "$root" stop --repo "$work/repo-ws$ws" || true
+    done
+    python3 -m trtglm.bench.world_sizes "$DEST" 2>&1 | tee -a "$DEST/worldsizes.txt" || true
     phase done
 fi
 if [[ " $PARTS " == *" firstlaunch "* ]]; then
