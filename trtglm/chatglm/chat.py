@@ -59,6 +59,7 @@ from pathlib import Path
 import numpy as np
 
 from trtglm.chatglm.tokenizer import INCOMPLETE, PROMPT_PREFIX, ChatGLMTokenizer, IncrementalDetokenizer
+from trtglm.chatglm.variants import DEFAULT_VERSION
 from trtglm.errors import UsageError
 
 ROLES = ("system", "user", "assistant", "observation")
@@ -174,11 +175,11 @@ def chatglm2_ids(tokenizer: ChatGLMTokenizer, messages: Sequence[dict]) -> list[
     return [tokenizer.special_ids[t] for t in PROMPT_PREFIX] + tokenizer.sp.encode(chatglm2_prompt(messages))
 
 
-PROMPT_IDS = {"chatglm3": chat_ids, "chatglm2": chatglm2_ids}  # a checkpoint's chatglm_version -> its prompt ids
+PROMPT_IDS = {"chatglm3": chat_ids, "chatglm2": chatglm2_ids}  # variants.VERSIONS -> its prompt ids
 
 
 def prompt_ids(tokenizer: ChatGLMTokenizer, text: str, name: str = "the prompt",
-               version: str = "chatglm3") -> list[int]:
+               version: str = DEFAULT_VERSION) -> list[int]:
     """Prompt ids of a request's text: one user message or a JSON chat (UsageError for a bad chat), in the
     prompt format of `version` (a checkpoint's chatglm_version)."""
     return PROMPT_IDS[version](tokenizer, chat_messages(text, name))
