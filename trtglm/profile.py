@@ -23,13 +23,13 @@ from typing import Any
 
 import yaml
 
-from trtglm.chatglm.config import ChatGLMConfig
+from trtglm.chatglm.config import TP_SIZES, ChatGLMConfig
 from trtglm.chatglm.variants import VARIANTS, Variant
 from trtglm.errors import ModelFileError, UsageError
+from trtglm.ports import GRPC_PORT, HTTP_PORT, METRICS_PORT
 
 log = logging.getLogger(__name__)
 
-TP_SIZES = (1, 2, 4, 8)
 DTYPES = ("float16", "bfloat16", "float32")
 WEIGHT_ONLY = {None: None, "int8": "W8A16", "int4": "W4A16"}  # profile value -> TensorRT-LLM quant_algo
 PLUGIN_CHOICES = ("auto", "float16", "bfloat16", "float32", "disable")
@@ -97,9 +97,9 @@ class ServeSection:
     # the most sequences one prompt may ask for (num_return_sequences, OpenAI's n and best_of): each is a request
     # of the engine's, so the count is bounded before any work
     max_return_sequences: int = field(default=8, metadata=_at_least(1))
-    http_port: int = field(default=8000, metadata={"min": 1, "max": 65535})
-    grpc_port: int = field(default=8001, metadata={"min": 1, "max": 65535})
-    metrics_port: int = field(default=8002, metadata={"min": 1, "max": 65535})
+    http_port: int = field(default=HTTP_PORT, metadata={"min": 1, "max": 65535})
+    grpc_port: int = field(default=GRPC_PORT, metadata={"min": 1, "max": 65535})
+    metrics_port: int = field(default=METRICS_PORT, metadata={"min": 1, "max": 65535})
 
 
 SECTIONS = {"model": ModelSection, "convert": ConvertSection, "build": BuildSection, "serve": ServeSection}

@@ -39,9 +39,10 @@ from trtglm.bench.serving import (BLOCK, InProcess, check_positive, engine_dir_o
                                   tokenizer_dir_of)
 from trtglm.bench.serving import Settings as ServingSettings
 from trtglm.bench.workload import Workload, fixed_workload, mixed_workload
-from trtglm.client import DEFAULT_URL, ServerError, check_model
+from trtglm.client import ServerError, check_model
 from trtglm.client import http as http_client
 from trtglm.errors import UsageError
+from trtglm.ports import LOCAL_URL
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ WARM_UP_TOKENS = 4  # new tokens per request of a workload's warm-up wave
 
 @dataclass(frozen=True)
 class Settings:
-    url: str = DEFAULT_URL
+    url: str = LOCAL_URL
     grpc: str | None = None  # HOST:PORT; None: no gRPC paths
     metrics_url: str | None = None  # http://HOST:PORT/metrics; None: tokens counted by the client only
     engine_dir: str | None = None
@@ -321,7 +322,7 @@ def _gpu() -> dict:
 # --- the command --------------------------------------------------------------------------------------------
 
 
-def run(url: str = DEFAULT_URL, grpc: str | None = None, metrics_url: str | None = None,
+def run(url: str = LOCAL_URL, grpc: str | None = None, metrics_url: str | None = None,
         engine_dir: str | None = None, device: str | None = None, repeats: int = 20, overhead_tokens: int = 128,
         overhead_prompt: str = DEFAULT_PROMPT, overhead_model: str = "ensemble", requests: int = 256,
         concurrency: int = 64, prompt_len: int = 128, new_tokens: int = 128,

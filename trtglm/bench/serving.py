@@ -43,9 +43,10 @@ import numpy as np
 from tqdm import tqdm
 
 from trtglm.bench import DEFAULT_PROMPT
-from trtglm.client import DEFAULT_URL, GenerateRequest, ServerError, check_model
+from trtglm.client import GenerateRequest, ServerError, check_model
 from trtglm.client import http as http_client
 from trtglm.errors import UsageError
+from trtglm.ports import LOCAL_URL
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ BLOCK = 5  # calls in a row on one side when measuring the overhead
 
 @dataclass(frozen=True)
 class Settings:
-    url: str = DEFAULT_URL
+    url: str = LOCAL_URL
     model: str = "ensemble"
     prompt: str = DEFAULT_PROMPT
     max_tokens: int = 64

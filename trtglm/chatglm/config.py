@@ -12,6 +12,7 @@ from trtglm.files import read_json_object
 
 log = logging.getLogger(__name__)
 
+TP_SIZES = (1, 2, 4, 8)  # the tensor-parallel sizes a checkpoint is split into (convert, profiles)
 ARCHITECTURES = ("ChatGLMModel", "ChatGLMForConditionalGeneration", "ChatGLMForCausalLM")
 
 # HF config key -> (field, required).  Optional keys fall back to ChatGLM3-6B's values.
