@@ -114,7 +114,7 @@ class TritonPythonModel(bls.TritonPythonModel):
             sampling = sampling_config(_one_text(arrays, "temperature"), _optional(arrays, "top_p", _one_text),
                                        _optional(arrays, "seed", _one_int))
             inputs = engine_request(self.tokenizer, self.limits, turns, _one_int(arrays, "max_token"), sampling)
-            reply = bls.Reply(self.tokenizer, accumulate=False)
+            reply = bls.ReplyTexts(self.tokenizer, accumulate=False)
             for batch in self._generate(inputs, request):
                 for outputs in batch:
                     reply.collect(outputs["output_ids"], outputs["sequence_length"])

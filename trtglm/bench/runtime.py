@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from trtglm.bench.checks import (CHECK_SEQUENCES, reference_logits, check_model, compare_logits, fixture_check,
+from trtglm.bench.checks import (CHECK_SEQUENCES, reference_logits, check_model_logits, compare_logits, fixture_check,
                                  float32_reference_logits, hf_reference, kernel_checks, quantized_reference_logits)
 from trtglm.bench.measure import (DTYPES, INFLIGHT_OUTPUTS, INFLIGHT_PROMPTS, KIND_OF_MODE, MODES, WEIGHT_ONLY,
                                   checkpoint_tensors, copy_bandwidth, cuda_device, decode_floor_ms,
@@ -171,7 +171,7 @@ def _bench_mode(mode: str, weights: Weights, opts: dict, max_seq_len: int, check
         if mode != "none":
             references = {**references, "quantized": quantized_reference_logits(
                 weights.hf_cfg, weights.hf_tensors, MODES[mode], model.device, check_ids)}
-        entry["check"] = check_model(model, check_ids, references, prompt_len)
+        entry["check"] = check_model_logits(model, check_ids, references, prompt_len)
     entry["runs"] = []
     for batch in batches:
         timing = fast_timing(model, batch, prompt_len, new_tokens, generator)

@@ -24,9 +24,9 @@ def serving(url: str = LOCAL_URL, concurrency: str = "1,8,32", requests: PosInt 
     defaults to the server's engine folder; --out DIR writes serving.json and serving.md;
     --no-compare-replies times random-weight replies without comparing their text.
     """
-    from trtglm.bench.serving import Settings, bench_serving, markdown, parse_concurrency
+    from trtglm.bench.serving import ServingSettings, bench_serving, markdown, parse_concurrency
 
-    settings = Settings(url=url, model=model, prompt=prompt, max_tokens=max_tokens,
+    settings = ServingSettings(url=url, model=model, prompt=prompt, max_tokens=max_tokens,
                         concurrency=parse_concurrency(concurrency), requests=requests, repeats=repeats,
                         engine_dir=engine_dir, device=device, timeout=timeout, compare_replies=compare_replies)
     print(markdown(bench_serving(settings, out)), end="", flush=True)

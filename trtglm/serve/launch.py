@@ -30,14 +30,14 @@ from tqdm import tqdm
 from trtglm.errors import DependencyError, TrtglmError, UsageError
 from trtglm.model_repository import profile_ports
 from trtglm.ports import TRITON_PORTS
-from trtglm.serve.checks import check_ports, check_repo, resolve_world_size
+from trtglm.serve.checks import check_ports, repo_folder, resolve_world_size
 from trtglm.serve.command import Endpoints
 from trtglm.serve.launch_spec import EXIT_TIMEOUT_S, LaunchSpec
 from trtglm.serve.state import LaunchDir, all_launch_dirs, clean_stale, only_launch
 from trtglm.serve.preload import preload_library
 from trtglm.serve.supervise import GRACE_S, Supervisor, announce, show_phase
 from trtglm.serve.tritonserver import (backend_directory, find_mpirun, find_tritonserver, mpirun_version,
-                                       preload_cache_dir, server_env, stub_python_bin)
+                                       preload_cache_dir, server_env, stubs_python_folder)
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def launch(repo: str | Path, *, world_size: int | None, tritonserver: str | None
     """Serve `repo` with `world_size` ranks until stopped (or, with `detach`, until ready); `server_flags`
     go on every rank's tritonserver command line after trtglm's own; with `openai`, the OpenAI-compatible
     API on `openai_port` too. A port left out is the engine profile's (`serve.*_port`), else Triton's default."""
-    repo_path = check_repo(repo)
+    repo_path = repo_folder(repo)
     size = resolve_world_size(repo_path, world_size)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise UsageError(f"--timeout must be a positive number of seconds, not {timeout!r}")
@@ -63,7 +63,7 @@ def launch(repo: str | Path, *, world_size: int | None, tritonserver: str | None
     mpi_version = mpirun_version(mpirun) if mpirun else None
     preload = preload_library(preload_cache_dir())
     backend_dir = backend_directory(binary)
-    python_bin = stub_python_bin(binary)
+    python_bin = stubs_python_folder(binary)
     launch_dir = LaunchDir.for_repo(repo_path)
     lock = launch_dir.try_lock()
     if lock is None:

@@ -201,7 +201,7 @@ class Supervisor:
                 failure = self.check_ranks()
                 if failure is not None:
                     return failure
-                if len(self.ranks) == self.spec.world_size and is_ready(url):
+                if len(self.ranks) == self.spec.world_size and answers_ok(url):
                     log.info("%s: ready after %.1f s", self.spec.repo, time.monotonic() - started)
                     return None
                 time.sleep(POLL_S)
@@ -234,7 +234,7 @@ class Supervisor:
         self.openai.start(dict(os.environ))
         self.launch.write({**(self.launch.read() or {}), "openai_pid": self.openai.popen.pid})
         problem = self.openai.wait_ready(lambda: self.stop_signal is not None or self.check_ranks() is not None,
-                                         is_ready)
+                                         answers_ok)
         if problem is None:
             return self.check_ranks()
         return Failure(f"{problem}; stopped all ranks (logs: {self.log_dir})", [], (self.openai.log_path,))
@@ -473,7 +473,7 @@ def show_phase(bar: tqdm, phase_file: Path, started: float) -> None:
     bar.update(round(time.monotonic() - started) - bar.n)
 
 
-def is_ready(url: str) -> bool:
+def answers_ok(url: str) -> bool:
     try:
         with _NO_PROXY.open(url, timeout=1) as reply:
             return reply.status == 200
