@@ -73,7 +73,8 @@ def sampling_config(temperature: str, top_p: str | None, seed: int | None) -> Sa
     return config
 
 
-def engine_request(tokenizer, limits: Limits, turns: list[dict], max_token: int, sampling: SamplingConfig) -> dict:
+def history_engine_inputs(tokenizer, limits: Limits, turns: list[dict], max_token: int,
+                          sampling: SamplingConfig) -> dict:
     """tensorrt_llm's input arrays for the turns: the reply may take what max_token leaves after the prompt."""
     if max_token < 1:
         raise int_range_error("max_token", max_token, 1, INT16_BITS)
@@ -113,7 +114,7 @@ class TritonPythonModel(bls.TritonPythonModel):
             turns, kept = request_turns(_one_text(arrays, "prompt"), _texts(arrays, "history"), history_len)
             sampling = sampling_config(_one_text(arrays, "temperature"), _optional(arrays, "top_p", _one_text),
                                        _optional(arrays, "seed", _one_int))
-            inputs = engine_request(self.tokenizer, self.limits, turns, _one_int(arrays, "max_token"), sampling)
+            inputs = history_engine_inputs(self.tokenizer, self.limits, turns, _one_int(arrays, "max_token"), sampling)
             reply = bls.ReplyTexts(self.tokenizer, accumulate=False)
             for batch in self._generate(inputs, request):
                 for outputs in batch:

@@ -44,7 +44,7 @@ from trtglm.bench.checks import (CHECK_SEQUENCES, reference_logits, check_model_
 from trtglm.bench.measure import (DTYPES, INFLIGHT_OUTPUTS, INFLIGHT_PROMPTS, KIND_OF_MODE, MODES, WEIGHT_ONLY,
                                   checkpoint_tensors, copy_bandwidth, cuda_device, decode_floor_ms,
                                   fast_timing, hf_timings, long_ttft_ms, profile_decode_step, synth_tensors)
-from trtglm.bench.inflight import mixed_workload
+from trtglm.bench.inflight import run_mixed_workload
 from trtglm.bench.report import fill_ratios, plot, summary, targets
 from trtglm.errors import ModelFileError, TrtglmError, UsageError
 
@@ -185,8 +185,8 @@ def _bench_mode(mode: str, weights: Weights, opts: dict, max_seq_len: int, check
     if profile:
         entry["profile"] = {str(b): profile_decode_step(model, b) for b in sorted({1, max(batches)})}
     if inflight:
-        entry["inflight"] = mixed_workload(model, opts["requests"], opts["concurrency"], generator,
-                                           max_num_tokens=opts["prefill_chunk"])
+        entry["inflight"] = run_mixed_workload(model, opts["requests"], opts["concurrency"], generator,
+                                               max_num_tokens=opts["prefill_chunk"])
     if model.tuned:
         from trtglm.runtime.fast.kernels import CHOSEN
 
