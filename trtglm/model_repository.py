@@ -50,7 +50,7 @@ def has_model(repo: Path, model: str) -> bool:
     return config_path(repo, model).is_file()
 
 
-def read_config(path: Path):
+def read_pbtxt(path: Path):
     """The ModelConfig in the config.pbtxt at `path`."""
     try:
         text = path.read_text(encoding="utf-8")
@@ -61,7 +61,7 @@ def read_config(path: Path):
 
 def model_config(repo: Path, model: str):
     """`model`'s ModelConfig in `repo`."""
-    return read_config(config_path(repo, model))
+    return read_pbtxt(config_path(repo, model))
 
 
 def parameters(config) -> dict[str, str]:

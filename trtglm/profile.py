@@ -23,41 +23,19 @@ from typing import Any
 
 import yaml
 
-from trtglm.chatglm.config import ChatGLMConfig
+from trtglm.chatglm.config import TP_SIZES, ChatGLMConfig
+from trtglm.chatglm.variants import VARIANTS, Variant
 from trtglm.errors import ModelFileError, UsageError
+from trtglm.ports import GRPC_PORT, HTTP_PORT, METRICS_PORT
 
 log = logging.getLogger(__name__)
 
-TP_SIZES = (1, 2, 4, 8)
 DTYPES = ("float16", "bfloat16", "float32")
 WEIGHT_ONLY = {None: None, "int8": "W8A16", "int4": "W4A16"}  # profile value -> TensorRT-LLM quant_algo
 PLUGIN_CHOICES = ("auto", "float16", "bfloat16", "float32", "disable")
 # TensorRT-LLM's ChatGLM build refuses max_num_tokens ≥ 2**31 / (2 × ffn_hidden_size) for the
 # rope-scaled 32k models (an int32 index overflow in the MLP); trtllm.md quotes it as 78398.
 LONG_CONTEXT_TOKEN_LIMIT = 78398
-
-
-@dataclass(frozen=True)
-class Variant:
-    """A published ChatGLM model: what validation, planning and older build scripts need to know."""
-
-    chatglm_version: str
-    seq_length: int | None  # None: read it from the HF config
-    six_b_shapes: bool  # the 6B layer/head/vocab sizes (chatglm3.md); False: HF config only
-    token_limit: bool = False  # LONG_CONTEXT_TOKEN_LIMIT applies
-    trtllm07_name: str | None = None  # `-m` of TensorRT-LLM v0.7.1 examples/chatglm/build.py
-
-
-VARIANTS: dict[str, Variant] = {
-    "chatglm3-6b": Variant("chatglm3", 8192, True, trtllm07_name="chatglm3_6b"),
-    "chatglm3-6b-base": Variant("chatglm3", 32768, True, trtllm07_name="chatglm3_6b_base"),
-    "chatglm3-6b-32k": Variant("chatglm3", 32768, True, token_limit=True, trtllm07_name="chatglm3_6b_32k"),
-    "chatglm3-6b-128k": Variant("chatglm3", 131072, True),
-    "chatglm2-6b": Variant("chatglm2", 32768, True, trtllm07_name="chatglm2_6b"),
-    "chatglm2-6b-32k": Variant("chatglm2", 32768, True, token_limit=True, trtllm07_name="chatglm2_6b_32k"),
-    # ChatGLM3 architecture at any size (the test fixture): shapes and length from its config.json
-    "chatglm3-tiny": Variant("chatglm3", None, False),
-}
 
 
 def _choices(*values: Any) -> dict:
@@ -119,9 +97,9 @@ class ServeSection:
     # the most sequences one prompt may ask for (num_return_sequences, OpenAI's n and best_of): each is a request
     # of the engine's, so the count is bounded before any work
     max_return_sequences: int = field(default=8, metadata=_at_least(1))
-    http_port: int = field(default=8000, metadata={"min": 1, "max": 65535})
-    grpc_port: int = field(default=8001, metadata={"min": 1, "max": 65535})
-    metrics_port: int = field(default=8002, metadata={"min": 1, "max": 65535})
+    http_port: int = field(default=HTTP_PORT, metadata={"min": 1, "max": 65535})
+    grpc_port: int = field(default=GRPC_PORT, metadata={"min": 1, "max": 65535})
+    metrics_port: int = field(default=METRICS_PORT, metadata={"min": 1, "max": 65535})
 
 
 SECTIONS = {"model": ModelSection, "convert": ConvertSection, "build": BuildSection, "serve": ServeSection}

@@ -34,29 +34,29 @@ def test_the_kernels_cpu_lists_are_read():
 
 def test_each_rank_gets_a_whole_physical_core_and_the_server_the_rest(tmp_path):
     sysfs = hyperthreaded(tmp_path, 8)  # 16 CPUs, as the single-GPU machines have
-    engines, server = cpus.plan(1, set(range(16)), sysfs)
+    engines, server = cpus.plan_engine_cpus(1, set(range(16)), sysfs)
     assert engines == [(7, 15)]
     assert server == set(range(16)) - {7, 15}
-    engines, server = cpus.plan(2, set(range(16)), sysfs)
+    engines, server = cpus.plan_engine_cpus(2, set(range(16)), sysfs)
     assert engines == [(6, 14), (7, 15)] and not server & {6, 14, 7, 15} and len(server) == 12
 
 
 def test_only_allowed_cpus_are_planned(tmp_path):
     sysfs = hyperthreaded(tmp_path, 8)
     allowed = set(range(16)) - {7}  # a cpuset without one thread of the last core
-    engines, server = cpus.plan(1, allowed, sysfs)
+    engines, server = cpus.plan_engine_cpus(1, allowed, sysfs)
     assert engines == [(15,)] and server == allowed - {15}
 
 
 def test_small_machines_reserve_nothing(tmp_path):
     sysfs = hyperthreaded(tmp_path, 2)  # 4 CPUs
-    assert cpus.plan(1, set(range(4)), sysfs) == ([], set(range(4)))
+    assert cpus.plan_engine_cpus(1, set(range(4)), sysfs) == ([], set(range(4)))
     sysfs = topology(tmp_path / "big", {cpu: str(cpu) for cpu in range(8)})  # 8 cores, 8 engines: none left
-    assert cpus.plan(8, set(range(8)), sysfs) == ([], set(range(8)))
+    assert cpus.plan_engine_cpus(8, set(range(8)), sysfs) == ([], set(range(8)))
 
 
 def test_unreadable_topology_counts_each_cpu_as_a_core(tmp_path):
-    engines, server = cpus.plan(1, set(range(8)), tmp_path / "missing")
+    engines, server = cpus.plan_engine_cpus(1, set(range(8)), tmp_path / "missing")
     assert engines == [(7,)] and server == set(range(7))
 
 

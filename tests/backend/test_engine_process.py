@@ -17,7 +17,7 @@ import pytest
 from support.engines import MAX_NEW, build_tiny_engine, chat_prompts, unsplit_answers
 
 from trtglm.backend.engine import engine_info
-from trtglm.backend.engine_process import EngineProcess, Limits, Wire
+from trtglm.backend.engine_process import EngineProcess, EngineFacts, MessagePipe
 from trtglm.errors import UsageError
 from trtglm.request_config import SamplingConfig
 from trtglm.runtime.executor import CANCEL_CHECK_S
@@ -62,7 +62,7 @@ def test_answers_are_those_of_generate_on_the_same_checkpoint(engine, prompts, e
     assert [[t for o in outputs for t in o.tokens] for outputs, _ in runs] == expected
     assert all(outputs[-1].finished and not outputs[-1].error for outputs, _ in runs)
     info = engine_info(engine.engine_dir)
-    assert engine.limits == Limits(0, True, 576, info.max_seq_len, 4 + info.max_batch_size)  # vocabulary padded
+    assert engine.limits == EngineFacts(0, True, 576, info.max_seq_len, 4 + info.max_batch_size)  # vocabulary padded
     time.sleep(0.3)  # the counters come with the outputs
     stats = engine.stats()
     assert stats.finished >= len(prompts) and stats.generated_tokens >= sum(map(len, expected))
@@ -136,8 +136,8 @@ def test_a_finished_request_is_never_asked_whether_it_was_cancelled():
     send), and the cancellation watcher must not ask the request meanwhile."""
     ours, theirs = socket.socketpair()
     sleeper = subprocess.Popen(["sleep", "60"])
-    engine = EngineProcess(sleeper, Wire(Connection(ours.detach())), Limits(0, True, 100, 64, 4))
-    them = Wire(Connection(theirs.detach()))
+    engine = EngineProcess(sleeper, MessagePipe(Connection(ours.detach())), EngineFacts(0, True, 100, 64, 4))
+    them = MessagePipe(Connection(theirs.detach()))
     asked_after_final, final_sent = [], threading.Event()
 
     def is_cancelled() -> bool:

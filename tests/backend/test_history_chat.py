@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from trtglm.backend.contract import Limits
-from trtglm.backend.history_chat import engine_request, request_turns, sampling_config
+from trtglm.backend.history_chat import history_engine_inputs, request_turns, sampling_config
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
 
@@ -31,7 +31,7 @@ def expected_ids(tok: ChatGLMTokenizer, *turns: tuple[str, str]) -> list[int]:
 
 def test_the_engine_gets_the_kept_turns_prompt_and_what_max_token_leaves(tok):
     turns, kept = request_turns("Say it again.", [HISTORY], history_len=1)
-    inputs = engine_request(tok, LIMITS, turns, max_token=100, sampling=sampling_config("0.5", None, None))
+    inputs = history_engine_inputs(tok, LIMITS, turns, max_token=100, sampling=sampling_config("0.5", None, None))
     ids = expected_ids(tok, ("user", "hi"), ("assistant", "Hello"), ("user", "Say it again."))
     assert inputs["input_ids"].tolist() == [ids]
     assert inputs["request_output_len"].tolist() == [[100 - len(ids)]]
@@ -46,7 +46,8 @@ def test_the_engine_gets_the_kept_turns_prompt_and_what_max_token_leaves(tok):
 def test_history_len_zero_sends_the_prompt_alone(tok):
     turns, kept = request_turns("hi", [HISTORY], history_len=0)
     assert kept == []
-    assert engine_request(tok, LIMITS, turns, 64, GREEDY)["input_ids"].tolist() == [expected_ids(tok, ("user", "hi"))]
+    inputs = history_engine_inputs(tok, LIMITS, turns, 64, GREEDY)
+    assert inputs["input_ids"].tolist() == [expected_ids(tok, ("user", "hi"))]
 
 
 def test_max_token_must_leave_room_for_a_reply(tok):
@@ -54,13 +55,13 @@ def test_max_token_must_leave_room_for_a_reply(tok):
     prompt_len = len(expected_ids(tok, ("user", "hi")))
     with pytest.raises(UsageError, match=f"max_token {prompt_len} leaves no room for a reply: the prompt and "
                                          f"history are {prompt_len} tokens"):
-        engine_request(tok, LIMITS, turns, prompt_len, GREEDY)
+        history_engine_inputs(tok, LIMITS, turns, prompt_len, GREEDY)
     with pytest.raises(UsageError, match="^max_token must be between 1 and 32767, not 0$"):
-        engine_request(tok, LIMITS, turns, 0, GREEDY)
+        history_engine_inputs(tok, LIMITS, turns, 0, GREEDY)
     # INT16 over HTTP JSON: 40000 arrives as -25536
     with pytest.raises(UsageError, match=r"^max_token must be between 1 and 32767, not -25536 \(over HTTP JSON Triton "
                                          r"keeps only the low 16 bits of a larger number: 40000 arrives as -25536\)$"):
-        engine_request(tok, LIMITS, turns, -25536, GREEDY)
+        history_engine_inputs(tok, LIMITS, turns, -25536, GREEDY)
 
 
 @pytest.mark.parametrize("text, value", [("0", 0.0), ("0.95", 0.95), (" 1e-2 ", 0.01)])
@@ -76,9 +77,9 @@ def test_other_temperatures_are_refused(text):
 
 def test_top_p_and_seed_reach_the_engine(tok):
     turns, _ = request_turns("hi", [""], 0)
-    inputs = engine_request(tok, LIMITS, turns, 64, sampling_config("0.8", "0.5", 7))
+    inputs = history_engine_inputs(tok, LIMITS, turns, 64, sampling_config("0.8", "0.5", 7))
     assert (inputs["runtime_top_p"].tolist(), inputs["random_seed"].tolist()) == ([[0.5]], [[7]])
-    greedy = engine_request(tok, LIMITS, turns, 64, GREEDY)
+    greedy = history_engine_inputs(tok, LIMITS, turns, 64, GREEDY)
     assert not {"temperature", "runtime_top_k", "runtime_top_p"} & set(greedy)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from trtglm.backend.llm_requests import engine_request, engine_requests
-from trtglm.backend.llm_responses import Reply
+from trtglm.backend.llm_responses import Responder
 from trtglm.errors import UsageError
 from trtglm.runtime.beams import Beam
 from trtglm.runtime.executor import Output
@@ -44,7 +44,7 @@ def test_bad_beam_requests_are_refused_in_one_line(inputs, message):
 
 def test_a_beam_search_answers_every_beam_padded():
     sent = []
-    reply = Reply(False, lambda arrays, last: sent.append((arrays, last)), lambda message: None)
+    reply = Responder(False, lambda arrays, last: sent.append((arrays, last)), lambda message: None)
     beams = [Beam([4, 5, 6], -0.5, -0.2, [-0.1, -0.1, -0.2]), Beam([4, 9], -1.5, -0.9, [-0.1, -1.2])]
     reply(Output([4, 5, 6], [-0.1, -0.1, -0.2], finished=True, reason="end_id", beams=beams))
     (out, last), = sent
@@ -57,7 +57,7 @@ def test_a_beam_search_answers_every_beam_padded():
 
 def test_a_beam_searchs_logits_are_each_beams_rows_padded():
     sent = []
-    reply = Reply(False, lambda arrays, last: sent.append(arrays), lambda message: None)
+    reply = Responder(False, lambda arrays, last: sent.append(arrays), lambda message: None)
     rows = [np.full(2, value, np.float32) for value in (0.5, 1.5, 2.5)]
     context = np.arange(6, dtype=np.float32).reshape(3, 2)
     reply(Output([4, 5, 6], finished=True, reason="end_id", context_logits=context,
@@ -70,12 +70,12 @@ def test_a_beam_searchs_logits_are_each_beams_rows_padded():
 @pytest.mark.parametrize("streaming", [False, True])
 def test_plain_and_beam_answers_count_their_output_tokens(streaming):
     sent = []
-    reply = Reply(streaming, lambda arrays, last: sent.append(arrays), lambda message: sent.append(message))
+    reply = Responder(streaming, lambda arrays, last: sent.append(arrays), lambda message: sent.append(message))
     reply(Output(tokens=[4, 5], log_probs=[], finished=False, reason=None))
     reply(Output(tokens=[6], log_probs=[], finished=True, reason="length"))
     assert sent[-1]["num_output_tokens"].tolist() == [[3]]
     beams = []
-    Reply(False, lambda arrays, last: beams.append(arrays), beams.append)(Output(
+    Responder(False, lambda arrays, last: beams.append(arrays), beams.append)(Output(
         tokens=[], log_probs=[], finished=True, reason="end_id",
         beams=[Beam([1, 2, 3], -1.0, -0.5, []), Beam([1], -2.0, -2.0, [])]))
     assert beams[0]["num_output_tokens"].tolist() == [[3]]  # the longest beam's, as output_ids' width
@@ -87,7 +87,7 @@ def test_a_response_that_cannot_be_made_still_ends_the_request_with_an_error():
     def send(arrays, last):
         raise KeyError("no such output")
 
-    reply = Reply(False, send, failures.append)
+    reply = Responder(False, send, failures.append)
     with pytest.raises(KeyError):
         reply(Output(tokens=[4], log_probs=[], finished=True, reason="length"))
     assert failures == ["its response could not be made or sent: 'no such output'"]

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from trtglm.backend.bls import Reply, engine_inputs
+from trtglm.backend.bls import ReplyTexts, engine_inputs
 from trtglm.backend.contract import Limits
 from trtglm.backend.postprocessing import flat_texts, postprocess, reply_prefixes
 from trtglm.backend.preprocessing import preprocess
@@ -108,7 +108,7 @@ def test_streamed_pieces_in_uneven_chunks(tok, answers):
 def test_bls_reply_pieces_and_accumulated_text(tok, answers):
     for answer in answers:
         ids = generated(tok, answer)
-        deltas, accumulated = Reply(tok, accumulate=False), Reply(tok, accumulate=True)
+        deltas, accumulated = ReplyTexts(tok, accumulate=False), ReplyTexts(tok, accumulate=True)
         pieces, texts = [], []
         for i in ids:
             tokens, lengths = batch([i])
@@ -121,7 +121,7 @@ def test_bls_reply_pieces_and_accumulated_text(tok, answers):
 
 def test_bls_reply_collects_a_whole_reply_from_parts(tok):
     answer = "森林 means forest, a place with many trees."
-    ids, reply = generated(tok, answer), Reply(tok, accumulate=False)
+    ids, reply = generated(tok, answer), ReplyTexts(tok, accumulate=False)
     for part in (ids[:3], ids[3:]):
         reply.collect(*batch(part))
     assert reply.whole() == [[answer]]

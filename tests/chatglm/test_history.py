@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from trtglm.chatglm.chat import assistant_turn, history_text, last_rounds, parse_history
+from trtglm.chatglm.history import assistant_turn, history_text, last_rounds, parse_history
 from trtglm.errors import UsageError
 
 # A history as ChatGLM3's chat() returns it after two rounds, written as a Python literal (repr), the way

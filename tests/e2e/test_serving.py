@@ -26,7 +26,7 @@ from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
 from trtglm.repo import patch_repo
 from trtglm.backend.llm_requests import batch_size, engine_request, engine_requests
-from trtglm.backend.llm_responses import Reply
+from trtglm.backend.llm_responses import Responder
 from trtglm.runtime.request import Output
 
 WORLD_SIZES = (1, 2, 4)
@@ -128,7 +128,7 @@ def test_a_streamed_batch_is_a_streamed_request_per_prompt():
 
 def test_streamed_responses_carry_new_ids_and_the_last_is_final():
     sent, failed = [], []
-    reply = Reply(True, lambda arrays, final: sent.append((arrays, final)), failed.append)
+    reply = Responder(True, lambda arrays, final: sent.append((arrays, final)), failed.append)
     reply(Output([11], [-0.5]))
     reply(Output([12], [-0.25]))
     reply(Output([], finished=True, reason="end_id"))  # end_id: nothing more to return
@@ -143,13 +143,13 @@ def test_streamed_responses_carry_new_ids_and_the_last_is_final():
 
 def test_a_whole_reply_is_one_response_and_errors_fail_it():
     sent, failed = [], []
-    reply = Reply(False, lambda arrays, final: sent.append((arrays, final)), failed.append)
+    reply = Responder(False, lambda arrays, final: sent.append((arrays, final)), failed.append)
     for output in (Output([11]), Output([12]), Output([518], finished=True, reason="stop_word")):
         reply(output)
     assert len(sent) == 1 and sent[0][1] is True
     assert sent[0][0]["output_ids"].tolist() == [[[11, 12, 518]]] and sent[0][0]["sequence_length"].tolist() == [[3]]
     assert sent[0][0]["output_log_probs"].tolist() == [[[0.0, 0.0, 0.0]]]  # zeros unless asked for
-    cancelled = Reply(True, lambda *_: None, failed.append)
+    cancelled = Responder(True, lambda *_: None, failed.append)
     cancelled(Output([], finished=True, reason="cancelled"))
     assert failed == ["the request was cancelled"]
 

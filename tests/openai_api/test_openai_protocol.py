@@ -20,7 +20,7 @@ from trtglm.openai_api.prompts import chatglm_messages
 from trtglm.openai_api.protocol import MAX_PROMPTS, MAX_STOP_BYTES, ChatRequest, CompletionRequest, refuse_unsupported
 from trtglm.openai_api.replies import ChoiceText
 from trtglm.openai_api.served import client_model, served_model
-from trtglm.openai_api.triton import Ask, Piece, triton_error, triton_inputs
+from trtglm.openai_api.triton import Ask, Piece, api_error_of, triton_inputs
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                             "parameters": {"city": "string"}}}
@@ -262,11 +262,11 @@ class StreamError:
     StreamError("busy", "StatusCode.UNAVAILABLE"),
 ])
 def test_a_full_queue_is_503_with_retry_after_whatever_path_refused_it(error):
-    api_error = triton_error(error)
+    api_error = api_error_of(error)
     assert (api_error.status, api_error.code, api_error.headers()) == (503, "server_busy", {"Retry-After": "1"})
     assert api_error.message.startswith("the model server is busy, retry later: ")
 
 
 def test_other_triton_errors_keep_their_status():
-    assert triton_error(StreamError("max_tokens is required", "StatusCode.INVALID_ARGUMENT")).status == 400
-    assert triton_error(StreamError("in ensemble 'ensemble', something broke")).status == 500
+    assert api_error_of(StreamError("max_tokens is required", "StatusCode.INVALID_ARGUMENT")).status == 400
+    assert api_error_of(StreamError("in ensemble 'ensemble', something broke")).status == 500

@@ -253,7 +253,7 @@ def test_world_size_must_be_a_positive_whole_number(tmp_path, value):
 
 def test_missing_repository(tmp_path):
     with pytest.raises(ModelFileError, match="not a folder"):
-        checks.check_repo(tmp_path / "nope")
+        checks.repo_folder(tmp_path / "nope")
 
 
 # --- ports --------------------------------------------------------------------------------------

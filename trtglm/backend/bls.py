@@ -152,7 +152,7 @@ class EngineCall:
         getattr(self.iterator, "cancel", lambda: None)()  # Triton 2.51's iterator has no cancel()
 
 
-class Reply:
+class ReplyTexts:
     """The text of one request's reply (all batch rows and beams) as engine responses arrive; a response of
     one batch row (batch_index `row`) holds that row alone."""
 
@@ -271,7 +271,7 @@ class TritonPythonModel:
             client, inputs = self._prepare(request)
             if streaming(client):
                 raise UsageError("stream needs a decoupled repository (decoupled_mode true)")
-            reply, log_probs = Reply(self.tokenizer, self.accumulate), {}
+            reply, log_probs = ReplyTexts(self.tokenizer, self.accumulate), {}
             for batch in self._generate(inputs, request):
                 for outputs in batch:
                     reply.collect(outputs["output_ids"], outputs["sequence_length"])
@@ -289,7 +289,7 @@ class TritonPythonModel:
         try:
             client, inputs = self._prepare(request)
             stream = streaming(client)
-            reply, log_probs = Reply(self.tokenizer, self.accumulate), {}
+            reply, log_probs = ReplyTexts(self.tokenizer, self.accumulate), {}
             for batch in self._generate(inputs, request):
                 for (row, index), outputs in _by_part(batch):
                     log_probs[row, index] = _joined_log_probs([{k: o[k] for k in LOG_PROBS if k in o}

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from trtglm.chatglm.chat import PROMPT_IDS
+from trtglm.chatglm.variants import DEFAULT_VERSION
 from trtglm.errors import PromptTooLongError, UsageError
 
 ENSEMBLE, PREPROCESSING, TENSORRT_LLM, POSTPROCESSING, BLS = (
@@ -46,7 +47,6 @@ PYTHON_MODEL_PARAMETERS: dict[str, tuple[str, ...]] = {
                    LLM_DECOUPLED),
 }
 
-DEFAULT_CHATGLM_VERSION = "chatglm3"  # a repository rendered before chatglm_version was written is ChatGLM3's
 
 
 def parameter(params: Mapping[str, str], key: str, model: str) -> str:
@@ -72,12 +72,13 @@ class Limits:
     max_input_len: int
     max_seq_len: int
     vocab_size: int  # the engine's vocabulary (embedding bias length)
-    chatglm_version: str = DEFAULT_CHATGLM_VERSION  # the prompt format its model was trained on (chat.PROMPT_IDS)
+    chatglm_version: str = DEFAULT_VERSION  # the prompt format its model was trained on (chat.PROMPT_IDS)
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str], model: str) -> "Limits":
         """The limits in `model`'s parameters."""
-        version = params.get(CHATGLM_VERSION) or DEFAULT_CHATGLM_VERSION
+        # a repository rendered before chatglm_version was written is ChatGLM3's
+        version = params.get(CHATGLM_VERSION) or DEFAULT_VERSION
         if version not in PROMPT_IDS:
             raise UsageError(f"{model}: parameter {CHATGLM_VERSION} must be one of {', '.join(PROMPT_IDS)}, "
                              f"not {version!r}")

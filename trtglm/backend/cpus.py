@@ -53,7 +53,8 @@ def physical_cores(allowed: set[int], sysfs: Path = SYSFS_CPUS) -> list[tuple[in
     return list(cores)
 
 
-def plan(local_ranks: int, allowed: set[int], sysfs: Path = SYSFS_CPUS) -> tuple[list[tuple[int, ...]], set[int]]:
+def plan_engine_cpus(local_ranks: int, allowed: set[int],
+                     sysfs: Path = SYSFS_CPUS) -> tuple[list[tuple[int, ...]], set[int]]:
     """(each local rank's engine CPUs, the server's CPUs), or ([], allowed) when there are too few to spare: the
     last physical cores go to the engines, so that what the server runs keeps CPU 0 onwards."""
     cores = physical_cores(allowed, sysfs)
@@ -67,7 +68,7 @@ def engine_cpus_env(local_ranks: int, environ: dict[str, str]) -> tuple[dict[str
     """(variables to add to the server's environment, the server's CPUs or None to leave them be)."""
     if environ.get(ENV, "").lower() == "off" or not gpus_visible(environ):
         return {}, None
-    engines, server = plan(local_ranks, set(os.sched_getaffinity(0)), SYSFS_CPUS)
+    engines, server = plan_engine_cpus(local_ranks, set(os.sched_getaffinity(0)), SYSFS_CPUS)
     if not engines:
         return {}, None
     value = ";".join(",".join(map(str, core)) for core in engines)

@@ -18,7 +18,7 @@ the client is gone) is cancelled in the engine too.
 The two ends talk over a socket pair private to them (pickled tuples; both ends are trtglm's own):
 
     stub → engine: ("submit", id, Request)  ("cancel", id)  ("stop",)
-    engine → stub: ("ready", Limits) or ("failed", exception class, message), once;
+    engine → stub: ("ready", EngineFacts) or ("failed", exception class, message), once;
                    then ("outputs", [(id, Output), …], ExecutorStats)
 
 The engine process ends when the stub asks, or when the stub is gone (end of file). When the
@@ -58,7 +58,7 @@ STOP_TIMEOUT_S = 10.0  # the engine's own close allows 5 s for followers and pro
 
 
 @dataclass(frozen=True)
-class Limits:
+class EngineFacts:
     """What the stub needs to know of the engine: whether this rank takes requests, and its limits."""
 
     rank: int
@@ -72,7 +72,7 @@ class Limits:
 # --- the wire ------------------------------------------------------------------------------------------
 
 
-class Wire:
+class MessagePipe:
     """One end of the socket pair: whole pickled messages, sent by any thread, one at a time."""
 
     def __init__(self, connection: Connection):
@@ -132,7 +132,7 @@ class _Live:
 class EngineProcess:
     """The engine's process, seen from the stub: the executor's calls, answered by that process."""
 
-    def __init__(self, process: subprocess.Popen, wire: Wire, limits: Limits,
+    def __init__(self, process: subprocess.Popen, wire: MessagePipe, limits: EngineFacts,
                  on_death: Callable[[str], None] | None = None):
         self.process, self.wire, self.limits, self.on_death = process, wire, limits, on_death
         self._lock = threading.Lock()
@@ -159,7 +159,7 @@ class EngineProcess:
         log.info("starting the engine's process: %s", " ".join(argv))
         with theirs:
             process = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
-        wire = Wire(Connection(ours.detach()))
+        wire = MessagePipe(Connection(ours.detach()))
         try:
             message = wire.receive()
         except (EOFError, OSError):
@@ -309,7 +309,7 @@ def engine_python() -> str:
 class EngineHost:
     """Runs in the engine's process: submits what the stub sends, sends back what the executor gives."""
 
-    def __init__(self, engine, wire: Wire):
+    def __init__(self, engine, wire: MessagePipe):
         self.engine, self.wire, self.executor = engine, wire, engine.executor
         self._lock = threading.Lock()
         if self.executor is not None:
@@ -321,11 +321,11 @@ class EngineHost:
         self._outgoing: list[tuple[int, Output]] = []
         self._cancelled: set[int] = set()
 
-    def limits(self) -> Limits:
+    def limits(self) -> EngineFacts:
         engine = self.engine
         capacity = self.capacity if self.executor else 0
-        return Limits(engine.info.rank, self.executor is not None, engine.model.vocab_size, engine.engine.max_seq_len,
-                      capacity, engine.engine.max_beam_width)
+        return EngineFacts(engine.info.rank, self.executor is not None, engine.model.vocab_size,
+                           engine.engine.max_seq_len, capacity, engine.engine.max_beam_width)
 
     def serve(self) -> None:
         """Take messages until the stub says stop or is gone; then close the engine."""
@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     log_to_stderr()
     if torch.cuda.is_available():  # a CPU engine needs every core it has
         pin_engine()  # before the engine starts its threads, which take this thread's CPUs
-    wire = Wire(Connection(args.fd))
+    wire = MessagePipe(Connection(args.fd))
     try:
         engine = ServedEngine(args.engine_dir, max_queue=args.max_queue, kv_cache_reuse=args.kv_cache_reuse)
     except Exception as e:

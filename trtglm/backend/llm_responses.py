@@ -6,7 +6,7 @@ tokens, sequence_length how many there are, cum_log_probs the sum of the log pro
 (zeros unless return_log_probs), generated_ids every token so far, num_output_tokens their count
 and is_final whether this is the sequence's last response; the performance metrics (`Timing`) and
 the logits (`Logits`) go with every response, and the model sends each when its return_* flag asks.
-`Reply` turns one sequence's outputs into responses: not streaming, one with every token once it finishes;
+`Responder` turns one sequence's outputs into responses: not streaming, one with every token once it finishes;
 streaming, one per output, the last one flagged final. A beam search answers once, with every beam
 (`[1, beams, …]`, best first, shorter beams padded with -1 as NVIDIA's backend pads them).
 """
@@ -126,7 +126,7 @@ class Logits:
         return {"context_logits": self.context[None], "generation_logits": generation[None]}
 
 
-class Reply:
+class Responder:
     """Turns one request's executor Outputs into responses (`send(arrays, final)` or `fail(message)`). The perf
     metrics and logits are kept only when `wanted` (the output names the response will carry; None: all)
     holds some of them: a streamed response goes out for every token."""

@@ -32,7 +32,7 @@ except ImportError:  # not inside Triton
 log = logging.getLogger(__name__)
 
 
-def model_config(args: Mapping) -> dict:
+def initialize_config(args: Mapping) -> dict:
     """The model's configuration as `initialize(args)` receives it (JSON text)."""
     return json.loads(args["model_config"])
 
@@ -56,11 +56,11 @@ def setup(args: Mapping, default_name: str) -> Setup:
     # A stub that dies of a signal otherwise leaves nothing in the rank's log: this writes every thread's
     # Python stack there first.
     faulthandler.enable(all_threads=True)
-    config = model_config(args)
-    return Setup(config, parameters(config), config.get("name", default_name))
+    config = initialize_config(args)
+    return Setup(config, config_parameters(config), config.get("name", default_name))
 
 
-def parameters(config: Mapping) -> dict[str, str]:
+def config_parameters(config: Mapping) -> dict[str, str]:
     """`parameters { key: ..., value { string_value: ... } }` as {key: value}."""
     return {key: entry.get("string_value", "") for key, entry in config.get("parameters", {}).items()}
 

@@ -61,7 +61,7 @@ from trtglm.backend.engine import log_to_stderr
 from trtglm.backend.engine_process import EngineProcess
 from trtglm.backend.llm_requests import (BATCH_NEEDS_DECOUPLED, INPUTS, batch_size, engine_requests,
                                          return_sequences, unasked_outputs)
-from trtglm.backend.llm_responses import Reply
+from trtglm.backend.llm_responses import Responder
 from trtglm.backend.outbox import Outbox
 from trtglm.backend.postprocessing import reply_prefixes
 from trtglm.errors import TrtglmError, UsageError
@@ -182,8 +182,8 @@ class TritonPythonModel:
                     ended.add(index)
                 sender.send(response, flags=final if len(ended) == len(sequences) else 0)
 
-        def sequence_reply(index: int) -> Reply:
-            return Reply(streaming, lambda arrays, last: send(index, self._response({**arrays, **extras[index]},
+        def sequence_reply(index: int) -> Responder:
+            return Responder(streaming, lambda arrays, last: send(index, self._response({**arrays, **extras[index]},
                                                                                     wanted), last),
                          lambda message: send(index, self.io.error_response(TrtglmError(message)), True), arrival,
                          wanted)
@@ -238,7 +238,7 @@ class TritonPythonModel:
                 responses[index] = self.io.error_response(TrtglmError(message))
 
             try:
-                waiting.append(self.executor.submit(sequences[0], Reply(False, send, fail, arrival, wanted),
+                waiting.append(self.executor.submit(sequences[0], Responder(False, send, fail, arrival, wanted),
                                                     lambda: False))
             except Exception as e:
                 responses[index] = self._error(e)

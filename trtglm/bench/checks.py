@@ -59,7 +59,7 @@ def compare_logits(ours: torch.Tensor, ref: torch.Tensor) -> dict:
             "top1_decisive": float(agree[decisive].float().mean()) if decisive.any() else None}
 
 
-def check_model(model, ids: torch.Tensor, references: dict[str, torch.Tensor], prompt_len: int) -> dict:
+def check_model_logits(model, ids: torch.Tensor, references: dict[str, torch.Tensor], prompt_len: int) -> dict:
     """Prefill + CUDA-graph decode (teacher-forced), and `score`, against each reference's logits.
 
     Keys `{path}_vs_{reference}`: path `decode` (prefill of `prompt_len` tokens, then one decode step
@@ -118,7 +118,7 @@ def fixture_check(fixture: Path, device: torch.device, dtype: str, prompt_len: i
                           device=device)
         refs = references if mode == "none" else \
             {**references, "quantized": quantized_reference_logits(cfg, hf_tensors, MODES[mode], device, ids)}
-        out[mode] = check_model(model, ids, refs, min(prompt_len, length // 2))
+        out[mode] = check_model_logits(model, ids, refs, min(prompt_len, length // 2))
     return out
 
 

@@ -129,9 +129,9 @@ def with_ideal(run: dict, parts: dict) -> dict:
     return {**run, "parts": parts, "ideal": ideal, "pct_of_ideal": 100 * ideal_s / run["seconds"]}
 
 
-def mixed_workload(model, requests: int, concurrency: int, generator: torch.Generator, max_num_tokens: int,
-                   prompt_range: tuple[int, int] = INFLIGHT_PROMPTS,
-                   output_range: tuple[int, int] = INFLIGHT_OUTPUTS) -> dict:
+def run_mixed_workload(model, requests: int, concurrency: int, generator: torch.Generator, max_num_tokens: int,
+                       prompt_range: tuple[int, int] = INFLIGHT_PROMPTS,
+                       output_range: tuple[int, int] = INFLIGHT_OUTPUTS) -> dict:
     """The mixed in-flight run with its ideal (see the module docstring)."""
     context = round(sum(prompt_range) / 2 + sum(output_range) / 4)  # mean prompt and half the mean output
     parts = part_times(model, concurrency, min(PREFILL_PART_TOKENS, prompt_range[1]), context, generator)
@@ -172,7 +172,7 @@ def bench_inflight(fixture: str | Path | None = None, preset: str = "6b", weight
                    "options": {"requests": requests, "concurrency": concurrency, "prompts": list(prompts),
                                "outputs": list(outputs), "prefix": prefix, "max_num_tokens": max_num_tokens,
                                "tokens_per_block": tokens_per_block, "seed": seed}}
-        results["mixed"] = mixed_workload(model, requests, concurrency, generator, max_num_tokens, prompts, outputs)
+        results["mixed"] = run_mixed_workload(model, requests, concurrency, generator, max_num_tokens, prompts, outputs)
         results["shared_prefix"] = shared_prefix_workload(model, requests, concurrency, generator, max_num_tokens,
                                                           prefix, tokens_per_block, prompts, outputs)
     out = Path(out)

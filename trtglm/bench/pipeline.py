@@ -45,6 +45,7 @@ from pathlib import Path
 
 from trtglm.backend.cpus import engine_cpus_env
 from trtglm.bench import launch_timing, served, served_report
+from trtglm.chatglm.variants import VARIANTS
 from trtglm.serve.checks import resolve_world_size
 
 log = logging.getLogger(__name__)
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python3 -m trtglm.bench.pipeline",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="results folder")
-    parser.add_argument("--config", default="configs/chatglm3-6b-bf16-tp1.yaml")
+    parser.add_argument("--config", default=f"configs/{VARIANTS['chatglm3-6b'].profile}.yaml")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--synth", help="synth-model preset (random weights), e.g. 6b")
     source.add_argument("--model-dir", help="an HF model folder")

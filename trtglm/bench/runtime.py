@@ -39,12 +39,12 @@ from pathlib import Path
 
 import torch
 
-from trtglm.bench.checks import (CHECK_SEQUENCES, reference_logits, check_model, compare_logits, fixture_check,
+from trtglm.bench.checks import (CHECK_SEQUENCES, reference_logits, check_model_logits, compare_logits, fixture_check,
                                  float32_reference_logits, hf_reference, kernel_checks, quantized_reference_logits)
 from trtglm.bench.measure import (DTYPES, INFLIGHT_OUTPUTS, INFLIGHT_PROMPTS, KIND_OF_MODE, MODES, WEIGHT_ONLY,
                                   checkpoint_tensors, copy_bandwidth, cuda_device, decode_floor_ms,
                                   fast_timing, hf_timings, long_ttft_ms, profile_decode_step, synth_tensors)
-from trtglm.bench.inflight import mixed_workload
+from trtglm.bench.inflight import run_mixed_workload
 from trtglm.bench.report import fill_ratios, plot, summary, targets
 from trtglm.errors import ModelFileError, TrtglmError, UsageError
 
@@ -171,7 +171,7 @@ def _bench_mode(mode: str, weights: Weights, opts: dict, max_seq_len: int, check
         if mode != "none":
             references = {**references, "quantized": quantized_reference_logits(
                 weights.hf_cfg, weights.hf_tensors, MODES[mode], model.device, check_ids)}
-        entry["check"] = check_model(model, check_ids, references, prompt_len)
+        entry["check"] = check_model_logits(model, check_ids, references, prompt_len)
     entry["runs"] = []
     for batch in batches:
         timing = fast_timing(model, batch, prompt_len, new_tokens, generator)
@@ -185,8 +185,8 @@ def _bench_mode(mode: str, weights: Weights, opts: dict, max_seq_len: int, check
     if profile:
         entry["profile"] = {str(b): profile_decode_step(model, b) for b in sorted({1, max(batches)})}
     if inflight:
-        entry["inflight"] = mixed_workload(model, opts["requests"], opts["concurrency"], generator,
-                                           max_num_tokens=opts["prefill_chunk"])
+        entry["inflight"] = run_mixed_workload(model, opts["requests"], opts["concurrency"], generator,
+                                               max_num_tokens=opts["prefill_chunk"])
     if model.tuned:
         from trtglm.runtime.fast.kernels import CHOSEN
 

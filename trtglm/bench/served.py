@@ -37,11 +37,12 @@ from trtglm.bench import DEFAULT_PROMPT, load_stats, stream_load
 from trtglm.bench.served_report import RATIO_TARGET_PCT, markdown
 from trtglm.bench.serving import (BLOCK, InProcess, check_positive, engine_dir_of, machine, measure_overhead,
                                   tokenizer_dir_of)
-from trtglm.bench.serving import Settings as ServingSettings
+from trtglm.bench.serving import ServingSettings
 from trtglm.bench.workload import Workload, fixed_workload, mixed_workload
-from trtglm.client import DEFAULT_URL, ServerError, check_model
+from trtglm.client import ServerError, check_model
 from trtglm.client import http as http_client
 from trtglm.errors import UsageError
+from trtglm.ports import LOCAL_URL
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,8 @@ WARM_UP_TOKENS = 4  # new tokens per request of a workload's warm-up wave
 
 
 @dataclass(frozen=True)
-class Settings:
-    url: str = DEFAULT_URL
+class ServedSettings:
+    url: str = LOCAL_URL
     grpc: str | None = None  # HOST:PORT; None: no gRPC paths
     metrics_url: str | None = None  # http://HOST:PORT/metrics; None: tokens counted by the client only
     engine_dir: str | None = None
@@ -129,7 +130,7 @@ def parse_range(value: str | list | tuple, name: str) -> tuple[int, int]:
 class Run:
     """The results so far, saved after every part."""
 
-    def __init__(self, settings: Settings, out: Path | None):
+    def __init__(self, settings: ServedSettings, out: Path | None):
         self.settings, self.out = settings, out
         self.results: dict = {}
         self.counter: tuple[int, int] | None = None  # the server's token and step counts after the last served run
@@ -167,7 +168,7 @@ class Run:
         return tuple(now - then for now, then in zip(self.counter, before))
 
 
-def bench_served(settings: Settings, out: str | Path | None = None) -> dict:
+def bench_served(settings: ServedSettings, out: str | Path | None = None) -> dict:
     """Run every part (see the module docstring); the results as a dict (served.json / served.md under `out`)."""
     if any(protocol == "grpc" for _, protocol in (*settings.paths, *settings.mixed_paths)) and not settings.grpc:
         raise UsageError("gRPC paths need --grpc HOST:PORT (or leave them out of --paths / --mixed-paths)")
@@ -321,7 +322,7 @@ def _gpu() -> dict:
 # --- the command --------------------------------------------------------------------------------------------
 
 
-def run(url: str = DEFAULT_URL, grpc: str | None = None, metrics_url: str | None = None,
+def run(url: str = LOCAL_URL, grpc: str | None = None, metrics_url: str | None = None,
         engine_dir: str | None = None, device: str | None = None, repeats: int = 20, overhead_tokens: int = 128,
         overhead_prompt: str = DEFAULT_PROMPT, overhead_model: str = "ensemble", requests: int = 256,
         concurrency: int = 64, prompt_len: int = 128, new_tokens: int = 128,
@@ -344,7 +345,7 @@ def run(url: str = DEFAULT_URL, grpc: str | None = None, metrics_url: str | None
         from trtglm.client.grpc import check_address
 
         grpc = check_address(str(grpc))
-    settings = Settings(url=str(url), grpc=grpc, metrics_url=str(metrics_url) if metrics_url else None,
+    settings = ServedSettings(url=str(url), grpc=grpc, metrics_url=str(metrics_url) if metrics_url else None,
                         engine_dir=engine_dir, device=device, repeats=repeats, overhead_model=check_model(overhead_model),
                         overhead_prompt=str(overhead_prompt), overhead_tokens=overhead_tokens, requests=requests,
                         concurrency=concurrency, prompt_len=prompt_len, new_tokens=new_tokens,

@@ -43,9 +43,10 @@ import numpy as np
 from tqdm import tqdm
 
 from trtglm.bench import DEFAULT_PROMPT
-from trtglm.client import DEFAULT_URL, GenerateRequest, ServerError, check_model
+from trtglm.client import GenerateRequest, ServerError, check_model
 from trtglm.client import http as http_client
 from trtglm.errors import UsageError
+from trtglm.ports import LOCAL_URL
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,8 @@ BLOCK = 5  # calls in a row on one side when measuring the overhead
 
 
 @dataclass(frozen=True)
-class Settings:
-    url: str = DEFAULT_URL
+class ServingSettings:
+    url: str = LOCAL_URL
     model: str = "ensemble"
     prompt: str = DEFAULT_PROMPT
     max_tokens: int = 64
@@ -169,7 +170,7 @@ def summary_ms(seconds: list[float]) -> dict[str, float]:
             "mean": round(float(ms.mean()), 2), "min": round(float(ms.min()), 2), "max": round(float(ms.max()), 2)}
 
 
-def measure_overhead(settings: Settings, runtime: InProcess, expected: str) -> dict:
+def measure_overhead(settings: ServingSettings, runtime: InProcess, expected: str) -> dict:
     """Round trips through the server and in-process calls, same prompt and max_tokens, one at a time.
 
     The two run in alternating blocks of BLOCK calls (the order swapped every round), so load
@@ -206,7 +207,7 @@ def measure_overhead(settings: Settings, runtime: InProcess, expected: str) -> d
     return results
 
 
-def measure_throughput(settings: Settings, level: int, expected: str, reply_tokens: int) -> dict:
+def measure_throughput(settings: ServingSettings, level: int, expected: str, reply_tokens: int) -> dict:
     """`requests` served requests from `level` threads: tokens/s, requests/s, latency."""
     count = max(settings.requests, level)
     request = GenerateRequest(settings.prompt, settings.max_tokens)
@@ -255,7 +256,7 @@ def machine() -> dict:
             "load_average_1min": round(os.getloadavg()[0], 2)}
 
 
-def bench_serving(settings: Settings, out: str | Path | None = None) -> dict:
+def bench_serving(settings: ServingSettings, out: str | Path | None = None) -> dict:
     """Run both measurements; results as a dict (written as serving.json and serving.md under `out`)."""
     server = http_client.Server.parse(settings.url)
     check_model(settings.model)
@@ -276,7 +277,7 @@ def bench_serving(settings: Settings, out: str | Path | None = None) -> dict:
     return results
 
 
-def _measure(settings: Settings, runtime: InProcess, triton: dict, engine_dir: Path) -> dict:
+def _measure(settings: ServingSettings, runtime: InProcess, triton: dict, engine_dir: Path) -> dict:
     expected, reply_tokens = runtime.answer(settings.prompt, settings.max_tokens)
     served = http_client.generate(settings.url, settings.model, GenerateRequest(settings.prompt, settings.max_tokens),
                                   settings.timeout)

@@ -6,13 +6,14 @@ import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from trtglm.chatglm.variants import DEFAULT_VERSION, VERSIONS, published_variant
 from trtglm.errors import ModelFileError, UsageError
 from trtglm.files import read_json_object
 
 log = logging.getLogger(__name__)
 
+TP_SIZES = (1, 2, 4, 8)  # the tensor-parallel sizes a checkpoint is split into (convert, profiles)
 ARCHITECTURES = ("ChatGLMModel", "ChatGLMForConditionalGeneration", "ChatGLMForCausalLM")
-VERSIONS = ("chatglm3", "chatglm2")
 
 # HF config key -> (field, required).  Optional keys fall back to ChatGLM3-6B's values.
 _REQUIRED_KEYS = (
@@ -66,17 +67,7 @@ class ChatGLMConfig:
     @property
     def variant(self) -> str:
         """The published model this config matches (for messages), or `<version>-custom`."""
-        if (self.num_layers, self.hidden_size) != (28, 4096):
-            return f"{self.version}-custom"
-        if self.version == "chatglm2":
-            return "chatglm2-6b"
-        if self.seq_length >= 131072:
-            return "chatglm3-6b-128k"
-        if self.rope_ratio > 1:
-            return "chatglm3-6b-32k"
-        if self.seq_length >= 32768:
-            return "chatglm3-6b-base"
-        return "chatglm3-6b"
+        return published_variant(self.version, self.num_layers, self.hidden_size, self.seq_length, self.rope_ratio)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -97,7 +88,7 @@ class ChatGLMConfig:
         if version == "auto":
             version = guess_version(hf, name)
         elif version not in VERSIONS:
-            raise UsageError(f"--chatglm-version must be auto, chatglm3 or chatglm2, not {version!r}")
+            raise UsageError(f"--chatglm-version must be auto, {' or '.join(VERSIONS)}, not {version!r}")
         if not hf.get("rmsnorm", True) or hf.get("apply_residual_connection_post_layernorm", False):
             raise ModelFileError("unsupported ChatGLM variant: expects rmsnorm=true and pre-layernorm residuals")
         if hf.get("add_bias_linear", False):
@@ -145,9 +136,9 @@ def guess_version(hf: dict, name: str) -> str:
     if "chatglm2" in name:
         return "chatglm2"
     if "chatglm3" not in name:
-        log.warning("could not tell ChatGLM2 from ChatGLM3 by name (%s); assuming chatglm3 "
-                    "(use --chatglm-version to say otherwise)", name.strip() or "no name")
-    return "chatglm3"
+        log.warning("could not tell ChatGLM2 from ChatGLM3 by name (%s); assuming %s "
+                    "(use --chatglm-version to say otherwise)", name.strip() or "no name", DEFAULT_VERSION)
+    return DEFAULT_VERSION
 
 
 # THUDM/chatglm3-6b's published config.json (every key): the 6B shapes where no config.json is at hand

@@ -7,12 +7,12 @@ from typing import Literal
 
 from trtglm.bench import DEFAULT_PROMPT
 from trtglm.cli.flags import CountInt, Passthrough, PosFloat, PosInt
-from trtglm.client import DEFAULT_URL
+from trtglm.ports import LOCAL_URL
 
 PATHS = "ensemble:http,ensemble:grpc,tensorrt_llm_bls:http,tensorrt_llm_bls:grpc"
 
 
-def serving(url: str = DEFAULT_URL, concurrency: str = "1,8,32", requests: PosInt = 128, repeats: PosInt = 50,
+def serving(url: str = LOCAL_URL, concurrency: str = "1,8,32", requests: PosInt = 128, repeats: PosInt = 50,
             max_tokens: PosInt = 64, prompt: str = DEFAULT_PROMPT, model: str = "ensemble",
             engine_dir: str | None = None, device: str | None = None, out: str | None = None,
             timeout: PosFloat = 600.0, compare_replies: bool = True):
@@ -24,9 +24,9 @@ def serving(url: str = DEFAULT_URL, concurrency: str = "1,8,32", requests: PosIn
     defaults to the server's engine folder; --out DIR writes serving.json and serving.md;
     --no-compare-replies times random-weight replies without comparing their text.
     """
-    from trtglm.bench.serving import Settings, bench_serving, markdown, parse_concurrency
+    from trtglm.bench.serving import ServingSettings, bench_serving, markdown, parse_concurrency
 
-    settings = Settings(url=url, model=model, prompt=prompt, max_tokens=max_tokens,
+    settings = ServingSettings(url=url, model=model, prompt=prompt, max_tokens=max_tokens,
                         concurrency=parse_concurrency(concurrency), requests=requests, repeats=repeats,
                         engine_dir=engine_dir, device=device, timeout=timeout, compare_replies=compare_replies)
     print(markdown(bench_serving(settings, out)), end="", flush=True)
@@ -41,7 +41,7 @@ def serving_local(work_dir: str = "/tmp/trtglm-bench-serving", config: str = "co
     run(work_dir, config, out, list(bench_flags))
 
 
-def served(url: str = DEFAULT_URL, grpc: str | None = None, metrics_url: str | None = None,
+def served(url: str = LOCAL_URL, grpc: str | None = None, metrics_url: str | None = None,
            engine_dir: str | None = None, device: str | None = None, repeats: CountInt = 20,
            overhead_tokens: PosInt = 128, overhead_prompt: str = DEFAULT_PROMPT, overhead_model: str = "ensemble",
            requests: CountInt = 256, concurrency: PosInt = 64, prompt_len: PosInt = 128, new_tokens: PosInt = 128,

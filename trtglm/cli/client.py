@@ -7,11 +7,11 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Iterator, Literal
 
 from trtglm.cli.flags import CountInt, PosFloat, PosInt
-from trtglm.client import DEFAULT_URL
 from trtglm.errors import TrtglmError, UsageError
+from trtglm.ports import LOCAL_URL
 
 
-def generate(prompt: str, url: str = DEFAULT_URL, max_tokens: PosInt = 64, stream: bool = False,
+def generate(prompt: str, url: str = LOCAL_URL, max_tokens: PosInt = 64, stream: bool = False,
              grpc: str | None = None, model: str = "ensemble", temperature: float | None = None,
              top_k: CountInt | None = None, top_p: float | None = None, seed: int | None = None,
              beam_width: PosInt | None = None, timeout: PosFloat = 600.0):
@@ -180,7 +180,7 @@ def _served(url, grpc, model, sampling: dict, timeout) -> Replier:
 
     def pieces(messages: Sequence[dict]) -> Iterator[str]:
         request = GenerateRequest(chat_text(messages), **options)
-        return _pieces(url or DEFAULT_URL, grpc, model, request, timeout)
+        return _pieces(url or LOCAL_URL, grpc, model, request, timeout)
 
     return pieces
 

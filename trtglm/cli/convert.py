@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
+from trtglm.chatglm.config import TP_SIZES
 from trtglm.cli.flags import CountInt, PosFloat, PosInt
 
 
 def convert(model_dir: str, output_dir: str, dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto",
-            tp_size: Literal[1, 2, 4, 8] = 1, pp_size: PosInt = 1, weight_only: Literal["int8", "int4"] | None = None,
+            tp_size: Literal[TP_SIZES] = 1, pp_size: PosInt = 1, weight_only: Literal["int8", "int4"] | None = None,
             chatglm_version: Literal["auto", "chatglm3", "chatglm2"] = "auto", force: bool = False):
     """ChatGLM HF weights -> TensorRT-LLM checkpoint (config.json + rank{r}.safetensors)."""
     from trtglm.convert.writer import convert_checkpoint

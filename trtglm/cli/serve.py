@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from trtglm.cli.flags import CountInt, Env, Passthrough, PosFloat, PosInt
+from trtglm.ports import LOCAL_URL, OPENAI_PORT
 
 
 def launch(repo: str, world_size: PosInt | None = None, tritonserver: str | None = None, host: str = "127.0.0.1",
@@ -12,12 +13,12 @@ def launch(repo: str, world_size: PosInt | None = None, tritonserver: str | None
            grpc_port: Annotated[PosInt | None, Env("GRPC_PORT")] = None,
            metrics_port: Annotated[PosInt | None, Env("METRICS_PORT")] = None, log_dir: str | None = None,
            detach: bool = False, timeout: PosFloat = 300.0,
-           openai_port: Annotated[PosInt, Env("OPENAI_PORT")] = 8003, openai: bool = True,
+           openai_port: Annotated[PosInt, Env("OPENAI_PORT")] = OPENAI_PORT, openai: bool = True,
            server_flags: Passthrough = ()):
     """Serve a Triton model repository with tritonserver (mpirun for --world-size > 1) until Ctrl-C.
 
     --world-size defaults to the engine's tp × pp; --http-port, --grpc-port and --metrics-port to the
-    engine profile's serve.*_port (8000, 8001, 8002 when it names none); --host binds rank 0's endpoints
+    engine profile's serve.*_port (Triton's 8000, 8001, 8002 when it names none); --host binds rank 0's endpoints
     and the OpenAI API (loopback by default); --detach returns once ready (stop with `trtglm stop`); --timeout:
     seconds to wait for readiness; --openai-port: the OpenAI-compatible API's port (--no-openai:
     none). Words after `--` are passed on to every rank's tritonserver.
@@ -56,7 +57,7 @@ def logs(repo: str | None = None, rank: CountInt = 0, lines: PosInt = 40):
         print(f"==> {path} <==", *tail, sep="\n")
 
 
-def models(action: Literal["load", "unload", "list"], name: str | None = None, url: str = "http://127.0.0.1:8000"):
+def models(action: Literal["load", "unload", "list"], name: str | None = None, url: str = LOCAL_URL):
     """Triton's repository API: `models load NAME`, `models unload NAME`, `models list`."""
     from trtglm.serve.control import models as run
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from trtglm.errors import TrtglmError, UsageError
 
-DEFAULT_URL = "http://127.0.0.1:8000"
 MODELS = ("ensemble", "tensorrt_llm_bls")  # the client-facing models of the repository
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 

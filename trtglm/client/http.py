@@ -89,7 +89,7 @@ def generate(url: str, model: str, request: GenerateRequest, timeout: float = 60
         body = read_body(server, response)
     if response.status != 200:
         raise ServerError(error_message(model, response.status, body))
-    return reply_text(json_object(model, body))
+    return output_text(json_object(model, body))
 
 
 def generate_stream(url: str, model: str, request: GenerateRequest, timeout: float = 600.0) -> Iterator[str]:
@@ -100,7 +100,7 @@ def generate_stream(url: str, model: str, request: GenerateRequest, timeout: flo
         if response.status != 200:
             raise ServerError(error_message(model, response.status, read_body(server, response)))
         for data in sse_data(event_lines(server, response)):
-            piece = reply_text(json_object(model, data.encode("utf-8")), streamed=True)
+            piece = output_text(json_object(model, data.encode("utf-8")), streamed=True)
             if piece:
                 yield piece
 
@@ -144,7 +144,7 @@ def sse_data(lines: Iterable[bytes]) -> Iterator[str]:
         yield "\n".join(data)
 
 
-def reply_text(output: dict, streamed: bool = False) -> str:
+def output_text(output: dict, streamed: bool = False) -> str:
     """An answer's `text_output` (a string, or a list of strings for several beams: one a line); errors raise."""
     if "error" in output:
         raise ServerError(one_line(output["error"]))

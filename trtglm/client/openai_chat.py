@@ -57,7 +57,7 @@ class OpenAIChat:
     def __init__(self, url: str, model: str | None, max_tokens: int, temperature: float, top_p: float | None,
                  seed: int | None, timeout: float):
         self.endpoint, self.timeout = Endpoint.parse(url), timeout
-        self.model = model if model is not None else served_model(self.endpoint, timeout)
+        self.model = model if model is not None else listed_model(self.endpoint, timeout)
         options = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
         self.options = {name: value for name, value in options.items() if value is not None}
 
@@ -66,7 +66,7 @@ class OpenAIChat:
         return chat_stream(self.endpoint, body, self.timeout)
 
 
-def served_model(endpoint: Endpoint, timeout: float) -> str:
+def listed_model(endpoint: Endpoint, timeout: float) -> str:
     """The id of the one model `GET /models` lists."""
     listed = endpoint.get("/models", timeout).get("data")
     ids = [card.get("id") for card in listed if isinstance(card, dict)] if isinstance(listed, list) else []

@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from trtglm.chatglm.config import CHATGLM3_6B_CONFIG, ChatGLMConfig
+from trtglm.chatglm.variants import VARIANTS
 from trtglm.convert.names import DROPPED, mapped_tensors
 from trtglm.convert.safetensors_file import SafetensorsWriter, tensor_bytes
 from trtglm.convert.staging import check_output, staged_output
@@ -32,7 +33,8 @@ log = logging.getLogger(__name__)
 # preset -> (overrides of CHATGLM3_6B_CONFIG, number of shards as published)
 PRESETS: dict[str, tuple[dict, int]] = {
     "6b": ({}, 7),
-    "6b-32k": ({"_name_or_path": "THUDM/chatglm3-6b-32k", "seq_length": 32768, "rope_ratio": 50}, 7),
+    "6b-32k": ({"_name_or_path": "THUDM/chatglm3-6b-32k", "seq_length": VARIANTS["chatglm3-6b-32k"].seq_length,
+                "rope_ratio": 50}, 7),
     "tiny": ({"_name_or_path": "trtglm/tiny-chatglm3", "num_layers": 3, "hidden_size": 128, "num_attention_heads": 8,
               "kv_channels": 16, "multi_query_group_num": 2, "ffn_hidden_size": 256, "padded_vocab_size": 512,
               "seq_length": 512}, 2),

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from trtglm.chatglm.config import ChatGLMConfig
+from trtglm.chatglm.config import TP_SIZES, ChatGLMConfig
 from trtglm.convert.names import DROPPED, mapped_tensors
 from trtglm.convert.safetensors_file import KernelCopyUnsupported, SafetensorsWriter
 from trtglm.convert.source import TensorSource
@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 
 DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 QUANT_ALGOS: dict[str, str] = {"int8": "W8A16", "int4": "W4A16"}  # TensorRT-LLM quantizes at build time
-TP_SIZES = (1, 2, 4, 8)
 BLOCK_BYTES = 64 << 20  # source bytes copied per step
 _SOURCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # TensorRT-LLM's model registry knows ChatGLM by these two architecture names.

@@ -23,6 +23,7 @@ from trtglm.openai_api.protocol import MAX_BODY_BYTES, ChatRequest, CompletionRe
 from trtglm.openai_api.served import served_model
 from trtglm.openai_api.streaming import after, sse
 from trtglm.openai_api.triton import Triton
+from trtglm.ports import OPENAI_PORT
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repo", required=True)
     parser.add_argument("--grpc", required=True)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8003)
+    parser.add_argument("--port", type=int, default=OPENAI_PORT)
     parser.add_argument("--launch", default="")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

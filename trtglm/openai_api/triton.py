@@ -101,7 +101,7 @@ class Triton:
         try:
             async for result, error in responses:
                 if error is not None:
-                    raise triton_error(error)
+                    raise api_error_of(error)
                 piece = _piece(result, ask.output.return_log_probs)
                 if piece.text or piece.tokens:
                     yield piece
@@ -127,7 +127,7 @@ def _piece(result, asked_log_probs: bool) -> Piece:
     return Piece(joined, len(values), values if asked_log_probs else ())
 
 
-def triton_error(error) -> ApiError:
+def api_error_of(error) -> ApiError:
     """A Triton error as the API answers it (see TRITON_STATUS; a full queue is 503 with Retry-After)."""
     message = error.message() or str(error)
     # an error inside a gRPC stream carries no status code (Triton sends only its message): a full queue is told

@@ -104,13 +104,14 @@ def filled_configs(template: Path, models, values: Mapping[str, str | None]) -> 
     files = {}
     for model in models:
         path = template / model / CONFIG
-        text = fill_text(for_backend(path.read_text(encoding="utf-8"), values["triton_backend"]), values, str(path))
+        kept = lines_for_backend(path.read_text(encoding="utf-8"), values["triton_backend"])
+        text = fill_text(kept, values, str(path))
         check_filled(text, str(path))
         files[f"{model}/{CONFIG}"] = text.encode("utf-8")
     return files
 
 
-def for_backend(text: str, backend: str | None) -> str:
+def lines_for_backend(text: str, backend: str | None) -> str:
     """`text` without its lines marked `# only with backend X` for another backend X."""
     kept = []
     for line in text.splitlines(keepends=True):

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from trtglm.backend.contract import LLM_MODEL_NAME, TENSORRT_LLM
-from trtglm.engine.manifest import recorded_serve
+from trtglm.engine.manifest import MANIFEST, recorded_serve
 from trtglm.errors import ModelFileError, UsageError
 from trtglm.repo.placeholders import known_placeholders
 
@@ -128,7 +128,7 @@ def _vocab_size(manifest: Mapping) -> int:
 
 def _datatype(manifest: Mapping) -> str:
     if manifest["dtype"] not in DATATYPES:
-        raise ModelFileError(f"{manifest['engine_dir']}/trtglm.json: dtype {manifest['dtype']!r} is not one of "
+        raise ModelFileError(f"{manifest['engine_dir']}/{MANIFEST}: dtype {manifest['dtype']!r} is not one of "
                              f"{', '.join(DATATYPES)}")
     return DATATYPES[manifest["dtype"]]
 
@@ -140,5 +140,5 @@ def _limit(manifest: Mapping, key: str) -> object:
 def _serve(manifest: Mapping, key: str) -> object:
     serve = recorded_serve(manifest)
     if key not in serve:
-        raise ModelFileError(f"{manifest['engine_dir']}/trtglm.json: profile.serve lacks {key}")
+        raise ModelFileError(f"{manifest['engine_dir']}/{MANIFEST}: profile.serve lacks {key}")
     return serve[key]

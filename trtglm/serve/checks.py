@@ -11,7 +11,7 @@ from trtglm.model_repository import CONFIG, engine_dir, engine_world_size
 from trtglm.serve.command import Endpoints
 
 
-def check_repo(repo: str | Path) -> Path:
+def repo_folder(repo: str | Path) -> Path:
     path = Path(repo).expanduser().resolve()
     if not path.is_dir():
         raise ModelFileError(f"model repository {path}: not a folder")

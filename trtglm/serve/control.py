@@ -23,10 +23,9 @@ from trtglm.serve.state import all_launch_dirs
 log = logging.getLogger(__name__)
 
 ACTIONS = ("load", "unload", "list")
-DEFAULT_URL = "http://127.0.0.1:8000"
 
 
-def models(action: str, name: str | None = None, url: str = DEFAULT_URL) -> list[dict] | None:
+def models(action: str, name: str | None, url: str) -> list[dict] | None:
     """Run one repository action; `list` returns the repository index, the others None."""
     if action not in ACTIONS:
         raise UsageError(f"unknown action {action!r} (choose from {', '.join(ACTIONS)})")

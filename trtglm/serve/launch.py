@@ -29,34 +29,33 @@ from tqdm import tqdm
 
 from trtglm.errors import DependencyError, TrtglmError, UsageError
 from trtglm.model_repository import profile_ports
-from trtglm.serve.checks import check_ports, check_repo, resolve_world_size
+from trtglm.ports import TRITON_PORTS
+from trtglm.serve.checks import check_ports, repo_folder, resolve_world_size
 from trtglm.serve.command import Endpoints
 from trtglm.serve.launch_spec import EXIT_TIMEOUT_S, LaunchSpec
 from trtglm.serve.state import LaunchDir, all_launch_dirs, clean_stale, only_launch
 from trtglm.serve.preload import preload_library
 from trtglm.serve.supervise import GRACE_S, Supervisor, announce, show_phase
 from trtglm.serve.tritonserver import (backend_directory, find_mpirun, find_tritonserver, mpirun_version,
-                                       preload_cache_dir, server_env, stub_python_bin)
+                                       preload_cache_dir, server_env, stubs_python_folder)
 
 log = logging.getLogger(__name__)
 
 STOP_WAIT_S = GRACE_S + EXIT_TIMEOUT_S + 10  # how long `stop` waits for a supervisor before killing it
-DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}  # Triton's, for a repository whose engine names none
 
 
-def launch(repo: str | Path, world_size: int | None = None, tritonserver: str | None = None,
-           host: str = "127.0.0.1", http_port: int | None = None, grpc_port: int | None = None,
-           metrics_port: int | None = None, log_dir: str | Path | None = None, detach: bool = False,
-           timeout: float = 300.0, server_flags: list[str] = (), openai_port: int = 8003, openai: bool = True) -> None:
+def launch(repo: str | Path, *, world_size: int | None, tritonserver: str | None, host: str, http_port: int | None,
+           grpc_port: int | None, metrics_port: int | None, log_dir: str | Path | None, detach: bool, timeout: float,
+           server_flags: list[str], openai_port: int, openai: bool) -> None:
     """Serve `repo` with `world_size` ranks until stopped (or, with `detach`, until ready); `server_flags`
     go on every rank's tritonserver command line after trtglm's own; with `openai`, the OpenAI-compatible
     API on `openai_port` too. A port left out is the engine profile's (`serve.*_port`), else Triton's default."""
-    repo_path = check_repo(repo)
+    repo_path = repo_folder(repo)
     size = resolve_world_size(repo_path, world_size)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise UsageError(f"--timeout must be a positive number of seconds, not {timeout!r}")
     given = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
-    ports = {**DEFAULT_PORTS, **profile_ports(repo_path), **{name: port for name, port in given.items() if port}}
+    ports = {**TRITON_PORTS, **profile_ports(repo_path), **{name: port for name, port in given.items() if port}}
     endpoints = Endpoints(str(host), ports["http"], ports["grpc"], ports["metrics"],
                           openai_port if openai and _serves_openai(repo_path) else None)
     binary = find_tritonserver(tritonserver)
@@ -64,7 +63,7 @@ def launch(repo: str | Path, world_size: int | None = None, tritonserver: str | 
     mpi_version = mpirun_version(mpirun) if mpirun else None
     preload = preload_library(preload_cache_dir())
     backend_dir = backend_directory(binary)
-    python_bin = stub_python_bin(binary)
+    python_bin = stubs_python_folder(binary)
     launch_dir = LaunchDir.for_repo(repo_path)
     lock = launch_dir.try_lock()
     if lock is None:

@@ -38,7 +38,8 @@ The OpenAI-compatible API (openai_process.py), when the launch serves it, starts
 checks have passed and answers before the launch reports ready; if it dies, everything is stopped
 as when a rank dies, its log's tail printed. It is stopped first.
 
-What to launch comes as a `LaunchSpec` (launch_spec.py); the ranks' logs are read by rank_logs.py.
+What to launch comes as a `LaunchSpec` (launch_spec.py); the ranks' logs are read by rank_logs.py, the first
+requests are first_requests.py's, the reaping of orphans reaping.py's.
 """
 
 from __future__ import annotations
@@ -55,37 +56,30 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import psutil
 from tqdm import tqdm
 
-from trtglm.backend.contract import HISTORY_CHAT
 from trtglm.backend.cpus import engine_cpus_env
 from trtglm.errors import TrtglmError
 from trtglm.files import PHASE_FILE, read_phase
-from trtglm.model_repository import has_model, model_config, protobuf
 from trtglm.serve.launch_spec import LaunchSpec
 from trtglm.serve.openai_process import OpenAIProcess
 from trtglm.serve.rank_logs import last_error_line, print_excerpt, print_tails, read_log
+from trtglm.serve.first_requests import first_requests
+from trtglm.serve.reaping import become_subreaper, reap_orphans
 from trtglm.serve.state import LaunchDir, kill, processes_with, remove_shm, shm_files
-from trtglm.serve.stubs import DeathWatch, child_pids, descendants
+from trtglm.serve.stubs import DeathWatch, descendants
 from trtglm.serve.tritonserver import server_env
 
 log = logging.getLogger(__name__)
 
 GRACE_S = 10.0  # after SIGTERM, before SIGKILL
 DEATH_GRACE_S = 0.5  # the same once a process of the launch died: requests the death stranded end with the server
-PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
 POLL_S = 0.2
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-CHECKED_MODELS = ("ensemble", "tensorrt_llm_bls")  # asked once before the launch reports ready
-CHECK_PROMPT, CHECK_TOKENS, CHECK_TIMEOUT_S = "你好", 4, 120.0
-# the history model's first request: max_token counts the prompt (a few tokens here) and the reply together
-CHECK_HISTORY = {"prompt": CHECK_PROMPT, "history": "", "temperature": "0", "max_token": 16, "history_len": 0}
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback must not go through a proxy
 
 
@@ -201,7 +195,7 @@ class Supervisor:
                 failure = self.check_ranks()
                 if failure is not None:
                     return failure
-                if len(self.ranks) == self.spec.world_size and is_ready(url):
+                if len(self.ranks) == self.spec.world_size and answers_ok(url):
                     log.info("%s: ready after %.1f s", self.spec.repo, time.monotonic() - started)
                     return None
                 time.sleep(POLL_S)
@@ -234,7 +228,7 @@ class Supervisor:
         self.openai.start(dict(os.environ))
         self.launch.write({**(self.launch.read() or {}), "openai_pid": self.openai.popen.pid})
         problem = self.openai.wait_ready(lambda: self.stop_signal is not None or self.check_ranks() is not None,
-                                         is_ready)
+                                         answers_ok)
         if problem is None:
             return self.check_ranks()
         return Failure(f"{problem}; stopped all ranks (logs: {self.log_dir})", [], (self.openai.log_path,))
@@ -391,66 +385,6 @@ class Supervisor:
             self.stop_signal = signum
 
 
-def first_requests(repo: Path) -> list[tuple[str, Callable[[str], object]]]:
-    """(model, ask it its first request at a Triton HTTP URL) for each model clients ask that `repo` has."""
-    asks: list[tuple[str, Callable[[str], object]]] = [
-        (model, partial(ask_generate, model)) for model in CHECKED_MODELS if has_model(repo, model)]
-    if has_model(repo, HISTORY_CHAT):
-        asks.append((HISTORY_CHAT, partial(ask_history_model, repo)))
-    return asks
-
-
-def ask_generate(model: str, url: str) -> str:
-    """`ensemble` or `tensorrt_llm_bls`: a short prompt through /generate, a few tokens."""
-    from trtglm.client import GenerateRequest
-    from trtglm.client.http import generate
-
-    return generate(url, model, GenerateRequest(CHECK_PROMPT, CHECK_TOKENS), timeout=CHECK_TIMEOUT_S)
-
-
-def ask_history_model(repo: Path, url: str) -> dict:
-    """The history model: one /infer with the inputs its config declares (CHECK_HISTORY's values: a short
-    prompt, no history, greedy); every output it declares must come back."""
-    from trtglm.client import ServerError
-    from trtglm.client.http import infer
-
-    config = model_config(repo, HISTORY_CHAT)
-    shape = [1, 1] if config.max_batch_size > 0 else [1]
-    inputs = [{"name": tensor.name, "datatype": _http_datatype(tensor.data_type), "shape": shape,
-               "data": [CHECK_HISTORY[tensor.name]]} for tensor in config.input if tensor.name in CHECK_HISTORY]
-    outputs = infer(url, config.name or HISTORY_CHAT, inputs, timeout=CHECK_TIMEOUT_S)
-    missing = [tensor.name for tensor in config.output if tensor.name not in outputs]
-    if missing:
-        raise ServerError(f"the answer lacks the output(s) {', '.join(missing)}")
-    return outputs
-
-
-def _http_datatype(data_type: int) -> str:
-    """Triton's HTTP datatype of a config's TYPE_* (TYPE_STRING is BYTES)."""
-    name = protobuf()[1].DataType.Name(data_type).removeprefix("TYPE_")
-    return "BYTES" if name == "STRING" else name
-
-
-def become_subreaper() -> None:
-    """Make processes orphaned below this one its children (Linux), so that reap_orphans can wait for them."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    except (OSError, AttributeError):
-        log.debug("no subreaper: orphans of the launch go to init")
-
-
-def reap_orphans(own: set[int]) -> None:
-    """Wait for this process's children that have ended, but for those in `own` (Popen waits for them)."""
-    for pid in child_pids(os.getpid()):
-        if pid not in own:
-            try:
-                os.waitpid(pid, os.WNOHANG)  # returns at once for a child still running
-            except ChildProcessError:
-                continue
-
-
 def alive(proc: psutil.Process) -> bool:
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
@@ -473,7 +407,7 @@ def show_phase(bar: tqdm, phase_file: Path, started: float) -> None:
     bar.update(round(time.monotonic() - started) - bar.n)
 
 
-def is_ready(url: str) -> bool:
+def answers_ok(url: str) -> bool:
     try:
         with _NO_PROXY.open(url, timeout=1) as reply:
             return reply.status == 200

@@ -109,7 +109,7 @@ def uses_wheel_stubs(tritonserver: Path) -> bool:
     return (tritonserver.resolve().parent.parent / "python_backend_stubs").is_dir()
 
 
-def stub_python_bin(tritonserver: Path) -> Path | None:
+def stubs_python_folder(tritonserver: Path) -> Path | None:
     """The folder whose `python3` the stubs run on: a prepared one for the wheel's stubs, else None (this Python)."""
     if not uses_wheel_stubs(tritonserver):
         return None
