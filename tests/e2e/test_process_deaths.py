@@ -44,7 +44,9 @@ STUB = "triton_python_backend_stub"
 PROMPT = "What is the capital of France?"
 LONG = {"max_tokens": 480, "min_length": 480, "bad_words": ["<|user|>", "<|observation|>"]}  # never stops early
 LONG_ANSWER = 400  # characters at least in LONG's answer
-STREAMS = {"ensemble-sse": 6, "bls-grpc": 6, "openai": 2}  # 12 long ones: the fixture engine has 8 slots
+# 20 long ones: the fixture engine has 8 slots, so three waves of 480 tokens, long enough on a fast idle host to be
+# in flight when the kill comes (two waves were not: every stream had ended 0.5 s before it)
+STREAMS = {"ensemble-sse": 10, "bls-grpc": 10, "openai": 2}
 QUEUED_S = 0.3  # for the OpenAI streams to reach the engine's queue
 CHAT = {"model": "tiny", "temperature": 0, "stream": True, "messages": [{"role": "user", "content": PROMPT}]}
 
