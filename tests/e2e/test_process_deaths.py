@@ -282,7 +282,9 @@ def kill_under_streams(engine: Path, root: Path, world: int, what: str, rank: in
         # looked up before the streams start (listing every process is slow on a loaded machine); they stay
         launch_pids = {p.pid for p in repo_processes(root / "repo") for p in [p, *children(p)]} | {server.state["pid"]}
         target = victim(root / "repo", what, rank)
-        streams = [Stream(server, path) for path, count in STREAMS.items() for _ in range(count)]
+        # the paths taken in turn, so that every wave (the last one in flight at the kill) holds each path's streams
+        streams = [Stream(server, path) for turn in range(max(STREAMS.values()))
+                   for path, count in STREAMS.items() if turn < count]
         long_ones, queued = [s for s in streams if s.path != "openai"], [s for s in streams if s.path == "openai"]
         for stream in long_ones:
             stream.start()
