@@ -34,7 +34,6 @@ from support.engines import build_tiny_engine
 from support.servers import NO_PROXY, Server
 
 from trtglm.repo import patch_repo
-from trtglm.serve.openai_process import API_MODULE
 
 pytestmark = [pytest.mark.slow, pytest.mark.reliability]
 
@@ -44,9 +43,7 @@ STUB = "triton_python_backend_stub"
 PROMPT = "What is the capital of France?"
 LONG = {"max_tokens": 480, "min_length": 480, "bad_words": ["<|user|>", "<|observation|>"]}  # never stops early
 LONG_ANSWER = 400  # characters at least in LONG's answer
-# 20 long ones: the fixture engine has 8 slots, so three waves of 480 tokens, long enough on a fast idle host to be
-# in flight when the kill comes (two waves were not: every stream had ended 0.5 s before it)
-STREAMS = {"ensemble-sse": 10, "bls-grpc": 10, "openai": 2}
+STREAMS = {"ensemble-sse": 6, "bls-grpc": 6, "openai": 2}  # 12 long ones: the fixture engine has 8 slots
 QUEUED_S = 0.3  # for the OpenAI streams to reach the engine's queue
 CHAT = {"model": "tiny", "temperature": 0, "stream": True, "messages": [{"role": "user", "content": PROMPT}]}
 
@@ -136,10 +133,12 @@ class Stream(threading.Thread):
                              daemon=True).start()
 
     def _openai(self) -> None:
-        with httpx.Client(trust_env=False, timeout=60) as http, \
+        # Sent when the request goes, not when its response starts: the API answers its headers with the first
+        # token, which a request queued behind the long streams gets only when they are nearly done.
+        sent_hook = {"request": [lambda _: self.sent.set()]}
+        with httpx.Client(trust_env=False, timeout=60, event_hooks=sent_hook) as http, \
                 http.stream("POST", f"http://127.0.0.1:{self.server.openai_port}/v1/chat/completions",
                             json=CHAT) as response:
-            self.sent.set()
             for line in response.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -219,7 +218,7 @@ def victim(repo: Path, what: str, rank: int) -> psutil.Process:
         elif what == "tritonserver":
             hit = proc.name() == "tritonserver" and any(marker in a for a in args)
         else:
-            hit = API_MODULE in args
+            hit = "trtglm.serve.openai_api" in args
         if hit and proc.pid not in {p.pid for p in found}:
             found.append(proc)
     assert found, f"no {what} on rank {rank}"
@@ -282,9 +281,7 @@ def kill_under_streams(engine: Path, root: Path, world: int, what: str, rank: in
         # looked up before the streams start (listing every process is slow on a loaded machine); they stay
         launch_pids = {p.pid for p in repo_processes(root / "repo") for p in [p, *children(p)]} | {server.state["pid"]}
         target = victim(root / "repo", what, rank)
-        # the paths taken in turn, so that every wave (the last one in flight at the kill) holds each path's streams
-        streams = [Stream(server, path) for turn in range(max(STREAMS.values()))
-                   for path, count in STREAMS.items() if turn < count]
+        streams = [Stream(server, path) for path, count in STREAMS.items() for _ in range(count)]
         long_ones, queued = [s for s in streams if s.path != "openai"], [s for s in streams if s.path == "openai"]
         for stream in long_ones:
             stream.start()
