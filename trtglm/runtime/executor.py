@@ -106,7 +106,6 @@ class _Sequence:
         self.prefilled = 0  # prompt tokens in the slot's cache so far
         self.generated = 0
         self.pending = 0  # tokens chosen on the device whose results have not reached the host yet
-        self.finished = False
         self.slot: int | None = None
         self.scheduled_ns: int | None = None  # when it got its slot, until its first Output carries it
         self.stops_by_last = _by_last_token(request.stop_words)
@@ -337,13 +336,8 @@ class Executor:
 
     def step(self) -> None:
         """One step: drop cancelled requests, launch one forward pass of the running requests' decode tokens and
-        as many prompt tokens as the budget leaves, and hand out the tokens the pass chose.
-
-        Overlapped, the tokens handed out are those of the pass before, while this one runs on the GPU: the host
-        never waits for a pass it could prepare the next one during, and a running request's next input is its
-        newest token where the device left it. A request that ends (end id, stop word, cancelled) may so run one
-        more token that is never sent. A step with a request whose choice needs its results on the host
-        (`_Sequence.host_bound`) is not overlapped."""
+        as many prompt tokens as the budget leaves, and hand out the tokens the pass chose (overlapped: those of
+        the pass before, see the module docstring)."""
         started = time.perf_counter()
         try:
             self._drop_cancelled()
@@ -496,7 +490,7 @@ class Executor:
         prompts = [s.next_chunk(length) for s, length in chunks]
         decode_ids = self.chooser.last_tokens[upload(slots[:len(decode_rows)], self.device)] if decode_rows else None
         # Decode tokens alone and prompts alone go through decode and prefill, which the fast runtime replays as
-        # CUDA graphs (for a decode batch and for a lone prompt).
+        # CUDA graphs of their own (a decode batch, a lone prompt).
         if not chunks:
             logits = self.model.decode(slots, decode_ids)
         elif not decoding:
@@ -563,7 +557,7 @@ class Executor:
         tokens, log_probs, errors = launched.chosen.result()
         for sequence, token, log_prob, error in zip(launched.sequences, tokens, log_probs, errors, strict=True):
             sequence.pending -= 1
-            if sequence.finished:
+            if sequence.handle.done.is_set():
                 continue  # cancelled, or ended by the token before (this one is never sent)
             if error is not None:
                 log.warning("request %d: %s", sequence.handle.id, error)
@@ -593,7 +587,6 @@ class Executor:
             self._finish(sequence, Output([], finished=True, reason="cancelled"))
 
     def _finish(self, sequence: _Sequence, output: Output) -> None:
-        sequence.finished = True
         if sequence.slot is not None and self._active.get(sequence.slot) is sequence:
             del self._active[sequence.slot]
             self._free_kv_blocks += sequence.kv_blocks

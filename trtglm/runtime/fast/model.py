@@ -264,13 +264,12 @@ class FastModel:
         pieces do, together, and longer ones each through SDPA. `decode_ids`: the ids of the first pieces (device
         tensor; their values in `pieces` are not read)."""
         dev, lengths = self.device, [len(p) for p in pieces]
-        skipped = 0 if decode_ids is None else len(decode_ids)
-        tokens = upload([t for p in pieces[skipped:] for t in p], dev)
+        on_device = 0 if decode_ids is None else len(decode_ids)
+        ids, slot_of, position_of, ends = _flattened(pieces[on_device:], slots, starts, lengths)
+        tokens = upload(ids, dev)
         if decode_ids is not None:
             tokens = torch.cat([decode_ids.to(torch.long), tokens])
-        token_slots = upload([s for s, n in zip(slots, lengths) for _ in range(n)], dev)
-        token_positions = upload([start + i for start, n in zip(starts, lengths) for i in range(n)], dev, torch.int32)
-        ends = list(itertools.accumulate(lengths))
+        token_slots, token_positions = upload(slot_of, dev), upload(position_of, dev, torch.int32)
         single = [i for i, n in enumerate(lengths) if n == 1]
         single_rows = upload([ends[i] - 1 for i in single], dev)
         chunks = [(slots[i], starts[i], ends[i] - lengths[i], lengths[i]) for i, n in enumerate(lengths) if n > 1]
@@ -325,15 +324,13 @@ class FastModel:
         if width is None:
             return None
         pad, dev = width - total, self.device
-        given = 0 if decode_ids is None else len(decode_ids)
+        on_device = 0 if decode_ids is None else len(decode_ids)
+        ids, slot_of, position_of, ends = _flattened(pieces[on_device:], slots, starts, lengths)
         if decode_ids is not None:
-            self._mixed_tokens[:given].copy_(decode_ids)
-        self._mixed_tokens[given:width].copy_(upload([t for p in pieces[given:] for t in p] + [0] * pad, dev))
-        self._mixed_slots[:width].copy_(upload([s for s, n in zip(slots, lengths) for _ in range(n)]
-                                               + [self.scratch] * pad, dev))
-        self._mixed_positions[:width].copy_(upload([start + i for start, n in zip(starts, lengths) for i in range(n)]
-                                                   + [0] * pad, dev, torch.int32))
-        ends = list(itertools.accumulate(lengths))
+            self._mixed_tokens[:on_device].copy_(decode_ids)
+        self._mixed_tokens[on_device:width].copy_(upload(ids + [0] * pad, dev))
+        self._mixed_slots[:width].copy_(upload(slot_of + [self.scratch] * pad, dev))
+        self._mixed_positions[:width].copy_(upload(position_of + [0] * pad, dev, torch.int32))
         self._mixed_last.copy_(upload([end - 1 for end in ends] + [0] * (self.max_batch - len(pieces)), dev))
         if width not in self._mixed_graphs:
             return self._mixed_padded(width)[:len(pieces)]
@@ -539,8 +536,8 @@ class FastModel:
         """Run the eager passes (mixed steps, prefills of several prompts) at every row count class they can meet, in
         the scratch slot, so that serving compiles and tunes nothing: each count of tokens with one prompt chunk, and
         each count of pieces (what the lm_head takes) with one token each but one."""
-        scratch, longest = self.scratch, min(self.max_seq_len - 1, 2 * self.prefill_widths[-1])
-        for tokens in eager_row_counts(longest):
+        scratch = self.scratch
+        for tokens in eager_row_counts(min(self.max_seq_len - 1, DECODE_ATTENTION_POSITIONS)):
             self._packed_rows([[0] * tokens], [scratch], [0])
         for pieces in eager_row_counts(self.max_batch):
             self._packed_rows([[0]] * (pieces - 1) + [[0, 0]], [scratch] * pieces, [1] * (pieces - 1) + [0])
@@ -610,6 +607,16 @@ class FastModel:
                 raise UsageError(f"slot {slot} is full ({self.max_seq_len} tokens)")
         if not isinstance(tokens, torch.Tensor):
             self._check_token_ids(tokens)
+
+
+def _flattened(host_pieces: list[list[int]], slots: list[int], starts: list[int], lengths: list[int]
+               ) -> tuple[list[int], list[int], list[int], list[int]]:
+    """A pass's pieces as rows, one per token: the ids of `host_pieces` (those whose ids the host has: the last
+    ones), then every row's slot and position, and where each piece's rows end."""
+    ids = [t for piece in host_pieces for t in piece]
+    slot_of = [slot for slot, n in zip(slots, lengths) for _ in range(n)]
+    position_of = [start + i for start, n in zip(starts, lengths) for i in range(n)]
+    return ids, slot_of, position_of, list(itertools.accumulate(lengths))
 
 
 def load_fast_model(path: str | Path, rank: int | None = None, **options) -> FastModel:

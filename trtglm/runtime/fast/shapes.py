@@ -24,8 +24,8 @@ def prefill_widths(max_seq_len: int) -> list[int]:
 
 
 # Token counts of the mixed steps replayed as CUDA graphs (a step of more tokens runs eagerly): every token attends
-# through the decode kernel, which re-reads its slot's keys for each of a prompt chunk's tokens, fine for chunks of a
-# few hundred tokens, while longer ones are compute-bound anyway and go to flash attention.
+# through the decode kernel, which re-reads its slot's keys for each of a prompt chunk's tokens; the partial outputs
+# of its split-K, kept for every token, grow with the count.
 MIXED_GRAPH_TOKENS = (32, 64, 96, 128, 192, 256, 384, 512)
 # An eager step whose tokens all sit below this position attends through the decode kernel, every token at once, as
 # the mixed-step graphs do (one launch, however many prompt chunks); one with longer chunks takes flash attention,
@@ -42,11 +42,11 @@ def row_bucket(rows: int) -> int:
 def eager_row_counts(limit: int) -> list[int]:
     """Row counts (1 to `limit`) that meet every compiled variant of the kernels an eager pass launches: one of each
     row bucket (the matmuls' block shapes) and, within it, of each kind of integer Triton compiles a kernel anew
-    for (1, a multiple of 16, any other); and `limit` itself."""
+    for (1, a multiple of 16, any other)."""
     kinds: dict[tuple[int, bool, bool], int] = {}
     for rows in range(1, limit + 1):
         kinds.setdefault((row_bucket(rows), rows == 1, rows % 16 == 0), rows)
-    return sorted({*kinds.values(), limit})
+    return sorted(kinds.values())
 
 
 def batch_buckets(max_batch: int) -> list[int]:
