@@ -34,6 +34,7 @@ from support.engines import build_tiny_engine
 from support.servers import NO_PROXY, Server
 
 from trtglm.repo import patch_repo
+from trtglm.serve.openai_process import API_MODULE
 
 pytestmark = [pytest.mark.slow, pytest.mark.reliability]
 
@@ -218,7 +219,7 @@ def victim(repo: Path, what: str, rank: int) -> psutil.Process:
         elif what == "tritonserver":
             hit = proc.name() == "tritonserver" and any(marker in a for a in args)
         else:
-            hit = "trtglm.serve.openai_api" in args
+            hit = API_MODULE in args
         if hit and proc.pid not in {p.pid for p in found}:
             found.append(proc)
     assert found, f"no {what} on rank {rank}"
