@@ -12,6 +12,7 @@
 #   PARTS=sampling [BASELINE_TREE=.baseline] scripts/bench_gpu.sh [DEST]
 #   PARTS=firstlaunch scripts/bench_gpu.sh [DEST]
 #   PARTS="overlap inflight" [BASELINE_TREE=.baseline] scripts/bench_gpu.sh [DEST]
+#   PARTS="wide inflight" scripts/bench_gpu.sh [DEST]
 #   PARTS=worldsizes scripts/bench_gpu.sh [DEST]
 #
 # PARTS picks the parts (each takes five to seven minutes on an H200): `runtime` (bench runtime),
@@ -65,12 +66,16 @@
 # `bench sampling --cases greedy,top-p` (256 streamed requests of 128 prompt ids → 128 tokens at 64 in flight;
 # tokens/s and wall ms per decode step from the server's counters), for this tree py-spy on the engine process
 # under the same load (DEST/overlap-py-spy.txt, summarised by trtglm.bench.profile_summary), stop; then the captured
-# batch-64 decode step in-process (`bench tp --tp 1 --dtype float16`, DEST/overlap-tp1/; OVERLAP_TP_FLAGS adds flags,
+# batch-1, -64 and -256 decode steps in-process (`bench tp --tp 1 --dtype float16`, DEST/overlap-tp1/; OVERLAP_TP_FLAGS adds flags,
 # e.g. "--device cpu --preset tiny --dtype float32" for a dry run), and the executor and fast-runtime tests on the
 # GPU (among them: serving after the warm-up compiles no kernel). Results
 # DEST/overlap-this/, DEST/overlap-baseline/ (sampling.json) and DEST/overlap.txt. Knobs: OVERLAP_WORK, OVERLAP_CONFIG,
 # OVERLAP_MODEL, OVERLAP_LOAD, OVERLAP_ROUNDS (default 2), OVERLAP_PROFILE_S (default 10); a dry run on a CPU as for
 # `sampling` (OVERLAP_MODEL=$PWD/tests/fixtures/tiny-chatglm3 OVERLAP_CONFIG=configs/tiny.yaml, small loads).
+# `wide` (not in the default set): 256 sequences in flight on one GPU, this tree only: the overlap part's model and
+# profile built at max_batch_size WIDE_BATCH (default 256) → launch → `bench sampling --cases greedy,top-p` of 1,024
+# requests at 256 in flight (WIDE_LOAD, WIDE_ROUNDS default 1) → stop; results DEST/wide/ and DEST/wide.txt (with the
+# engine's KV-cache line: positions held, GB).
 # `worldsizes` (not in the default set; a machine with 2 or 4 GPUs): served tensor parallel, world sizes 1, 2 and 4 in
 # one call (those above the GPU count skipped): synth-model 6b (fp16) → for each, build-engine
 # configs/chatglm3-6b-fp16-tp{N}.yaml (torch) → patch-repo, launch --detach (--world-size from the engine) →
@@ -100,7 +105,7 @@ if ! python3 -c "import fire" 2>/dev/null; then
     export PYTHONPATH=/tmp/trtglm-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 served() { [[ " $PARTS " == *" serving "* || " $PARTS " == *" sampling "* || " $PARTS " == *" firstlaunch "* \
-    || " $PARTS " == *" overlap "* || " $PARTS " == *" worldsizes "* ]]; }
+    || " $PARTS " == *" overlap "* || " $PARTS " == *" worldsizes "* || " $PARTS " == *" wide "* ]]; }
 tokenizer_65k() {  # the 65k tokenizer that random 6B weights need (TOKENIZER_DIR, else carried or beside)
     if [ -n "${TOKENIZER_DIR:-}" ]; then echo "$TOKENIZER_DIR"; return; fi
     for candidate in .whl/tokenizer-65k shared/gpu/tokenizer-65k ../shared/gpu/tokenizer-65k; do
@@ -297,11 +302,30 @@ if [[ " $PARTS " == *" overlap "* ]]; then
         in_tree "$tree" stop --repo "$work/repo-$label" || true
     done
     phase "the captured batch-64 decode step in-process, for the served step to be held against (bench tp --tp 1)"
-    python3 -m trtglm bench tp --tp 1 --dtype float16 --batches 1,64 ${OVERLAP_TP_FLAGS:-} --out "$DEST/overlap-tp1" 2>&1 \
+    python3 -m trtglm bench tp --tp 1 --dtype float16 --batches 1,64,256 ${OVERLAP_TP_FLAGS:-} --out "$DEST/overlap-tp1" 2>&1 \
         | tail -n 12 | tee -a "$DEST/overlap.txt" || phase "bench tp failed"
     phase "the executor and fast-runtime tests on the GPU (nothing compiles while serving)"
-    python3 -m pytest -q -p no:cacheprovider tests/runtime/test_fast_runtime.py -k "executor or compiles or mixed_step" \
+    python3 -m pytest -q -p no:cacheprovider tests/runtime/test_fast_runtime.py -k "executor or compiles or mixed_step or paged or triton or attention" \
         2>&1 | tail -n 15 | tee -a "$DEST/overlap.txt"
+    phase done
+fi
+if [[ " $PARTS " == *" wide "* ]]; then
+    # 256 sequences in flight on one GPU (the paged KV cache): the overlap part's workload, four times as many
+    # requests at four times the concurrency, served from an engine of max_batch_size 256.
+    start_part wide "${OVERLAP_WORK:-/tmp/trtglm-overlap}"
+    config=${OVERLAP_CONFIG:-configs/chatglm3-6b-fp16-tp1.yaml}
+    load=${WIDE_LOAD:---requests 1024 --concurrency 256 --prompt-len 128 --new-tokens 128}
+    phase "model ${OVERLAP_MODEL:-synth-model 6b (fp16)}, build-engine $config at max_batch_size ${WIDE_BATCH:-256}"
+    engine_6b "$work" "$config" "${OVERLAP_MODEL:-}" "$work/engine-wide" --set "build.max_batch_size=${WIDE_BATCH:-256}"
+    if launch_tree "$root" wide "$work" "$work/engine-wide"; then
+        grep -h "KV cache:" "$work"/logs-wide/* 2>/dev/null | head -n 1 | tee -a "$DEST/wide.txt" || true
+        phase "wide: served greedy and top-p, $load"
+        # shellcheck disable=SC2086  # a word list
+        python3 -m trtglm bench sampling --url http://127.0.0.1:18000 --metrics-url http://127.0.0.1:18002/metrics \
+            --cases greedy,top-p $load --rounds "${WIDE_ROUNDS:-1}" --timeout 300 --out "$DEST/wide" 2>&1 \
+            | grep -v "^round" | tee -a "$DEST/wide.txt" || phase "wide: failed"
+        python3 -m trtglm stop --repo "$work/repo-wide" || true
+    fi
     phase done
 fi
 if [[ " $PARTS " == *" worldsizes "* ]]; then

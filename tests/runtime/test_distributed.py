@@ -207,7 +207,7 @@ class Script:
 
     def __init__(self, steps: list[Step]):
         self.steps, self.calls = list(steps), []
-        self.vocab_size, self.max_batch, self.max_seq_len = 10, 2, 8
+        self.vocab_size, self.max_batch, self.max_seq_len, self.kv_tokens = 10, 2, 8, 16
 
     def receive(self) -> Step:
         return self.steps.pop(0) if self.steps else Step(STOP, [], [])
@@ -229,8 +229,8 @@ class Script:
     def reuse(self, slot, source, length):
         self.calls.append(("reuse", slot, source, length))
 
-    def release(self, slot):
-        self.calls.append(("release", slot))
+    def release(self, slot, keep=0):
+        self.calls.append(("release", slot, keep))
 
     def copy(self, sources, targets):
         self.calls.append(("copy", list(sources), list(targets)))
@@ -238,11 +238,11 @@ class Script:
 
 def test_a_follower_makes_rank_0s_calls_and_goes_on_after_one_that_fails():
     script = Script([Step.prefill([1], [[4, 5]]), Step(DECODE, [1], [99]), Step(DECODE, [1], [6]),
-                     Step(COPY, [0], [1]), Step(RELEASE, [1], []), Step(DECODE, [0], [3])])
+                     Step(COPY, [0], [1]), Step(RELEASE, [1], [8]), Step(DECODE, [0], [3])])
     script.steps.insert(5, Step(STOP, [], []))  # rank 0 stops: what follows is never made
     follow(script, script)
     assert script.calls == [("prefill", [1], [[4, 5]], [0]), ("decode", [1], [6]), ("copy", [1], [0]),
-                            ("release", 1)]
+                            ("release", 1, 8)]
 
 
 def test_the_leader_sends_a_copy_before_making_it():

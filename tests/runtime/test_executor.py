@@ -360,6 +360,7 @@ class Recording:
     def __init__(self, inner):
         self.inner, self.calls = inner, []
         self.vocab_size, self.max_batch, self.max_seq_len = inner.vocab_size, inner.max_batch, inner.max_seq_len
+        self.kv_tokens = inner.kv_tokens
 
     def prefill(self, slots, prompts, starts=None):
         self.calls.append(("prefill", list(slots), list(starts), [len(p) for p in prompts]))
@@ -377,9 +378,9 @@ class Recording:
         self.calls.append(("reuse", slot, source, length))
         self.inner.reuse(slot, source, length)
 
-    def release(self, slot):
+    def release(self, slot, keep=0):
         self.calls.append(("release", slot))
-        self.inner.release(slot)
+        self.inner.release(slot, keep)
 
 
 def answers(executor: Executor, prompts: list[list[int]], tok) -> list[list[int]]:
@@ -469,6 +470,7 @@ class Separate:
     def __init__(self, inner):
         self.inner, self.mixed = inner, 0
         self.vocab_size, self.max_batch, self.max_seq_len = inner.vocab_size, inner.max_batch, inner.max_seq_len
+        self.kv_tokens = inner.kv_tokens
 
     def prefill(self, slots, prompts, starts=None):
         return self.inner.prefill(slots, prompts, starts)
@@ -483,8 +485,8 @@ class Separate:
     def decode(self, slots, tokens):
         return self.inner.decode(slots, tokens)
 
-    def release(self, slot):
-        self.inner.release(slot)
+    def release(self, slot, keep=0):
+        self.inner.release(slot, keep)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["in_turn", "overlapped"])
@@ -640,6 +642,7 @@ class Failing:
     def __init__(self, inner):
         self.inner, self.failed = inner, False
         self.vocab_size, self.max_batch, self.max_seq_len = inner.vocab_size, inner.max_batch, inner.max_seq_len
+        self.kv_tokens = inner.kv_tokens
 
     def prefill(self, slots, prompts, starts=None):
         return self.inner.prefill(slots, prompts, starts)
@@ -653,8 +656,8 @@ class Failing:
             raise RuntimeError("device lost")
         return self.inner.decode(slots, tokens)
 
-    def release(self, slot):
-        self.inner.release(slot)
+    def release(self, slot, keep=0):
+        self.inner.release(slot, keep)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["in_turn", "overlapped"])

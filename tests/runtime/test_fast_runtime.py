@@ -41,7 +41,7 @@ from trtglm.runtime.fast import FastModel, batch_buckets, load_fast_model
 from trtglm.runtime.fast import model as fast_model
 from trtglm.runtime.fast import shapes
 from trtglm.runtime.fast.linear import Linear, pack_int4, pack_int8, unpack_int4, unpack_int8
-from trtglm.runtime.fast.ops import TorchOps
+from trtglm.runtime.fast.ops import TorchOps, slot_positions
 from trtglm.runtime.model import load_model
 from trtglm.runtime.quant import fake_quantize
 from trtglm.runtime.request import Request
@@ -141,9 +141,13 @@ def test_linear_computes_x_times_dequantized_weight(algo):
 
 # --- the model against GlmForCausalLM ----------------------------------------------------------------------------
 
+# Slots of several KV-cache blocks, and fewer positions in all than 5 × 64: the cache is paged.
+PAGED = {"max_batch": 5, "max_seq_len": 64, "block_size": 8, "kv_tokens": 256}
+
+
 @pytest.fixture(scope="module")
 def model(checkpoint) -> FastModel:
-    return load_fast_model(checkpoint, device="cpu", max_batch=5, max_seq_len=64)
+    return load_fast_model(checkpoint, device="cpu", **PAGED)
 
 
 GPU_TOL = 5e-2  # float32 on a GPU: its matmuls round inputs to tf32
@@ -156,7 +160,7 @@ def any_model(request, model, checkpoint) -> tuple[FastModel, float]:
     tolerance against the float64 reference."""
     if request.param == "cpu":
         return model, FP32_TOL
-    return load_fast_model(checkpoint, device="cuda", max_batch=5, max_seq_len=64), GPU_TOL
+    return load_fast_model(checkpoint, device="cuda", **PAGED), GPU_TOL
 
 
 def test_batch_buckets():
@@ -227,12 +231,16 @@ def test_padded_prefill_of_one_prompt_matches_reference(model, reference, hf_cfg
     assert shapes.prefill_widths(8) == [8] and shapes.prefill_widths(300)[-2:] == [256, 300]
     longer, seq = sequences(hf_cfg.vocab_size, [50, 20], seed=29)
     expected = ref_logits(reference(None), seq)
+    model.cache.hold(4, len(longer))  # the blocks the prompt takes: its padding past them goes to the sink
     assert max_diff(model._prefill_one(4, longer, 64)[0], ref_logits(reference(None), longer)[-1]) <= FP32_TOL
     assert max_diff(model._prefill_one(4, seq, 32)[0], expected[-1]) <= FP32_TOL
     model.prefill([3], [seq])
+    slots = torch.tensor([3, 4])
     for k, v in zip(model.cache.keys, model.cache.values):
-        assert max_diff(k[4, :, :20], k[3, :, :20]) <= FP32_TOL and max_diff(v[4, :, :20], v[3, :, :20]) <= FP32_TOL
+        for cached in (slot_positions(k, model.cache.table, slots, 20), slot_positions(v, model.cache.table, slots, 20)):
+            assert max_diff(cached[0], cached[1]) <= FP32_TOL
     model.release(3)
+    model.release(4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -346,7 +354,9 @@ def test_a_reused_prefix_continues_like_the_prefill_that_wrote_it(model, referen
     shared, tail = sequences(hf_cfg.vocab_size, [32, 10], seed=31)
     expected = ref_logits(reference(None), shared + tail)
     model.prefill([0], [shared])
-    model.release(0)  # a released slot keeps its positions until it is prefilled again
+    free = model.cache.free_blocks
+    model.release(0, keep=32)  # a released slot keeps the positions asked for until it is prefilled again
+    assert model.cache.free_blocks == free
     model.reuse(1, 0, 32)
     model.reuse(0, 0, 16)
     assert model.cache.lengths[:2] == [16, 32]
@@ -355,8 +365,13 @@ def test_a_reused_prefix_continues_like_the_prefill_that_wrote_it(model, referen
     assert model.cache.lengths[:2] == [42, 42]
     for slot in (0, 1):
         model.release(slot)
+    cache = model.cache  # releasing without keep frees the slot's blocks
+    assert not cache.held[0] and not cache.held[1]
+    assert cache.free_blocks == PAGED["kv_tokens"] // PAGED["block_size"] - sum(map(len, cache.held[:model.max_batch]))
     with pytest.raises(UsageError, match="cannot reuse 64 positions"):
         model.reuse(0, 1, 64)
+    with pytest.raises(UsageError, match="slot 1 holds 0 cached positions"):
+        model.reuse(0, 1, 16)
 
 
 def test_a_chunk_must_continue_where_its_slot_ends(model):
@@ -404,11 +419,51 @@ def test_executor_over_fast_model_decodes_greedily_like_the_reference(any_model,
     while executor.has_work():
         executor.step()
     for i, prompt in enumerate(prompts):
-        ids = list(prompt)
-        for _ in range(6):
-            ids.append(int(ref_logits(reference(None), ids)[-1].argmax()))
-        assert got[i] == ids[len(prompt):]
+        assert got[i] == greedy_reference(reference, prompt, 6)
     assert executor.stats().reused_tokens == (16 * (len(prompts) - 1) if reuse else 0)
+
+
+def greedy_reference(reference, prompt: list[int], count: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(count):
+        ids.append(int(ref_logits(reference(None), ids)[-1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_a_paged_cache_admits_what_its_blocks_hold_and_frees_cached_prompts_for_new_requests(model, reference,
+                                                                                               hf_cfg):
+    """The fixture's cache holds 256 positions (32 blocks of 8) for 5 slots of 64. Requests of 57 to 61 positions (8
+    blocks each) run 4 at a time, the fifth waiting for blocks, not for a slot; a finished request's prompt blocks stay
+    cached for reuse until a new request needs the room (the fifth evicts the first's). The model never holds more blocks than the executor
+    reserved, and every request decodes what the reference does."""
+    for slot in range(model.max_batch):
+        model.release(slot)
+    prefix, *tails = sequences(hf_cfg.vocab_size, [32, 9, 10, 11, 12, 13, 9], seed=17)
+    prompts = [prefix + tail for tail in tails]
+    executor = Executor(model, max_queue=8, tokens_per_block=8, kv_cache_reuse=True, overlap=False)
+    got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    most_active = 0
+
+    def serve(indices: range) -> None:
+        nonlocal most_active
+        for i in indices:
+            executor.submit(Request(prompts[i], max_new_tokens=16), lambda out, i=i: got[i].extend(out.tokens))
+        while executor.has_work():
+            executor.step()
+            most_active = max(most_active, executor.stats().active)
+            held = executor.kv_blocks - model.cache.free_blocks
+            assert held <= executor.kv_blocks - executor._free_kv_blocks
+
+    serve(range(5))
+    assert executor.kv_blocks == 32 and most_active == 4
+    # The fifth took the first one's slot, once its 8 blocks were free: its prompt's 5 cached ones were evicted.
+    retained = sum(executor._retained.values())
+    assert len(executor._retained) == 4 and executor.kv_blocks - model.cache.free_blocks == retained == 20
+    reused = executor.stats().reused_tokens
+    serve(range(5, 6))  # its prefix is kept in a slot that still caches it
+    assert executor.stats().reused_tokens == reused + 32 and len(executor._retained) == 4
+    for i, prompt in enumerate(prompts):
+        assert got[i] == greedy_reference(reference, prompt, 16), i
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton compiles on a GPU")
@@ -498,6 +553,16 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+def paged_caches(rnd, slots: int, kv_heads: int, length: int, head: int, block: int = 16
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random keys and values of `slots` slots of `length` positions in a paged cache, the slots' blocks in a shuffled
+    order (block 0 the sink), and its table."""
+    per_slot = -(-length // block)
+    order = torch.randperm(slots * per_slot, generator=torch.Generator().manual_seed(5)) + 1
+    table = order.view(slots, per_slot).to(torch.int32).to(KERNEL_DEVICE)
+    return rnd(1 + slots * per_slot, kv_heads, block, head), rnd(1 + slots * per_slot, kv_heads, block, head), table
+
+
 @NEEDS_TRITON
 def test_triton_ops_match_their_definitions(triton_ops):
     ops, kernels = triton_ops
@@ -512,24 +577,24 @@ def test_triton_ops_match_their_definitions(triton_ops):
     heads, kv_heads, head, length = 8, 2, 16, 600  # 600 positions: three chunks in use, one empty
     angles = torch.arange(length)[:, None].float() * 0.1 ** torch.arange(4).float()
     cos, sin = angles.cos().to(KERNEL_DEVICE), angles.sin().to(KERNEL_DEVICE)
-    caches = [rnd(4, kv_heads, length, head) for _ in range(2)]
+    *caches, table = paged_caches(rnd, 4, kv_heads, length, head)
     copies = [c.clone() for c in caches]
     qkv = rnd(6, (heads + 2 * kv_heads) * head)
     slots = torch.tensor([0, 2, 2, 1, 0, 3], device=KERNEL_DEVICE)
     positions = torch.tensor([0, 5, 6, 599, 1, 300], dtype=torch.int32, device=KERNEL_DEVICE)
-    q = ops.rope_cache(qkv, slots, positions, cos, sin, *caches, heads)
-    assert rel(q, TorchOps.rope_cache(qkv, slots, positions, cos, sin, *copies, heads)) < 1e-3
+    q = ops.rope_cache(qkv, slots, positions, cos, sin, *caches, table, heads)
+    assert rel(q, TorchOps.rope_cache(qkv, slots, positions, cos, sin, *copies, table, heads)) < 1e-3
     assert torch.equal(caches[0], copies[0]) and torch.equal(caches[1], copies[1])
     q, slots3 = rnd(3, heads, head), torch.tensor([3, 0, 1], device=KERNEL_DEVICE)
     positions3 = torch.tensor([0, 299, 599], dtype=torch.int32, device=KERNEL_DEVICE)
-    attended = ops.decode_attention(q, *caches, slots3, positions3)
-    assert rel(attended, TorchOps.decode_attention(q, *caches, slots3, positions3)) < 1e-2
+    attended = ops.decode_attention(q, *caches, table, slots3, positions3)
+    assert rel(attended, TorchOps.decode_attention(q, *caches, table, slots3, positions3)) < 1e-2
     # The last chunk program of each sequence merged and reset its arrival count: a second launch agrees.
-    assert torch.equal(ops.decode_attention(q, *caches, slots3, positions3), attended)
+    assert torch.equal(ops.decode_attention(q, *caches, table, slots3, positions3), attended)
     assert not kernels._arrivals(q.device, 1).any()
     many = [t.repeat(6, *[1] * (t.dim() - 1)) for t in (q, slots3, positions3)]  # 18 sequences: shorter steps
     assert kernels.decode_block(18) != kernels.decode_block(3)
-    assert rel(ops.decode_attention(many[0], *caches, *many[1:]), attended.repeat(6, 1)) < 1e-2
+    assert rel(ops.decode_attention(many[0], *caches, table, *many[1:]), attended.repeat(6, 1)) < 1e-2
     y = rnd(4, 200)
     assert rel(ops.silu_mul(y), TorchOps.silu_mul(y)) < 1e-3
     seq_len = torch.tensor([7, 0, 3, 9, 0], dtype=torch.int32, device=KERNEL_DEVICE)  # slot 4: scratch
@@ -560,13 +625,13 @@ def test_decode_attention_from_qkv_matches_its_definition(triton_ops, slots, pos
     head, length = 16, 600  # chunks of 256 positions: 3 in use, one empty
     angles = torch.arange(length)[:, None].float() * 0.1 ** torch.arange(4).float()
     cos, sin = angles.cos().to(KERNEL_DEVICE), angles.sin().to(KERNEL_DEVICE)
-    caches = [rnd(4, kv_heads, length, head) for _ in range(2)]
+    *caches, table = paged_caches(rnd, 4, kv_heads, length, head)
     copies = [c.clone() for c in caches]
     qkv = rnd(len(slots), (heads + 2 * kv_heads) * head)
     slots = torch.tensor(slots, device=KERNEL_DEVICE)
     positions = torch.tensor(positions, dtype=torch.int32, device=KERNEL_DEVICE)
-    got = ops.decode_qkv_attention(qkv, slots, positions, cos, sin, *caches, heads)
-    want = TorchOps.decode_qkv_attention(qkv, slots, positions, cos, sin, *copies, heads)
+    got = ops.decode_qkv_attention(qkv, slots, positions, cos, sin, *caches, table, heads)
+    want = TorchOps.decode_qkv_attention(qkv, slots, positions, cos, sin, *copies, table, heads)
     assert rel(got, want) < 1e-2
     assert torch.equal(caches[0], copies[0]) and torch.equal(caches[1], copies[1])  # this position's k and v
     assert not kernels._arrivals(qkv.device, 1).any()  # the merging programs reset their arrival counts

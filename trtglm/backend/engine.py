@@ -21,6 +21,7 @@ import torch
 from trtglm.engine.manifest import read_manifest
 from trtglm.errors import TrtglmError, UsageError
 from trtglm.files import report_phase
+from trtglm.runtime.cache import KV_FRACTION
 from trtglm.runtime.distributed import (Collectives, Distributed, LeaderSlotModel, RankInfo, StepChannel, follow,
                                         join, rank_info)
 from trtglm.runtime.executor import Executor, Output, Request
@@ -45,6 +46,7 @@ class EngineInfo:
     tokenizer_size: int  # ids the tokenizer can decode; the engine's vocabulary may be padded past them
     tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK  # KV-cache block: the unit of admission and prefix reuse
     max_beam_width: int = 1
+    kv_fraction: float = KV_FRACTION  # of the GPU memory left after the weights, for the KV cache
 
 
 def engine_info(engine_dir: str | Path) -> EngineInfo:
@@ -53,12 +55,13 @@ def engine_info(engine_dir: str | Path) -> EngineInfo:
         raise UsageError(f"{engine_dir} holds a {manifest['engine']} engine; the python backend serves torch engines "
                          "(NVIDIA's tensorrtllm backend serves TensorRT ones)")
     limits, mapping = manifest["limits"], manifest["mapping"]
-    build = manifest["profile"].get("build")
-    block = build.get("tokens_per_block", DEFAULT_TOKENS_PER_BLOCK) if isinstance(build, dict) else \
-        DEFAULT_TOKENS_PER_BLOCK
+    build, serve = (section if isinstance(section, dict) else {}
+                    for section in (manifest["profile"].get("build"), manifest["profile"].get("serve")))
+    block = build.get("tokens_per_block", DEFAULT_TOKENS_PER_BLOCK)
     return EngineInfo(Path(engine_dir), Path(manifest["checkpoint_dir"]), int(mapping["tp_size"]) * int(mapping["pp_size"]),
                       int(limits["max_batch_size"]), int(limits["max_seq_len"]), int(limits["max_num_tokens"]),
-                      int(manifest["tokenizer"]["vocab_size"]), int(block), int(limits.get("max_beam_width", 1)))
+                      int(manifest["tokenizer"]["vocab_size"]), int(block), int(limits.get("max_beam_width", 1)),
+                      float(serve.get("kv_cache_free_gpu_mem_fraction", KV_FRACTION)))
 
 
 def pick_device(info: RankInfo, requested: str | None = None) -> torch.device:
@@ -94,7 +97,8 @@ def slot_model(engine: EngineInfo, info: RankInfo, device: torch.device, group: 
             if device.type == "cuda":  # what the start compiles and tunes is kept with the engine
                 kernel_cache.use(engine.engine_dir, device)
             return load_fast_model(engine.checkpoint_dir, rank=rank, process_group=group.group if group else None,
-                                   max_batch=slots, max_seq_len=engine.max_seq_len, device=device)
+                                   max_batch=slots, max_seq_len=engine.max_seq_len, device=device,
+                                   block_size=engine.tokens_per_block, kv_fraction=engine.kv_fraction)
         except ImportError as e:
             log.warning("the fast GPU runtime is not available (%s); using the portable one", e)
     model = load_model(engine.checkpoint_dir, device=device, rank=rank, group=group)

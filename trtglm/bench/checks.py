@@ -139,26 +139,28 @@ def kernel_checks(cfg, device: torch.device, dtype: torch.dtype) -> dict:
     x, delta, w = rnd(64, h), rnd(64, h), rnd(h)
     out["add_rms_norm"] = max(rel(a, b) for a, b in zip(fast.add_rms_norm(x, delta, w, 1e-5),
                                                          ref.add_rms_norm(x, delta, w, 1e-5)))
-    length, slots_n = 1280, 9
+    length, slots_n, block = 1280, 9, 64
     cos, sin = _tables(cfg, length, device)
-    caches = [rnd(slots_n, kv, length, d) for _ in range(2)]
+    per_slot = length // block  # each slot's blocks in a shuffled order through the paged cache (block 0: the sink)
+    table = (torch.randperm(slots_n * per_slot, device=device, generator=g) + 1).view(slots_n, per_slot).int()
+    caches = [rnd(1 + slots_n * per_slot, kv, block, d) for _ in range(2)]
     copies = [c.clone() for c in caches]
     qkv = rnd(64, (heads + 2 * kv) * d)
     slots = torch.randint(0, slots_n, (64,), device=device, generator=g)
     positions = torch.randperm(length, device=device, generator=g)[:64].to(torch.int32)
-    q_fast = fast.rope_cache(qkv, slots, positions, cos, sin, caches[0], caches[1], heads)
-    q_ref = ref.rope_cache(qkv, slots, positions, cos, sin, copies[0], copies[1], heads)
+    q_fast = fast.rope_cache(qkv, slots, positions, cos, sin, caches[0], caches[1], table, heads)
+    q_ref = ref.rope_cache(qkv, slots, positions, cos, sin, copies[0], copies[1], table, heads)
     out["rope_cache"] = max(rel(q_fast, q_ref), rel(caches[0], copies[0]), rel(caches[1], copies[1]))
     q = rnd(8, heads, d)
     slots8 = torch.randperm(slots_n, device=device, generator=g)[:8]
     positions8 = torch.randint(0, length, (8,), device=device, generator=g, dtype=torch.int32)
-    out["decode_attention"] = rel(fast.decode_attention(q, caches[0], caches[1], slots8, positions8),
-                                  ref.decode_attention(q, caches[0], caches[1], slots8, positions8))
+    out["decode_attention"] = rel(fast.decode_attention(q, caches[0], caches[1], table, slots8, positions8),
+                                  ref.decode_attention(q, caches[0], caches[1], table, slots8, positions8))
     for position in (100, 1000):  # one sequence (rope_attention): one chunk of positions, and four merged
         one = slots8[:1], torch.tensor([position], dtype=torch.int32, device=device)
-        attended = fast.decode_qkv_attention(qkv[:1], *one, cos, sin, caches[0], caches[1], heads)
+        attended = fast.decode_qkv_attention(qkv[:1], *one, cos, sin, caches[0], caches[1], table, heads)
         out[f"decode_qkv_attention_{position}"] = max(
-            rel(attended, ref.decode_qkv_attention(qkv[:1], *one, cos, sin, copies[0], copies[1], heads)),
+            rel(attended, ref.decode_qkv_attention(qkv[:1], *one, cos, sin, copies[0], copies[1], table, heads)),
             rel(caches[0], copies[0]), rel(caches[1], copies[1]))
     y = rnd(64, 2 * inner)
     out["silu_mul"] = rel(fast.silu_mul(y), ref.silu_mul(y))

@@ -22,7 +22,7 @@ def without_norm(x, delta, weight, eps):
     return x, x
 
 
-def without_attention(qkv, slots, positions, cos, sin, k_cache, v_cache, num_heads):
+def without_attention(qkv, slots, positions, cos, sin, k_cache, v_cache, table, num_heads):
     return qkv[:, : num_heads * k_cache.shape[3]]
 
 

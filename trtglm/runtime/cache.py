@@ -12,8 +12,9 @@ position of its next token; a released slot may take another sequence. Two cache
   rest, where shorter sequences or a slot's previous occupant left stale entries), or
   `packed_view` (a mixed step: pieces of several slots, decode tokens and prompt chunks, packed
   into one row for the matmuls; it attends itself, each piece over its own slot's positions).
-- `StaticCache`, the fast runtime's (fast/model.py): per layer `[max_batch + 1, kv_heads_per_rank,
-  max_seq_len, head]`, the extra slot scratch that padding rows write into, and each slot's
+- `PagedCache`, the fast runtime's (fast/model.py): per layer `[blocks, kv_heads_per_rank,
+  block_size, head]`, each slot's positions in the blocks its row of a block table names, taken
+  as the sequence grows; an extra slot is scratch that padding rows write into; each slot's
   length on the device too, where CUDA graphs read and advance it.
 
 `KVCache` is the offline generator's (generate.py): one batch of sequences right-aligned
@@ -32,6 +33,9 @@ import torch.nn.functional as F
 from trtglm.errors import UsageError
 from trtglm.runtime.checkpoint import CheckpointConfig
 from trtglm.runtime.transfer import upload
+
+
+KV_FRACTION = 0.9  # of the GPU memory left after the weights, for a paged cache: TensorRT-LLM's default
 
 
 @runtime_checkable
@@ -283,22 +287,68 @@ class _Packed:
 # --- the fast runtime's slots --------------------------------------------------------------------
 
 
-class StaticCache:
-    """keys/values[layer] `[max_batch + 1, kv_heads_per_rank, max_seq_len, head_size]` (this rank's KV heads):
-    slot `scratch` (= max_batch) is where padding rows write. `lengths` on the host, `device_lengths` (int32) where
-    the CUDA graphs read them."""
+class PagedCache:
+    """keys/values[layer] `[blocks, kv_heads_per_rank, block_size, head_size]` (this rank's KV heads): position p of a
+    slot lies in block `table[slot, p // block_size]`. A slot takes blocks as its sequence grows (`hold`, before a pass
+    writes them) and gives them back when released, so memory goes to the positions sequences hold, not to
+    max_batch × max_seq_len: `kv_tokens` positions in all (None: that product), which the executor shares out as
+    TensorRT-LLM's `guaranteed_no_evict` scheduler does (each request's whole length reserved at admission).
+
+    Block 0 is a sink: every table entry no sequence holds names it, so padding rows written past a sequence's blocks
+    land there and never in another sequence's. Slot `scratch` (= max_batch, where padding rows and `score` write)
+    holds max_seq_len positions of its own. `lengths` on the host, `device_lengths` (int32) where the CUDA graphs read
+    and advance them; the table's changes are uploaded as they are made (stream-ordered, no host wait)."""
+
+    SINK = 0
 
     def __init__(self, cfg: CheckpointConfig, max_batch: int, max_seq_len: int, dtype: torch.dtype,
-                 device: torch.device):
-        shape = (max_batch + 1, cfg.kv_heads_per_rank, max_seq_len, cfg.head_size)
-        self.max_batch, self.max_seq_len, self.scratch = max_batch, max_seq_len, max_batch
+                 device: torch.device, block_size: int = 64, kv_tokens: int | None = None):
+        if block_size < 1 or (kv_tokens is not None and kv_tokens < max_seq_len):
+            raise UsageError(f"a paged KV cache needs block_size >= 1 and room for one whole sequence "
+                             f"({max_seq_len} positions), not {block_size} and {kv_tokens}")
+        self.max_batch, self.max_seq_len, self.scratch, self.block_size = max_batch, max_seq_len, max_batch, block_size
+        self.blocks_per_slot = -(-max_seq_len // block_size)
+        self.kv_tokens = kv_tokens or max_batch * max_seq_len
+        sequence_blocks = -(-self.kv_tokens // block_size)
+        first = 1 + self.blocks_per_slot  # after the sink and the scratch slot's blocks
+        shape = (first + sequence_blocks, cfg.kv_heads_per_rank, block_size, cfg.head_size)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.table = torch.full((max_batch + 1, self.blocks_per_slot), self.SINK, dtype=torch.int32, device=device)
+        self.held: list[list[int]] = [[] for _ in range(max_batch + 1)]  # slot -> its blocks, first to last
+        self.held[self.scratch] = list(range(1, first))
+        self.table[self.scratch] = torch.arange(1, first, dtype=torch.int32, device=device)
+        self._free = list(range(first + sequence_blocks - 1, first - 1, -1))  # popped lowest first
         self.lengths = [0] * (max_batch + 1)
         self.device_lengths = torch.zeros(max_batch + 1, dtype=torch.int32, device=device)
 
-    def reset(self, slot: int) -> None:
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def hold(self, slot: int, positions: int) -> None:
+        """The slot's first `positions` positions have blocks (taken from the free ones as needed)."""
+        held = self.held[slot]
+        needed = -(-positions // self.block_size) - len(held)
+        if needed <= 0:
+            return
+        if needed > len(self._free):
+            raise UsageError(f"the KV cache is full: slot {slot} needs {needed} more blocks of {self.block_size} "
+                             f"positions, {len(self._free)} are free")
+        taken = [self._free.pop() for _ in range(needed)]
+        self.table[slot, len(held):len(held) + needed] = upload(taken, self.table.device, torch.int32)
+        held += taken
+
+    def reset(self, slot: int, keep: int = 0) -> None:
+        """Forget the slot's sequence; the blocks of its first `keep` positions stay (a prefix to reuse), the others
+        are freed."""
         self.lengths[slot] = 0
+        kept = -(-keep // self.block_size)
+        freed = self.held[slot][kept:]
+        if freed:
+            del self.held[slot][kept:]
+            self._free += reversed(freed)
+            self.table[slot, kept:] = self.SINK
 
     def set_lengths(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
         """Slots just prefilled hold `lengths` positions (on the host and on the device)."""
@@ -308,10 +358,18 @@ class StaticCache:
         self.device_lengths[upload(list(slots), device)] = upload(list(lengths), device, torch.int32)
 
     def copy(self, slot: int, source: int, length: int) -> None:
-        """The slot holds the first `length` positions of `source`."""
+        """The slot holds the first `length` positions of `source` (its blocks' copies: the two go their own ways)."""
+        count = -(-length // self.block_size)
+        if count > len(self.held[source]):
+            raise UsageError(f"slot {source} holds {len(self.held[source]) * self.block_size} cached positions, not "
+                             f"{length}")
         if source != slot:
+            self.reset(slot)
+            self.hold(slot, length)
+            device = self.table.device
+            targets, sources = upload(self.held[slot][:count], device), upload(self.held[source][:count], device)
             for t in (*self.keys, *self.values):
-                t[slot, :, :length] = t[source, :, :length]
+                t[targets] = t[sources]
         self.set_lengths([slot], [length])
 
     def advance(self, slots: Sequence[int]) -> None:

@@ -213,6 +213,7 @@ class LeaderSlotModel:
     def __init__(self, inner: SlotModel, channel: StepChannel):
         self.inner, self.channel = inner, channel
         self.vocab_size, self.max_batch, self.max_seq_len = inner.vocab_size, inner.max_batch, inner.max_seq_len
+        self.kv_tokens = inner.kv_tokens
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
                 starts: Sequence[int] | None = None) -> torch.Tensor:
@@ -242,9 +243,9 @@ class LeaderSlotModel:
         self.channel.send(Step(REUSE, [slot], [source, length]))
         self.inner.reuse(slot, source, length)
 
-    def release(self, slot: int) -> None:
-        self.channel.send(Step(RELEASE, [slot], []))
-        self.inner.release(slot)
+    def release(self, slot: int, keep: int = 0) -> None:
+        self.channel.send(Step(RELEASE, [slot], [keep]))
+        self.inner.release(slot, keep)
 
     def copy(self, sources: Sequence[int], targets: Sequence[int]) -> None:
         self.channel.send(Step(COPY, list(targets), [int(s) for s in sources]))
@@ -293,7 +294,7 @@ def _make(model: SlotModel, step: Step) -> None:
     elif step.op == REUSE:
         model.reuse(step.slots[0], *step.data)
     elif step.op == RELEASE:
-        model.release(step.slots[0])
+        model.release(step.slots[0], *step.data)
     elif step.op == COPY:
         model.copy(step.data, step.slots)
     else:

@@ -36,7 +36,9 @@ bad words longer than one token) make the steps run in turn while they are there
 With `kv_cache_reuse` (TensorRT-LLM's `enable_kv_cache_reuse`), a new request's prompt is looked
 up block by block (`tokens_per_block`) in the prefix index (prefix.py): the longest prefix of
 whole blocks that some slot's cache holds is copied into its slot (or kept, when its slot is the
-one that holds it) instead of computed, and prefilling starts after it.
+one that holds it) instead of computed, and prefilling starts after it. A finished request's slot
+keeps its prompt's whole blocks for this (`SlotModel.release(slot, keep)`); they count against the
+KV cache until a request that needs the room evicts them, least recently released first.
 
 Each new token goes to its request's callback as an `Output` (the new tokens, their log
 probabilities, whether it is finished and why). A request finishes at `end_id` (which is not
@@ -196,6 +198,18 @@ class _Sequence:
         return any(self.history[-len(w):] == w for w in self.stops_by_last.get(self.history[-1], ()))
 
 
+def _kv_blocks(model: SlotModel, max_kv_tokens: int | None, tokens_per_block: int) -> int:
+    """The KV-cache blocks of `tokens_per_block` positions the executor shares out: what `max_kv_tokens` asks (None:
+    all), at most what the model's cache holds. A paged cache (one with a `block_size`) is counted in whole blocks
+    of both sizes, so that a request's reservation always covers the blocks its positions take there."""
+    block_size = getattr(model, "block_size", None)
+    if block_size is not None and tokens_per_block % block_size:
+        raise UsageError(f"tokens_per_block ({tokens_per_block}) must be a multiple of the model's KV-cache block "
+                         f"({block_size} positions)")
+    held = model.kv_tokens // tokens_per_block if block_size else -(-model.kv_tokens // tokens_per_block)
+    return min(held, -(-max_kv_tokens // tokens_per_block)) if max_kv_tokens else held
+
+
 def _by_last_token(words: Sequence[Sequence[int]]) -> dict[int, list[list[int]]]:
     table: dict[int, list[list[int]]] = {}
     for word in words:
@@ -241,8 +255,9 @@ class Executor:
         self.max_queue = max_queue
         self.max_num_tokens = max_num_tokens or model.max_seq_len
         self.tokens_per_block = tokens_per_block
-        self.kv_blocks = -(-(max_kv_tokens or model.max_batch * model.max_seq_len) // tokens_per_block)
+        self.kv_blocks = _kv_blocks(model, max_kv_tokens, tokens_per_block)
         self._free_kv_blocks = self.kv_blocks
+        self._retained: dict[int, int] = {}  # free slot -> blocks its cached prompt keeps, least recently released first
         self.prefixes = PrefixIndex(tokens_per_block, model.max_batch) if kv_cache_reuse else None
         self.vocab_limit = min(vocab_limit or model.vocab_size, model.vocab_size)
         self.device = torch.device(device if device is not None else getattr(model, "device", "cpu"))
@@ -408,8 +423,9 @@ class Executor:
             while self._queue and budget > 0 and len(self._free_slots()) >= self._queue[0].request.sampling.beam_width:
                 sequence = self._queue[0]
                 blocks = self._blocks_for(sequence.request)
-                if blocks > self._free_kv_blocks:
+                if blocks > self._free_kv_blocks + sum(self._retained.values()):
                     break  # it waits (as everyone after it does) until finished requests free the cache
+                self._evict(blocks)
                 self._queue.popleft()
                 self._free_kv_blocks -= blocks
                 sequence.kv_blocks = blocks
@@ -421,6 +437,14 @@ class Executor:
                 admitted.append(sequence)
                 budget -= sequence.unprefilled
         return admitted
+
+    def _evict(self, blocks: int) -> None:
+        """Free cached prompts of finished requests, least recently released first, until `blocks` are free."""
+        while self._free_kv_blocks < blocks:
+            slot = next(iter(self._retained))
+            self._free_kv_blocks += self._retained.pop(slot)
+            self.prefixes.forget(slot)
+            self.model.release(slot)
 
     def _place(self, sequence: _Sequence) -> None:
         """Give `sequence` a free slot; with prefix caching, the one that holds the longest prefix of its prompt
@@ -435,6 +459,9 @@ class Executor:
             sequence.slot = self.prefixes.choose_slot(free, match)
             kept = match.length if match is not None and sequence.slot in match.sources else 0
             self.prefixes.take(sequence.slot, kept)
+            if sequence.slot in self._retained:  # what it kept beyond `kept` is freed; the rest is the new request's
+                self._free_kv_blocks += self._retained.pop(sequence.slot)
+                self.model.release(sequence.slot, kept)
             if match is not None:
                 self.model.reuse(sequence.slot, sequence.slot if kept else min(match.sources), match.length)
                 self.prefixes.holds(sequence.slot, prompt, match.length)
@@ -589,8 +616,11 @@ class Executor:
     def _finish(self, sequence: _Sequence, output: Output) -> None:
         if sequence.slot is not None and self._active.get(sequence.slot) is sequence:
             del self._active[sequence.slot]
-            self._free_kv_blocks += sequence.kv_blocks
-            self.model.release(sequence.slot)
+            keep = self.prefixes.cached(sequence.slot) if self.prefixes is not None else 0
+            self.model.release(sequence.slot, keep)
+            if keep:
+                self._retained[sequence.slot] = -(-keep // self.tokens_per_block)
+            self._free_kv_blocks += sequence.kv_blocks - self._retained.get(sequence.slot, 0)
             self.chooser.release(sequence.slot)
             for slot in sequence.held:
                 del self._held[slot]
@@ -625,6 +655,7 @@ class Executor:
         self._held.clear()
         self.chooser.release_all()
         self._free_kv_blocks = self.kv_blocks
+        self._retained.clear()
         if self.prefixes is not None:
             self.prefixes.clear()  # a failed pass may have left any slot's positions half written
         for sequence in running:
@@ -648,6 +679,7 @@ class Executor:
             self._held.clear()
             self.chooser.release_all()
             self._free_kv_blocks = self.kv_blocks
+            self._retained.clear()
         for sequence in sequences:
             self._deliver(sequence, Output([], finished=True, reason="error", error=message))
             sequence.handle.done.set()

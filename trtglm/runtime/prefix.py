@@ -63,6 +63,14 @@ class PrefixIndex:
         self._used[slot] = next(self._clock)
         self._forget(slot, kept // self.tokens_per_block)
 
+    def cached(self, slot: int) -> int:
+        """Tokens of whole prompt blocks `slot` holds."""
+        return len(self._held[slot]) * self.tokens_per_block
+
+    def forget(self, slot: int) -> None:
+        """`slot` holds nothing any more (its cache was given to others)."""
+        self._forget(slot, 0)
+
     def holds(self, slot: int, prompt: Sequence[int], cached: int) -> None:
         """`slot` holds the first `cached` tokens of `prompt` (its whole blocks are added)."""
         size, held = self.tokens_per_block, self._held[slot]

@@ -94,7 +94,12 @@ class ShardedSlotModel:
         check_reuse(slot, source, length, self.max_seq_len)
         self.cache.copy(slot, source, length)
 
-    def release(self, slot: int) -> None:
+    @property
+    def kv_tokens(self) -> int:
+        return self.max_batch * self.max_seq_len  # a static cache: every slot's every position
+
+    def release(self, slot: int, keep: int = 0) -> None:
+        """Forget the slot's sequence (its positions stay as they are, `keep` or not, until it is prefilled again)."""
         self._check_slot(slot)
         self.cache.reset(slot)
 

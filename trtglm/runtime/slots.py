@@ -1,7 +1,8 @@
 """The interface between the in-flight batching executor and a model implementation.
 
-A `SlotModel` owns a preallocated KV cache of `max_batch` slots, each `max_seq_len`
-positions long. The executor admits a request by prefilling a free slot with its prompt,
+A `SlotModel` owns a KV cache of `max_batch` slots, each up to `max_seq_len` positions long,
+`kv_tokens` positions in all (a paged cache holds fewer than max_batch × max_seq_len: the
+executor admits a request only while the cache has room for its whole length). The executor admits a request by prefilling a free slot with its prompt,
 then advances every active slot by one token per decode step; a finished or cancelled
 request releases its slot. Requests join and leave the running batch at any step.
 
@@ -15,7 +16,7 @@ one token after the slot's cached positions). `reuse` starts a slot with the fir
 of another slot's cache (prefix caching: a shared prompt prefix is copied, not computed again).
 
 Two implementations serve this interface: the portable one over `ShardedModel` (CPU or
-GPU, any tensor-parallel size, one process per rank when served) and the fast GPU one (static
+GPU, any tensor-parallel size, one process per rank when served) and the fast GPU one (paged
 cache, CUDA graphs; one GPU, or one GPU per rank). The executor knows nothing else about the model.
 """
 
@@ -32,6 +33,7 @@ class SlotModel(Protocol):
     vocab_size: int  # width of the logits rows returned below
     max_batch: int  # number of slots
     max_seq_len: int  # positions per slot (prompt + generated tokens)
+    kv_tokens: int  # positions of all slots together (at most max_batch × max_seq_len)
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
                 starts: Sequence[int] | None = None) -> torch.Tensor:
@@ -59,10 +61,11 @@ class SlotModel(Protocol):
 
     def reuse(self, slot: int, source: int, length: int) -> None:
         """The slot holds the first `length` positions of `source`'s cache (copied unless `source` is `slot`); a
-        released source keeps what it held until it is prefilled again."""
+        released source keeps what `release` kept until it is prefilled again."""
 
-    def release(self, slot: int) -> None:
-        """Forget the slot's sequence; the slot may be prefilled again."""
+    def release(self, slot: int, keep: int = 0) -> None:
+        """Forget the slot's sequence; the slot may be prefilled again. Its first `keep` positions stay cached for a
+        later `reuse` (a paged cache frees the others' memory)."""
 
     def copy(self, sources: Sequence[int], targets: Sequence[int]) -> None:
         """Each target slot takes a copy of its source slot's sequence (beam search: a beam that continues

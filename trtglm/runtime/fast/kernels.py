@@ -3,8 +3,9 @@
 Each step kernel has a torch twin in `ops.TorchOps` that defines what it computes, and the
 matmuls compute x · (stored weights × per-row scale)ᵀ as linear.py's dequantized weights do;
 tests compare them (under Triton's interpreter on the CPU, natively on a GPU). Shapes follow the fast
-model: activations are `[tokens, features]` row-major, the KV cache of one layer is
-`[slots, kv_heads, max_seq_len, head_size]`.
+model: activations are `[tokens, features]` row-major, the KV cache of one layer is paged:
+`[blocks, kv_heads, block_size, head_size]`, position p of a slot in block `table[slot, p // block_size]`
+(runtime/cache.py, `PagedCache`).
 
 Decode attention is split-K ("flash decoding"): every (sequence, KV head, chunk of
 `CHUNK` positions) is one program, which puts the `GROUP` query heads sharing that KV head
@@ -155,9 +156,9 @@ def _rotary(src, d, cos, sin):
 
 
 @triton.jit
-def _rope_cache_kernel(qkv_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, qkv_stride,
-                       slot_stride, head_stride, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
-                       ROT: tl.constexpr, PDL: tl.constexpr):
+def _rope_cache_kernel(qkv_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, table_ptr, qkv_stride,
+                       block_stride, head_stride, table_stride, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
+                       ROT: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr):
     _start(PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # 0..H-1 query, H..H+KVH-1 key, then value
@@ -165,6 +166,7 @@ def _rope_cache_kernel(qkv_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, k_pt
     slot = tl.load(slot_ptr + t).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     src = qkv_ptr + t * qkv_stride + head * D
+    line = tl.load(table_ptr + slot * table_stride + pos // BS).to(tl.int64) * block_stride + (pos % BS) * D + d
     if head < H + KVH:
         rotated = d < ROT
         cos = tl.load(cos_ptr + pos * (ROT // 2) + d // 2, mask=rotated, other=1.0)
@@ -173,28 +175,31 @@ def _rope_cache_kernel(qkv_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, k_pt
         if head < H:
             tl.store(q_ptr + (t * H + head) * D + d, y.to(q_ptr.dtype.element_ty))
         else:
-            tl.store(k_ptr + slot * slot_stride + (head - H) * head_stride + pos * D + d, y.to(k_ptr.dtype.element_ty))
+            tl.store(k_ptr + line + (head - H) * head_stride, y.to(k_ptr.dtype.element_ty))
     else:
-        tl.store(v_ptr + slot * slot_stride + (head - H - KVH) * head_stride + pos * D + d, tl.load(src + d))
+        tl.store(v_ptr + line + (head - H - KVH) * head_stride, tl.load(src + d))
 
 
 def rope_cache(qkv: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Rotate q and k of `qkv` `[T, (H + 2·KVH)·D]`, store k/v at (slot, position) of the cache; q `[T, H, D]`."""
+               sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, num_heads: int
+               ) -> torch.Tensor:
+    """Rotate q and k of `qkv` `[T, (H + 2·KVH)·D]`, store k/v at (slot, position) of the paged cache (`table`:
+    each slot's blocks); q `[T, H, D]`."""
     tokens = qkv.shape[0]
     kv_heads, head = k_cache.shape[1], k_cache.shape[3]
     q = torch.empty(tokens, num_heads, head, dtype=qkv.dtype, device=qkv.device)
     _rope_cache_kernel[(tokens, num_heads + 2 * kv_heads)](
-        qkv, slots, positions, cos, sin, q, k_cache, v_cache, qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
-        H=num_heads, KVH=kv_heads, D=head, ROT=2 * cos.shape[1], num_warps=1, **pdl(qkv.device))
+        qkv, slots, positions, cos, sin, q, k_cache, v_cache, table, qkv.stride(0), k_cache.stride(0),
+        k_cache.stride(1), table.stride(0), H=num_heads, KVH=kv_heads, D=head, ROT=2 * cos.shape[1],
+        BS=k_cache.shape[2], num_warps=1, **pdl(qkv.device))
     return q
 
 
 @triton.jit
-def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, o_ptr, lse_ptr, out_ptr, arrived_ptr, scale,
-                             slot_stride, head_stride, H: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                             D: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
-                             PDL: tl.constexpr):
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, pos_ptr, o_ptr, lse_ptr, out_ptr, arrived_ptr,
+                             scale, block_stride, head_stride, table_stride, H: tl.constexpr, GROUP: tl.constexpr,
+                             GROUP_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                             SPLITS: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr):
     _start(PDL)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -209,20 +214,21 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, o_ptr, lse_
         d = tl.arange(0, D)
         heads = b * H + kv_head * GROUP + g
         q = tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=head_ok[:, None], other=0.0)
-        base = slot * slot_stride + kv_head * head_stride
+        table = table_ptr + slot * table_stride
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         total = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D], tl.float32)
         for start in range(split * CHUNK, end, BLOCK):
             idx = start + tl.arange(0, BLOCK)
             valid = idx < end
-            k = tl.load(k_ptr + base + idx[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+            cached = _paged_rows(table, idx, valid, block_stride, kv_head * head_stride, BS, D)[:, None] + d[None, :]
+            k = tl.load(k_ptr + cached, mask=valid[:, None], other=0.0)
             scores = tl.where(valid[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             p = tl.exp(scores - m_new[:, None])
             alpha = tl.exp(m - m_new)
             total = total * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + base + idx[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(v_ptr + cached, mask=valid[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
         out = out_ptr + heads[:, None] * D + d[None, :]
@@ -237,6 +243,13 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, o_ptr, lse_
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:
                 tl.store(counter, 0)  # the last to arrive: reset for the next launch, merge every chunk's part
                 _merge_chunks(o_ptr, lse_ptr, rows, used, head_ok, d, out, GROUP_PAD, D)
+
+
+@triton.jit
+def _paged_rows(table, idx, valid, block_stride, head_offset, BS: tl.constexpr, D: tl.constexpr):
+    """Where positions `idx` of a slot (its row of the block table at `table`) start in one KV head's cache."""
+    blocks = tl.load(table + idx // BS, mask=valid, other=0).to(tl.int64)
+    return blocks * block_stride + head_offset + (idx % BS) * D
 
 
 @triton.jit
@@ -276,37 +289,37 @@ def decode_block(batch: int) -> int:
     return 128 if batch <= 16 else 64
 
 
-def _split_outputs(batch: int, num_heads: int, k_cache: torch.Tensor, chunk: int, dtype: torch.dtype,
-                   length: int | None = None) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(chunks of `length` positions (None: the cache's), each chunk's float32 output and log-sum-exp per head, the
+def _split_outputs(batch: int, num_heads: int, k_cache: torch.Tensor, table: torch.Tensor, chunk: int,
+                   dtype: torch.dtype, length: int | None = None) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(chunks of `length` positions (None: a slot's most), each chunk's float32 output and log-sum-exp per head, the
     output `[B, H·D]`) for a split-K decode attention launch."""
-    _, _, max_len, head = k_cache.shape
+    head, max_len = k_cache.shape[3], table.shape[1] * k_cache.shape[2]
     splits = triton.next_power_of_2(triton.cdiv(length or max_len, chunk))
     parts = torch.empty(batch, num_heads, splits, head, dtype=torch.float32, device=k_cache.device)
     lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=k_cache.device)
     return splits, parts, lse, torch.empty(batch, num_heads * head, dtype=dtype, device=k_cache.device)
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     positions: torch.Tensor, length: int | None = None) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                     slots: torch.Tensor, positions: torch.Tensor, length: int | None = None) -> torch.Tensor:
     """One query per sequence `q` `[B, H, D]` over cache positions 0..position of its slot; `[B, H·D]`. `length`:
-    no position reaches it (None: the cache's length), so fewer partial outputs are kept."""
+    no position reaches it (None: a slot's most), so fewer partial outputs are kept."""
     batch, num_heads, head = q.shape
     kv_heads = k_cache.shape[1]
-    splits, parts, lse, out = _split_outputs(batch, num_heads, k_cache, DECODE_CHUNK, q.dtype, length)
+    splits, parts, lse, out = _split_outputs(batch, num_heads, k_cache, table, DECODE_CHUNK, q.dtype, length)
     _decode_attention_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, slots, positions, parts, lse, out, _arrivals(q.device, batch * kv_heads), head ** -0.5,
-        k_cache.stride(0), k_cache.stride(1), H=num_heads, GROUP=num_heads // kv_heads,
+        q, k_cache, v_cache, table, slots, positions, parts, lse, out, _arrivals(q.device, batch * kv_heads),
+        head ** -0.5, k_cache.stride(0), k_cache.stride(1), table.stride(0), H=num_heads, GROUP=num_heads // kv_heads,
         GROUP_PAD=max(16, triton.next_power_of_2(num_heads // kv_heads)), D=head, CHUNK=DECODE_CHUNK,
-        BLOCK=decode_block(batch), SPLITS=splits, num_warps=4, num_stages=2, **pdl(q.device))
+        BLOCK=decode_block(batch), SPLITS=splits, BS=k_cache.shape[2], num_warps=4, num_stages=2, **pdl(q.device))
     return out
 
 
 @triton.jit
-def _rope_attention_kernel(qkv_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, out_ptr,
-                           arrived_ptr, scale, qkv_stride, slot_stride, head_stride, H: tl.constexpr,
-                           KVH: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, CHUNK: tl.constexpr,
-                           SPLITS: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
+def _rope_attention_kernel(qkv_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, table_ptr, o_ptr, lse_ptr,
+                           out_ptr, arrived_ptr, scale, qkv_stride, block_stride, head_stride, table_stride,
+                           H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, CHUNK: tl.constexpr,
+                           SPLITS: tl.constexpr, BS: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
     """rope_cache and decode attention of one query head over one chunk of positions. Before waiting for `qkv`, the
     keys of earlier steps are loaded and their values fetched into L2 (registers would not hold both; LINE > 0:
     values per 128-byte line). The new key and value come from `qkv` itself (the first query head of each KV head
@@ -322,12 +335,13 @@ def _rope_attention_kernel(qkv_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, 
         slot = tl.load(slot_ptr + b).to(tl.int64)
         idx = split * CHUNK + tl.arange(0, CHUNK)
         d = tl.arange(0, D)
-        base = slot * slot_stride + kv_head * head_stride
-        cached = base + idx[:, None] * D + d[None, :]
+        table = table_ptr + slot * table_stride
+        rows = _paged_rows(table, idx, idx <= pos, block_stride, kv_head * head_stride, BS, D)
+        cached = rows[:, None] + d[None, :]
         older = (idx < pos)[:, None]  # written by earlier steps, complete before this kernel starts
         k = tl.load(k_ptr + cached, mask=older, other=0.0)
         if LINE > 0:  # one address per line
-            lines = v_ptr + base + idx[:, None] * D + (tl.arange(0, D // LINE) * LINE)[None, :]
+            lines = v_ptr + rows[:, None] + (tl.arange(0, D // LINE) * LINE)[None, :]
             tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
                                       is_pure=False, pack=1)
         rotated = d < ROT
@@ -340,8 +354,9 @@ def _rope_attention_kernel(qkv_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, 
         k_new = _rotary(row + (H + kv_head) * D, d, cos, sin).to(k_ptr.dtype.element_ty)
         v_new = tl.load(row + (H + KVH + kv_head) * D + d).to(v_ptr.dtype.element_ty)
         stores = (d < D) & (h % group == 0) & (split == used - 1)
-        tl.store(k_ptr + base + pos * D + d, k_new, mask=stores)
-        tl.store(v_ptr + base + pos * D + d, v_new, mask=stores)
+        newest_row = tl.load(table + pos // BS).to(tl.int64) * block_stride + kv_head * head_stride + (pos % BS) * D
+        tl.store(k_ptr + newest_row + d, k_new, mask=stores)
+        tl.store(v_ptr + newest_row + d, v_new, mask=stores)
         newest = (idx == pos)[:, None]
         k = tl.where(newest, k_new[None, :], k)
         v = tl.where(newest, v_new[None, :], v)
@@ -371,16 +386,18 @@ def _rope_attention_kernel(qkv_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, 
 
 
 def rope_attention(qkv: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> torch.Tensor:
+                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, num_heads: int
+                   ) -> torch.Tensor:
     """rope_cache then decode_attention in one launch, one program per (sequence, query head, chunk): every key and
     value is read once per query head, which pays where few sequences leave most SMs idle."""
     batch = qkv.shape[0]
     _, kv_heads, _, head = k_cache.shape
-    splits, parts, lse, out = _split_outputs(batch, num_heads, k_cache, ROPE_ATTENTION_CHUNK, qkv.dtype)
+    splits, parts, lse, out = _split_outputs(batch, num_heads, k_cache, table, ROPE_ATTENTION_CHUNK, qkv.dtype)
     _rope_attention_kernel[(batch, num_heads, splits)](
-        qkv, slots, positions, cos, sin, k_cache, v_cache, parts, lse, out, _arrivals(qkv.device, batch * num_heads),
-        head ** -0.5, qkv.stride(0), k_cache.stride(0), k_cache.stride(1), H=num_heads, KVH=kv_heads, D=head,
-        ROT=2 * cos.shape[1], CHUNK=ROPE_ATTENTION_CHUNK, SPLITS=splits, LINE=_prefetch_line(v_cache), num_warps=8,
+        qkv, slots, positions, cos, sin, k_cache, v_cache, table, parts, lse, out,
+        _arrivals(qkv.device, batch * num_heads), head ** -0.5, qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
+        table.stride(0), H=num_heads, KVH=kv_heads, D=head, ROT=2 * cos.shape[1], CHUNK=ROPE_ATTENTION_CHUNK,
+        SPLITS=splits, BS=k_cache.shape[2], LINE=_prefetch_line(v_cache), num_warps=8,
         **pdl(qkv.device))
     return out
 
@@ -392,14 +409,14 @@ def _prefetch_line(cache: torch.Tensor) -> int:
 
 
 def decode_qkv_attention(qkv: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int
-                         ) -> torch.Tensor:
+                         sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                         num_heads: int) -> torch.Tensor:
     """Decode attention from the qkv rows: `rope_attention` for up to ROPE_ATTENTION_BATCH sequences, else
     `rope_cache` and `decode_attention`."""
     if qkv.shape[0] <= ROPE_ATTENTION_BATCH:
-        return rope_attention(qkv, slots, positions, cos, sin, k_cache, v_cache, num_heads)
-    q = rope_cache(qkv, slots, positions, cos, sin, k_cache, v_cache, num_heads)
-    return decode_attention(q, k_cache, v_cache, slots, positions)
+        return rope_attention(qkv, slots, positions, cos, sin, k_cache, v_cache, table, num_heads)
+    q = rope_cache(qkv, slots, positions, cos, sin, k_cache, v_cache, table, num_heads)
+    return decode_attention(q, k_cache, v_cache, table, slots, positions)
 
 
 @triton.jit

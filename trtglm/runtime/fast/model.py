@@ -1,9 +1,13 @@
 """`FastModel`: ChatGLM3 on one GPU behind the `SlotModel` interface (slots.py), built for speed; a
 tensor-parallel checkpoint runs one `FastModel` per GPU, one process each (parallel.py).
 
-- Static KV cache (`StaticCache`, runtime/cache.py): per layer `[max_batch + 1, kv_heads,
-  max_seq_len, head]`; the extra slot is scratch that padding rows of a decode step (and
-  `score`) write into.
+- Paged KV cache (`PagedCache`, runtime/cache.py): per layer `[blocks, kv_heads, block_size,
+  head]`, each slot's positions in the blocks its row of a block table names. A slot takes blocks
+  as its sequence grows (before the pass that writes them) and frees them when released, so
+  `kv_tokens` positions serve as many sequences as their lengths allow; on a GPU `kv_tokens` is
+  what `kv_fraction` of the memory left after the weights holds (TensorRT-LLM's
+  `kv_cache_free_gpu_mem_fraction`). An extra slot is scratch that padding rows of a decode step
+  (and `score`) write into; padding past a sequence's blocks lands in a sink block.
 - Decode steps are captured as CUDA graphs, one per batch bucket (1, 2, 4, … max_batch); a
   step of n sequences replays the smallest bucket ≥ n. Slot indices, tokens and each
   slot's length live in device buffers the graph reads; the graph itself advances the
@@ -59,10 +63,10 @@ from tqdm import tqdm
 
 from trtglm.errors import UsageError
 from trtglm.files import report_phase
-from trtglm.runtime.cache import StaticCache
+from trtglm.runtime.cache import KV_FRACTION, PagedCache
 from trtglm.runtime.checkpoint import CheckpointConfig, load_checkpoint
 from trtglm.runtime.fast.linear import Linear
-from trtglm.runtime.fast.ops import TritonOps, select_ops
+from trtglm.runtime.fast.ops import TritonOps, select_ops, slot_positions
 from trtglm.runtime.fast.parallel import RankGroup
 from trtglm.runtime.fast.shapes import (DECODE_ATTENTION_POSITIONS, DECODE_CHUNK, MIXED_GRAPH_TOKENS, batch_buckets,
                                         check_shape_options, eager_row_counts, prefill_groups, prefill_widths,
@@ -94,7 +98,8 @@ class FastModel:
     def __init__(self, cfg: CheckpointConfig, tensors: dict[str, torch.Tensor], *, max_batch: int = 64,
                  max_seq_len: int = 2048, dtype: str | torch.dtype | None = None, device: str | torch.device = "cuda",
                  weight_only: str | None = None, kernels: str = "auto", graphs: bool | None = None,
-                 tune: bool | None = None, process_group: torch.distributed.ProcessGroup | None = None):
+                 tune: bool | None = None, process_group: torch.distributed.ProcessGroup | None = None,
+                 block_size: int = 64, kv_tokens: int | None = None, kv_fraction: float = KV_FRACTION):
         self.device = torch.device(device)
         self.config, self.dtype = cfg, resolve_dtype(dtype, cfg)
         self.quant_algo = resolve_weight_only(weight_only, cfg)
@@ -111,7 +116,10 @@ class FastModel:
         log.info("weights on %s in %.1f s", self.device, time.monotonic() - started)
         cos, sin = rotary_tables(cfg, torch.arange(max_seq_len, device=self.device)[None])
         self.cos, self.sin = cos[0, 0].contiguous(), sin[0, 0].contiguous()
-        self.cache = StaticCache(cfg, max_batch, max_seq_len, self.dtype, self.device)
+        self.cache = PagedCache(cfg, max_batch, max_seq_len, self.dtype, self.device, block_size,
+                                kv_tokens or self._kv_tokens_that_fit(kv_fraction, block_size))
+        log.info("KV cache: %d positions in blocks of %d (%.1f GB)", self.cache.kv_tokens, block_size,
+                 2 * sum(t.numel() * t.element_size() for t in self.cache.keys) / 1e9)
         self.buckets = batch_buckets(max_batch)
         self._tokens = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self._slots = torch.full((max_batch,), self.scratch, dtype=torch.long, device=self.device)
@@ -176,6 +184,27 @@ class FastModel:
                  self.ops.name, self.device,
                  f", rank {self.ranks.rank} of tp {self.ranks.world_size}" if self.ranks else "")
 
+    def _kv_tokens_that_fit(self, fraction: float, block_size: int) -> int | None:
+        """On a GPU, the positions `fraction` of its free memory holds (whole blocks; at most max_batch ×
+        max_seq_len, at least one sequence); None elsewhere (that product)."""
+        if self.device.type != "cuda":
+            return None
+        cfg = self.config
+        per_position = 2 * cfg.num_layers * cfg.kv_heads_per_rank * cfg.head_size * self.dtype.itemsize
+        free, _ = torch.cuda.mem_get_info(self.device)
+        fits = int(free * fraction) // per_position // block_size * block_size
+        fits = self.ranks.least(fits, self.device) if self.ranks else fits  # every rank's cache takes the same blocks
+        return max(self.max_seq_len, min(fits, self.max_batch * self.max_seq_len))
+
+    @property
+    def kv_tokens(self) -> int:
+        """Positions the KV cache holds for sequences (all slots together)."""
+        return self.cache.kv_tokens
+
+    @property
+    def block_size(self) -> int:
+        return self.cache.block_size
+
     @property
     def linears(self) -> list[Linear]:
         return [layer for w in self.layers for layer in (w.qkv, w.dense, w.fc, w.proj)] + [self.lm_head]
@@ -217,7 +246,7 @@ class FastModel:
 
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
             return self.ops.decode_qkv_attention(qkv, slots, positions, self.cos, self.sin, self.cache.keys[i],
-                                                 self.cache.values[i], self.heads)
+                                                 self.cache.values[i], self.cache.table, self.heads)
 
         return self._logits(*self._run_layers(x, attend))
 
@@ -244,10 +273,10 @@ class FastModel:
 
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
             q = self.ops.rope_cache(qkv, token_slots, token_positions, self.cos, self.sin, self.cache.keys[i],
-                                    self.cache.values[i], self.heads)
+                                    self.cache.values[i], self.cache.table, self.heads)
             q = q.view(n, width, *q.shape[1:]).transpose(1, 2)
-            keys = self.cache.keys[i][slot_ids, :, :start + width]
-            values = self.cache.values[i][slot_ids, :, :start + width]
+            keys = slot_positions(self.cache.keys[i], self.cache.table, slot_ids, start + width)
+            values = slot_positions(self.cache.values[i], self.cache.table, slot_ids, start + width)
             with sdpa_kernel(PREFILL_ATTENTION):
                 out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True, **causal)
             return out.transpose(1, 2).reshape(n * width, -1)
@@ -272,24 +301,26 @@ class FastModel:
         token_slots, token_positions = upload(slot_of, dev), upload(position_of, dev, torch.int32)
         single = [i for i, n in enumerate(lengths) if n == 1]
         single_rows = upload([ends[i] - 1 for i in single], dev)
-        chunks = [(slots[i], starts[i], ends[i] - lengths[i], lengths[i]) for i, n in enumerate(lengths) if n > 1]
+        chunks = [(starts[i], ends[i] - lengths[i], lengths[i]) for i, n in enumerate(lengths) if n > 1]
         reach = max(start + n for start, n in zip(starts, lengths))
 
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
-            keys, values = self.cache.keys[i], self.cache.values[i]
-            q = self.ops.rope_cache(qkv, token_slots, token_positions, self.cos, self.sin, keys, values, self.heads)
+            keys, values, table = self.cache.keys[i], self.cache.values[i], self.cache.table
+            q = self.ops.rope_cache(qkv, token_slots, token_positions, self.cos, self.sin, keys, values, table,
+                                    self.heads)
             if reach <= DECODE_ATTENTION_POSITIONS:
-                return self.ops.decode_attention(q, keys, values, token_slots, token_positions, reach)
+                return self.ops.decode_attention(q, keys, values, table, token_slots, token_positions, reach)
             out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=dev)
             if single:
-                out[single_rows] = self.ops.decode_attention(q[single_rows], keys, values, token_slots[single_rows],
-                                                             token_positions[single_rows])
-            for slot, start, row, n in chunks:
+                out[single_rows] = self.ops.decode_attention(q[single_rows], keys, values, table,
+                                                             token_slots[single_rows], token_positions[single_rows])
+            for start, row, n in chunks:
                 causal = {"is_causal": True} if start == 0 else {"attn_mask": causal_lower_right(n, start + n)}
+                slot = token_slots[row:row + 1]
                 with sdpa_kernel(PREFILL_ATTENTION):
                     attended = F.scaled_dot_product_attention(q[row:row + n].transpose(0, 1)[None],
-                                                              keys[slot:slot + 1, :, :start + n],
-                                                              values[slot:slot + 1, :, :start + n],
+                                                              slot_positions(keys, table, slot, start + n),
+                                                              slot_positions(values, table, slot, start + n),
                                                               enable_gqa=True, **causal)
                 out[row:row + n] = attended[0].transpose(0, 1).reshape(n, -1)
             return out
@@ -307,9 +338,9 @@ class FastModel:
         positions = self._mixed_positions[:width]
 
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
-            keys, values = self.cache.keys[i], self.cache.values[i]
-            q = self.ops.rope_cache(qkv, slots, positions, self.cos, self.sin, keys, values, self.heads)
-            return self.ops.decode_attention(q, keys, values, slots, positions)
+            keys, values, table = self.cache.keys[i], self.cache.values[i], self.cache.table
+            q = self.ops.rope_cache(qkv, slots, positions, self.cos, self.sin, keys, values, table, self.heads)
+            return self.ops.decode_attention(q, keys, values, table, slots, positions)
 
         x, delta = self._run_layers(F.embedding(tokens, self.embedding), attend)
         return self._logits(x[self._mixed_last], delta[self._mixed_last])
@@ -373,6 +404,7 @@ class FastModel:
         slots, prompts = list(slots), [list(p) for p in prompts]
         starts = prefill_starts(starts, len(prompts))
         self._check_prefill(slots, prompts, starts)
+        self._hold(slots, starts, prompts)
         alone = len(prompts) == 1 and starts[0] == 0 and self._prefill_width(len(prompts[0])) is not None
         mixed = self._mixed(slots, prompts, starts) if use_graph and not alone else None
         if mixed is not None:  # prompts, or chunks, of a few hundred tokens together: one pass
@@ -401,6 +433,8 @@ class FastModel:
         """
         slots = list(slots)
         self._check_decode(slots, tokens)
+        for slot in slots:
+            self.cache.hold(slot, self.cache.lengths[slot] + 1)
         n = len(slots)
         bucket = next(b for b in self.buckets if b >= n)
         if slots != self._uploaded_slots:
@@ -429,6 +463,7 @@ class FastModel:
         slots, pieces = list(slots), [[0] if p is None else list(p) for p in pieces]  # 0: checked as an id
         starts = prefill_starts(starts, len(pieces))
         self._check_prefill(slots, pieces, starts)
+        self._hold(slots, starts, pieces)
         logits = self._mixed(slots, pieces, starts, decode_ids)
         if logits is None:
             logits = self._packed_rows(pieces, slots, starts, decode_ids)
@@ -441,6 +476,7 @@ class FastModel:
         SlotModel.prefill_all)."""
         slots, chunks = [slot], [list(chunk)]
         self._check_prefill(slots, chunks, [start])
+        self._hold(slots, [start], chunks)
         logits = self._prefill_group(slots, chunks, start, all_positions=True)
         self.cache.set_lengths(slots, [start + len(chunks[0])])
         return logits
@@ -452,10 +488,16 @@ class FastModel:
         check_reuse(slot, source, length, self.max_seq_len)
         self.cache.copy(slot, source, length)
 
-    def release(self, slot: int) -> None:
-        """Forget the slot's sequence; the slot may be prefilled again."""
+    def release(self, slot: int, keep: int = 0) -> None:
+        """Forget the slot's sequence (see SlotModel.release): its first `keep` positions stay cached, the rest of its
+        KV-cache blocks are freed."""
         self._check_slot(slot)
-        self.cache.reset(slot)
+        self.cache.reset(slot, keep)
+
+    def _hold(self, slots: list[int], starts: list[int], pieces: list[list[int]]) -> None:
+        """Each slot has KV-cache blocks for its piece (what a pass is about to write)."""
+        for slot, start, piece in zip(slots, starts, pieces):
+            self.cache.hold(slot, start + len(piece))
 
     @torch.no_grad()
     def copy(self, sources: Sequence[int], targets: Sequence[int]) -> None:

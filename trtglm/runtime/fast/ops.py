@@ -35,22 +35,24 @@ class TorchOps:
 
     @staticmethod
     def rope_cache(qkv: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> torch.Tensor:
-        _, kv_heads, _, head = k_cache.shape
+                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                   num_heads: int) -> torch.Tensor:
+        _, kv_heads, block_size, head = k_cache.shape
         heads = qkv.unflatten(-1, (num_heads + 2 * kv_heads, head))
         pos = positions.long()
         rotated = _rotate(heads[:, : num_heads + kv_heads], cos[pos][:, None], sin[pos][:, None])
         q, k, v = rotated[:, :num_heads], rotated[:, num_heads:], heads[:, num_heads + kv_heads:]
-        k_cache[slots.long(), :, pos] = k.to(k_cache.dtype)
-        v_cache[slots.long(), :, pos] = v.to(v_cache.dtype)
+        blocks = table[slots.long(), pos // block_size].long()
+        k_cache[blocks, :, pos % block_size] = k.to(k_cache.dtype)
+        v_cache[blocks, :, pos % block_size] = v.to(v_cache.dtype)
         return q.to(qkv.dtype).contiguous()
 
     @staticmethod
-    def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                         positions: torch.Tensor, length: int | None = None) -> torch.Tensor:
+    def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                         slots: torch.Tensor, positions: torch.Tensor, length: int | None = None) -> torch.Tensor:
         batch, num_heads, head = q.shape
-        keys = k_cache[slots.long(), :, :length].float()  # [B, KVH, L, D]
-        values = v_cache[slots.long(), :, :length].float()
+        keys = slot_positions(k_cache, table, slots, length).float()  # [B, KVH, L, D]
+        values = slot_positions(v_cache, table, slots, length).float()
         visible = torch.arange(keys.shape[2], device=q.device)[None, :] <= positions.long()[:, None]
         out = F.scaled_dot_product_attention(q.float()[:, :, None], keys, values, attn_mask=visible[:, None, None],
                                              enable_gqa=True)
@@ -58,16 +60,27 @@ class TorchOps:
 
     @classmethod
     def decode_qkv_attention(cls, qkv: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                             sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int
-                             ) -> torch.Tensor:
+                             sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                             num_heads: int) -> torch.Tensor:
         """rope_cache, then decode_attention of the rotated queries."""
-        q = cls.rope_cache(qkv, slots, positions, cos, sin, k_cache, v_cache, num_heads)
-        return cls.decode_attention(q, k_cache, v_cache, slots, positions)
+        q = cls.rope_cache(qkv, slots, positions, cos, sin, k_cache, v_cache, table, num_heads)
+        return cls.decode_attention(q, k_cache, v_cache, table, slots, positions)
 
     @staticmethod
     def silu_mul(x: torch.Tensor) -> torch.Tensor:
         up, gate = x.float().chunk(2, dim=-1)
         return (F.silu(gate) * up).to(x.dtype)
+
+
+def slot_positions(cache: torch.Tensor, table: torch.Tensor, slots: torch.Tensor, length: int | None = None
+                   ) -> torch.Tensor:
+    """Positions 0…length-1 (None: as many as a slot can hold) of each of `slots` in one layer's paged cache
+    (`[blocks, kv_heads, block_size, head]`, each slot's blocks in its row of `table`), gathered: `[B, kv_heads,
+    length, head]`."""
+    block_size = cache.shape[2]
+    count = table.shape[1] if length is None else -(-length // block_size)
+    gathered = cache[table[slots.long(), :count].long()]  # [B, blocks, kv_heads, block_size, head]
+    return gathered.transpose(1, 2).flatten(2, 3)[:, :, :length]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,13 @@ class RankGroup:
         dist.all_reduce(partial, group=self.group)
         return partial
 
+    def least(self, value: int, device: torch.device) -> int:
+        """The smallest of every rank's `value` (what all ranks can agree on, e.g. the KV positions all can hold);
+        `device`: this rank's, where the group's collectives run."""
+        least = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN, group=self.group)
+        return int(least.item())
+
     def gather_columns(self, chunk: torch.Tensor) -> torch.Tensor:
         """`[rows, n]` of every rank → `[rows, world_size · n]`, rank 0's columns first."""
         rows, width = chunk.shape
