@@ -336,12 +336,12 @@ def _rope_attention_kernel(qkv_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, 
         idx = split * CHUNK + tl.arange(0, CHUNK)
         d = tl.arange(0, D)
         table = table_ptr + slot * table_stride
-        rows = _paged_rows(table, idx, idx <= pos, block_stride, kv_head * head_stride, BS, D)
-        cached = rows[:, None] + d[None, :]
+        kv_rows = _paged_rows(table, idx, idx <= pos, block_stride, kv_head * head_stride, BS, D)
+        cached = kv_rows[:, None] + d[None, :]
         older = (idx < pos)[:, None]  # written by earlier steps, complete before this kernel starts
         k = tl.load(k_ptr + cached, mask=older, other=0.0)
         if LINE > 0:  # one address per line
-            lines = v_ptr + rows[:, None] + (tl.arange(0, D // LINE) * LINE)[None, :]
+            lines = v_ptr + kv_rows[:, None] + (tl.arange(0, D // LINE) * LINE)[None, :]
             tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
                                       is_pure=False, pack=1)
         rotated = d < ROT
