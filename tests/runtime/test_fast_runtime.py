@@ -474,7 +474,7 @@ def test_serving_after_the_warm_up_compiles_no_kernel(checkpoint, hf_cfg, graphe
     the executor are up; nor with every mixed step eager (as steps past the widest graph run)."""
     from trtglm.runtime.fast import kernel_cache
 
-    model = load_fast_model(checkpoint, device="cuda", max_batch=5, max_seq_len=64)
+    model = load_fast_model(checkpoint, device="cuda", **PAGED)
     if graphed_steps == "eager only":
         model.mixed_widths = []
     executor = Executor(model, max_queue=64, max_num_tokens=13, tokens_per_block=8, kv_cache_reuse=True, device="cuda")
