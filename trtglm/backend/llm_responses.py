@@ -73,8 +73,8 @@ def beam_logits(beams: list[Beam], width: int) -> np.ndarray:
 
 class Timing:
     """A sequence's performance metrics as NVIDIA's return_perf_metrics outputs give them (time.time_ns()
-    clock). trtglm's cache holds each sequence in one slot of max_seq_len, allocated for it and never reused:
-    one block; there are no draft tokens."""
+    clock). The KV-cache figures count each sequence's cache as one block of its own (what the portable runtime
+    allocates; the fast runtime's paged blocks are not counted here); there are no draft tokens."""
 
     OUTPUTS = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",
                "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",

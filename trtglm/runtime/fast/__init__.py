@@ -1,4 +1,4 @@
-"""The fast GPU runtime: `FastModel`, a `SlotModel` with a static KV cache, CUDA-graph decode steps,
+"""The fast GPU runtime: `FastModel`, a `SlotModel` with a paged KV cache, CUDA-graph decode steps,
 Triton kernels between the matmuls and weight-only int8/int4 matmuls (model.py; shapes.py: its checked
 options, graph sizes and prefill groups), one GPU per rank of a tensor-parallel checkpoint (parallel.py:
 the all-reduces and the logits' gather)."""
