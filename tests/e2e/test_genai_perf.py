@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from support.cli_calls import patch_repo
 from support.engines import build_tiny_engine
 from support.repos import upstream_copy
 from support.servers import Server, fixture_answers
 from trtglm.chatglm.fast_tokenizer import write_fast_tokenizer
-from trtglm.repo import patch_repo
 
 pytestmark = pytest.mark.slow
 GENAI_PERF = Path(sys.prefix) / "genai-perf"  # the venv scripts/setup.sh puts it in

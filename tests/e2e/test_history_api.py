@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from conftest import SHARED
+from support.cli_calls import patch_repo
 from support.engines import build_tiny_engine
 from support.servers import Server
-from trtglm.repo import patch_repo
 
 pytestmark = pytest.mark.slow
 

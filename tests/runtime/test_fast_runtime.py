@@ -25,13 +25,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import REPO
+from support.cli_calls import convert_checkpoint
 from support.references import reordered_float32_atol
 from safetensors.torch import load_file
 
 from trtglm.chatglm.config import ChatGLMConfig
 from trtglm.chatglm.reference import load_reference
 from trtglm.chatglm.weights import HFWeights
-from trtglm.convert.writer import convert_checkpoint
 from trtglm.errors import DependencyError, ModelFileError, UsageError
 from trtglm.runtime.cache import SlotCache
 from trtglm.runtime.checkpoint import load_checkpoint

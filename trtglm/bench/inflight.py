@@ -210,7 +210,8 @@ def _model(fixture, preset: str, weight_only: str, max_batch: int, max_seq_len: 
     if fixture is not None:
         from trtglm.convert.writer import convert_checkpoint
 
-        checkpoint = convert_checkpoint(Path(fixture), work / "checkpoint", dtype="float32")
+        checkpoint = convert_checkpoint(Path(fixture), work / "checkpoint", dtype="float32", tp_size=1, pp_size=1,
+                                        weight_only=None, chatglm_version="auto", force=False)
         if device.type == "cuda":
             from trtglm.runtime.fast import load_fast_model
 
