@@ -71,7 +71,7 @@ LAYOUTS = {"trtglm": lambda root: None, "nvidia-v0.19.0": lambda root: upstream_
 def server(request, tmp_path_factory):
     """The fixture's engine launched in a repository of each layout."""
     root = tmp_path_factory.mktemp("genai-perf")
-    repo = patch_repo(build_tiny_engine(root / "engine"), None, root / "repo", LAYOUTS[request.param](root))
+    repo = patch_repo(build_tiny_engine(root / "engine"), None, root / "repo", template=LAYOUTS[request.param](root))
     server = Server(repo, 1, root / "state")
     yield server
     server.stop()

@@ -51,7 +51,7 @@ def server(request, tmp_path_factory):
     pytest.importorskip("tritonclient.grpc")
     root = tmp_path_factory.mktemp("nvidia-clients")
     engine = build_tiny_engine(root / "engine", tp=1)
-    server = Server(patch_repo(engine, None, root / "repo", TEMPLATES[request.param](root)), 1, root / "state")
+    server = Server(patch_repo(engine, None, root / "repo", template=TEMPLATES[request.param](root)), 1, root / "state")
     server.layout = request.param
     yield server
     server.stop()
@@ -484,7 +484,7 @@ def two_rank_server(request, tmp_path_factory):
     v0.19.0 layouts."""
     root = tmp_path_factory.mktemp("nvidia-clients-tp2")
     engine = build_tiny_engine(root / "engine", tp=2)
-    server = Server(patch_repo(engine, None, root / "repo", TEMPLATES[request.param](root)), 2, root / "state")
+    server = Server(patch_repo(engine, None, root / "repo", template=TEMPLATES[request.param](root)), 2, root / "state")
     yield server
     server.stop()
 
