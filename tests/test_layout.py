@@ -8,11 +8,12 @@ from pathlib import Path
 
 from conftest import REPO
 
-EVERYTHING = {"errors", "files", "ports", "request_config", "chatglm", "convert", "profile", "engine", "runtime", "backend",
-              "model_repository", "repo", "openai_api", "serve", "client", "bench", "cli"}
+EVERYTHING = {"errors", "files", "ports", "processes", "request_config", "chatglm", "convert", "profile", "engine",
+              "runtime", "backend", "model_repository", "repo", "openai_api", "serve", "client", "bench", "cli"}
 ALLOWED = {
     "errors": set(),
     "ports": set(),
+    "processes": set(),
     "files": {"errors"},
     "request_config": {"errors"},
     "chatglm": {"errors", "files"},
@@ -20,12 +21,12 @@ ALLOWED = {
     "profile": {"chatglm", "errors", "ports"},
     "engine": {"chatglm", "convert", "errors", "files", "profile"},
     "runtime": {"chatglm", "errors", "files", "request_config"},
-    "backend": {"chatglm", "engine", "errors", "files", "request_config", "runtime"},
+    "backend": {"chatglm", "engine", "errors", "files", "processes", "request_config", "runtime"},
     "model_repository": {"backend.contract", "engine", "errors", "files"},
     "repo": {"backend.contract", "chatglm", "engine", "errors", "files", "model_repository"},
     "openai_api": {"backend.contract", "chatglm", "errors", "model_repository", "ports", "request_config"},
     "serve": {"backend.contract", "backend.cpus", "chatglm", "client", "engine", "errors", "files", "model_repository",
-              "openai_api.served", "ports", "request_config"},
+              "openai_api.served", "ports", "processes", "request_config"},
     "client": {"errors", "ports"},
     "bench": EVERYTHING - {"cli", "bench"},
     "cli": EVERYTHING - {"cli"},

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 from tritonclient.grpc import model_config_pb2
 
+from support.cli_calls import patch_repo
 from support.repos import make_engine, read_configs, template_copy
 from trtglm.backend import bls, contract, llm_requests, postprocessing, preprocessing
 from trtglm.backend.contract import (BLS, CONTRACT, ENSEMBLE, POSTPROCESSING, PREPROCESSING, PYTHON, TENSORRT_LLM,
                                      TENSORRTLLM)
 from trtglm.errors import UsageError
-from trtglm.repo import patch_repo
 
 ENGINE_KINDS = {PYTHON: "torch", TENSORRTLLM: "tensorrt"}  # tensorrt_llm's backend -> engine kind
 

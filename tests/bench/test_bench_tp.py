@@ -9,8 +9,11 @@ import json
 import pytest
 import torch
 from conftest import run_cli
+from support.cli_calls import as_command
 
-from trtglm.bench.tp import compare_runs, parse_sizes, run, step_ratios
+from trtglm.bench import tp
+from trtglm.bench.tp import compare_runs, parse_sizes, step_ratios
+from trtglm.cli import bench as cli_bench
 from trtglm.errors import DependencyError, UsageError
 
 FP32_TOL = 1e-4
@@ -73,6 +76,7 @@ def test_bad_options_are_refused(tmp_path):
         parse_sizes("1,two", "tp")
     with pytest.raises(UsageError, match="--batches takes numbers of at least 1"):
         parse_sizes("0,8", "batches")
+    run = as_command(tp.run, cli_bench.tp)
     with pytest.raises(UsageError, match="--max-seq-len 256 is too short"):
         run(tp="1", out=str(tmp_path), device="cpu", max_seq_len=256)
     if not torch.cuda.is_available():

@@ -8,8 +8,11 @@ import json
 import pytest
 import torch
 from conftest import FIXTURE, run_cli
+from support.cli_calls import as_command
 
-from trtglm.bench.inflight import bench_inflight, with_ideal
+from trtglm.bench import inflight
+from trtglm.bench.inflight import with_ideal
+from trtglm.cli import bench as cli_bench
 from trtglm.errors import UsageError
 
 
@@ -44,6 +47,7 @@ def test_both_workloads_run_on_the_fixture_through_the_cli(tmp_path):
 
 
 def test_bad_options_are_refused(tmp_path):
+    bench_inflight = as_command(inflight.bench_inflight, cli_bench.inflight)
     with pytest.raises(UsageError, match="--prompts takes LOW,HIGH"):
         bench_inflight(fixture=FIXTURE, prompts="40,8", out=tmp_path)
     if not torch.cuda.is_available():

@@ -44,7 +44,7 @@ def test_other_chats_are_one_line_errors(roles):
 
 
 def test_the_checkpoints_version_picks_the_format(tmp_path, fixture_dir, tok):
-    from trtglm.convert.writer import convert_checkpoint
+    from support.cli_calls import convert_checkpoint
     from trtglm.runtime.answer import LocalChat
 
     chat = [{"role": "user", "content": "hi"}]

@@ -23,12 +23,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from conftest import run_cli
+from support.cli_calls import convert_checkpoint
 from trtglm.chatglm.config import ChatGLMConfig
 from trtglm.chatglm.reference import load_reference
 from trtglm.chatglm.weights import HFWeights
 from trtglm.cli import main
 from trtglm.convert import writer
-from trtglm.convert.writer import convert_checkpoint
 from trtglm.errors import OutputExistsError
 
 TINY = dict(layers=3, hidden=128, heads=8, kv=2, head_dim=16, ffn=256, vocab=512)

@@ -10,10 +10,11 @@ import torch
 from safetensors import safe_open
 
 from conftest import run_cli
+from support.cli_calls import synth_model
 from trtglm.chatglm.config import ChatGLMConfig
 from trtglm.chatglm.reference import load_reference
 from trtglm.chatglm.weights import HFWeights
-from trtglm.convert.synth import assign_shards, preset_config, shard_file_names, synth_model, tensor_specs
+from trtglm.convert.synth import assign_shards, preset_config, shard_file_names, tensor_specs
 from trtglm.errors import OutputExistsError, UsageError
 
 # THUDM/chatglm3-6b config.json, as published.

@@ -15,9 +15,9 @@ import time
 import pytest
 from conftest import REPO
 
+from support.cli_calls import patch_repo
 from support.engines import build_tiny_engine
 from support.servers import Server
-from trtglm.repo import patch_repo
 
 pytestmark = pytest.mark.slow
 

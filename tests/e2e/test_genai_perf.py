@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from support.cli_calls import patch_repo
 from support.engines import build_tiny_engine
 from support.repos import upstream_copy
 from support.servers import Server, fixture_answers
 from trtglm.chatglm.fast_tokenizer import write_fast_tokenizer
-from trtglm.repo import patch_repo
 
 pytestmark = pytest.mark.slow
 GENAI_PERF = Path(sys.prefix) / "genai-perf"  # the venv scripts/setup.sh puts it in
@@ -71,7 +71,7 @@ LAYOUTS = {"trtglm": lambda root: None, "nvidia-v0.19.0": lambda root: upstream_
 def server(request, tmp_path_factory):
     """The fixture's engine launched in a repository of each layout."""
     root = tmp_path_factory.mktemp("genai-perf")
-    repo = patch_repo(build_tiny_engine(root / "engine"), None, root / "repo", LAYOUTS[request.param](root))
+    repo = patch_repo(build_tiny_engine(root / "engine"), None, root / "repo", template=LAYOUTS[request.param](root))
     server = Server(repo, 1, root / "state")
     yield server
     server.stop()

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from conftest import SHARED
+from support.cli_calls import patch_repo
 from support.engines import build_tiny_engine
 from support.servers import Server
-from trtglm.repo import patch_repo
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def server(request, tmp_path_factory):
         pytest.skip(f"NVIDIA's layout is not here: {TEMPLATES[request.param]}")
     root = tmp_path_factory.mktemp("history-api")
     engine = build_tiny_engine(root / "engine", tp=1)
-    server = Server(patch_repo(engine, None, root / "repo", TEMPLATES[request.param]), 1, root / "state")
+    server = Server(patch_repo(engine, None, root / "repo", template=TEMPLATES[request.param]), 1, root / "state")
     yield server
     server.stop()
 

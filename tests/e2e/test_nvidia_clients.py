@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from conftest import SHARED
+from support.cli_calls import patch_repo
 from support.engines import build_tiny_engine
 from support.nvidia import v1_2_1_copy
 from support.references import glm_reference, greedy_with_logits  # noqa: F401 (fixture)
@@ -31,7 +32,6 @@ from trtglm.chatglm.chat import chat_ids, prompt_ids
 from trtglm.chatglm.fast_tokenizer import write_fast_tokenizer
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from support.servers import Server, fixture_answers
-from trtglm.repo import patch_repo
 
 UPSTREAM = SHARED / "upstream/tensorrtllm_backend-v0.19.0"
 CLIENT = UPSTREAM / "clients/inflight_batcher_llm/client/end_to_end_grpc_client.py"
@@ -51,7 +51,7 @@ def server(request, tmp_path_factory):
     pytest.importorskip("tritonclient.grpc")
     root = tmp_path_factory.mktemp("nvidia-clients")
     engine = build_tiny_engine(root / "engine", tp=1)
-    server = Server(patch_repo(engine, None, root / "repo", TEMPLATES[request.param](root)), 1, root / "state")
+    server = Server(patch_repo(engine, None, root / "repo", template=TEMPLATES[request.param](root)), 1, root / "state")
     server.layout = request.param
     yield server
     server.stop()
@@ -484,7 +484,7 @@ def two_rank_server(request, tmp_path_factory):
     v0.19.0 layouts."""
     root = tmp_path_factory.mktemp("nvidia-clients-tp2")
     engine = build_tiny_engine(root / "engine", tp=2)
-    server = Server(patch_repo(engine, None, root / "repo", TEMPLATES[request.param](root)), 2, root / "state")
+    server = Server(patch_repo(engine, None, root / "repo", template=TEMPLATES[request.param](root)), 2, root / "state")
     yield server
     server.stop()
 

@@ -30,10 +30,10 @@ import numpy as np
 import psutil
 import pytest
 from conftest import repo_processes
+from support.cli_calls import patch_repo
 from support.engines import build_tiny_engine
 from support.servers import NO_PROXY, Server
 
-from trtglm.repo import patch_repo
 from trtglm.serve.openai_process import API_MODULE
 
 pytestmark = [pytest.mark.slow, pytest.mark.reliability]

@@ -46,11 +46,11 @@ import numpy as np
 import psutil
 import pytest
 from conftest import FIXTURE, repo_processes
+from support.cli_calls import patch_repo
 from support.engines import build_tiny_engine
 from support.servers import NO_PROXY, Server
 
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
-from trtglm.repo import patch_repo
 from trtglm.chatglm.chat import chat_ids, reply_text, stack_word_lists, word_list
 
 pytestmark = pytest.mark.reliability

@@ -18,13 +18,13 @@ import torch
 import pytest
 
 from conftest import CONVERSATION_KINDS, repo_processes
+from support.cli_calls import patch_repo
 from support.engines import build_tiny_engine
 from support.servers import Server
 from support.tokenizer import reply_ids
 from trtglm.chatglm.chat import chat_ids, prompt_ids, reply_text, stack_word_lists, stop_ids, word_list
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
-from trtglm.repo import patch_repo
 from trtglm.backend.llm_requests import batch_size, engine_request, engine_requests
 from trtglm.backend.llm_responses import Responder
 from trtglm.runtime.request import Output

@@ -17,8 +17,8 @@ import sentencepiece
 import yaml
 
 from conftest import REPO, run_cli
+from support.cli_calls import build_engine
 from trtglm.convert.staging import staged_output
-from trtglm.engine.build import build_engine
 from trtglm.engine.manifest import read_manifest
 from trtglm.errors import DependencyError, ModelFileError, OutputExistsError, TrtglmError
 from trtglm.profile import load_profile

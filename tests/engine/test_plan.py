@@ -7,9 +7,9 @@ import torch
 from safetensors import safe_open
 
 from conftest import REPO, run_cli
+from support.cli_calls import plan
 from trtglm.chatglm.config import ChatGLMConfig
-from trtglm.engine.plan import (SHAPES_6B, footprint, kv_bytes_per_token, memory_plan, parse_memory,
-                                plan, weight_bytes)
+from trtglm.engine.plan import SHAPES_6B, footprint, kv_bytes_per_token, memory_plan, parse_memory, weight_bytes
 from trtglm.errors import ModelFileError, UsageError
 from trtglm.profile import load_profile
 
@@ -69,8 +69,7 @@ def test_kv_bytes_per_token():
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_per_rank_weights_equal_a_converted_checkpoint(tmp_path, tp):
-    from trtglm.convert.synth import synth_model
-    from trtglm.convert.writer import convert_checkpoint
+    from support.cli_calls import convert_checkpoint, synth_model
 
     hf, ckpt = tmp_path / "hf", tmp_path / "ckpt"
     synth_model("tiny", hf)

@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 from pydantic import ValidationError
 
+from support.cli_calls import patch_repo
 from support.repos import make_engine
 
 from trtglm.chatglm.chat import chat_ids, chatglm2_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
-from trtglm.repo import patch_repo
 from trtglm.request_config import OutputConfig, SamplingConfig
 from trtglm.openai_api.answers import Api
 from trtglm.openai_api.errors import ApiError, validation_error

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from support.cli_calls import patch_repo
 from support.nvidia import nvidia_configs, v1_2_1_copy
 from support.repos import UPSTREAM, make_engine, read_configs
-from trtglm.repo import patch_repo
 from trtglm.repo.patch import CHECKED_BY_PREPROCESSING
 
 pytestmark = pytest.mark.skipif(not all(path.is_dir() for path in UPSTREAM.values()),

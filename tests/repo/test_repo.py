@@ -12,11 +12,12 @@ import yaml
 from tritonclient.grpc import model_config_pb2
 
 from conftest import REPO, run_cli
+from support.cli_calls import patch_repo
 from support.repos import (HISTORY_CHAT, LIMITS, MODELS, TEMPLATE, engine_vocab, ensemble_step, make_engine, parameter,
                                read_configs, template_copy, tree, upstream_copy)
 from trtglm.cli.repo import patch_repo as patch_repo_command
 from trtglm.errors import ModelFileError, OutputExistsError, UsageError
-from trtglm.repo import check_repo, patch_repo
+from trtglm.repo import check_repo
 
 PLACEHOLDER = re.compile(r"\$\{\w+\}")
 TRTGLM_MODEL_FILES = ("preprocessing/1/model.py", "postprocessing/1/model.py", "tensorrt_llm_bls/1/model.py",
@@ -227,7 +228,7 @@ def test_missing_engine_manifest_is_a_model_file_error(tmp_path, tok):
 
 def test_build_engine_output_renders(tmp_path, fixture_dir):
     """The engine folder `trtglm build-engine` writes for configs/tiny.yaml (a torch engine)."""
-    from trtglm.engine.build import build_engine
+    from support.cli_calls import build_engine
 
     engine = build_engine(REPO / "configs" / "tiny.yaml", model_dir=fixture_dir, output_dir=tmp_path / "engine")
     profile = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())

@@ -7,9 +7,10 @@ import re
 import string
 
 import pytest
+from support.cli_calls import patch_repo
 from support.repos import make_engine, template_copy, upstream_copy
 
-from trtglm.repo import check_repo, patch_repo
+from trtglm.repo import check_repo
 
 
 @pytest.fixture

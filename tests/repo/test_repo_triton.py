@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 from conftest import CONVERSATION_KINDS
+from support.cli_calls import patch_repo
 from support.repos import STAND_IN_ENGINE, make_engine, template_copy, upstream_copy
 
 from trtglm.chatglm.chat import chat_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
-from trtglm.repo import patch_repo
 
 pytestmark = pytest.mark.slow
 

@@ -11,11 +11,11 @@ from itertools import pairwise
 
 import pytest
 import torch
+from support.cli_calls import convert_checkpoint
 from support.references import reordered_float32_atol
 
 from trtglm.chatglm.chat import chat_ids, stop_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
-from trtglm.convert.writer import convert_checkpoint
 from trtglm.errors import UsageError
 from trtglm.request_config import OutputConfig, SamplingConfig
 from trtglm.runtime.executor import Executor

@@ -25,13 +25,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import REPO
+from support.cli_calls import as_command, convert_checkpoint
 from support.references import reordered_float32_atol
 from safetensors.torch import load_file
 
 from trtglm.chatglm.config import ChatGLMConfig
 from trtglm.chatglm.reference import load_reference
 from trtglm.chatglm.weights import HFWeights
-from trtglm.convert.writer import convert_checkpoint
 from trtglm.errors import DependencyError, ModelFileError, UsageError
 from trtglm.runtime.cache import SlotCache
 from trtglm.runtime.checkpoint import load_checkpoint
@@ -740,8 +740,10 @@ def test_floor_and_latency_statistics():
 def test_bench_runtime_needs_a_gpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    from trtglm.bench.runtime import bench_runtime
+    from trtglm.bench import runtime
+    from trtglm.cli import bench as cli_bench
 
+    bench_runtime = as_command(runtime.bench_runtime, cli_bench.runtime)
     with pytest.raises(DependencyError, match="CUDA"):
         bench_runtime(out=tmp_path)
     proc = subprocess.run([sys.executable, "-m", "trtglm", "bench", "runtime", "--batch", "1,8"],

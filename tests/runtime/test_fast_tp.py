@@ -18,12 +18,12 @@ import pytest
 import torch
 from conftest import REPO
 from safetensors.torch import load_file
+from support.cli_calls import convert_checkpoint
 from support.slot_calls import MIXED_CHUNK, prompts, run_calls
 
 from trtglm.chatglm.config import ChatGLMConfig
 from trtglm.chatglm.reference import load_reference
 from trtglm.chatglm.weights import HFWeights
-from trtglm.convert.writer import convert_checkpoint
 from trtglm.errors import UsageError
 from trtglm.runtime.fast import load_fast_model
 

@@ -11,10 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from support.cli_calls import convert_checkpoint
+
 from trtglm.chatglm.config import ChatGLMConfig
 from trtglm.chatglm.reference import load_reference
 from trtglm.chatglm.weights import HFWeights
-from trtglm.convert.writer import convert_checkpoint
 from trtglm.errors import ModelFileError, UsageError
 from trtglm.request_config import SamplingConfig
 from trtglm.runtime.cache import KVCache

@@ -17,10 +17,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import run_cli
+from support.cli_calls import convert_checkpoint
+
 from trtglm import cli
 from trtglm.chatglm import chat
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
-from trtglm.convert.writer import convert_checkpoint
 from trtglm.errors import VerificationError
 from trtglm.runtime.generate import generate
 from trtglm.runtime.model import load_model
@@ -146,7 +147,7 @@ def test_verify_fails_for_a_checkpoint_of_another_model(converted, fixture_dir, 
 
 
 def test_verify_fails_for_a_checkpoint_of_another_shape(converted, fixture_dir, tmp_path):
-    from trtglm.convert.synth import synth_model
+    from support.cli_calls import synth_model
 
     synth = synth_model("tiny", tmp_path / "synth", dtype="float32")
     proc = run_cli("verify", "--checkpoint", converted(1, source=synth), "--hf-model", fixture_dir)

@@ -28,6 +28,7 @@ from conftest import free_ports, kill_repo_processes, repo_processes
 from tqdm import tqdm
 
 from trtglm.files import PHASE_FILE, read_phase, report_phase
+from trtglm.processes import alive
 from trtglm.serve.supervise import show_phase
 
 pytestmark = pytest.mark.slow
@@ -180,7 +181,7 @@ class Env:
         return {p.name for p in self.markers.iterdir()}
 
     def assert_clean(self, shm_base: str) -> None:
-        left = [(p.pid, p.name()) for p in repo_processes(self.repo) if _alive(p)]
+        left = [(p.pid, p.name()) for p in repo_processes(self.repo) if alive(p)]
         assert left == [], f"processes left running: {left}"
         assert shm_regions(shm_base) == []
 
@@ -195,16 +196,9 @@ class Env:
                 Path("/dev/shm", region).unlink(missing_ok=True)
 
 
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
 def wait_gone(repo: Path, limit_s: float = 15) -> None:
     deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline and any(map(_alive, repo_processes(repo))):
+    while time.monotonic() < deadline and any(map(alive, repo_processes(repo))):
         time.sleep(0.2)
 
 
@@ -420,7 +414,7 @@ def test_detached_launch_reports_a_rank_that_fails_to_start(env2):
     assert failed.stderr.strip().splitlines()[-1].startswith("trtglm: error: rank 0 of 2 died")
     assert "deliberate failure on rank 0" in failed.stderr
     wait_gone(env2.repo)
-    assert [p.name() for p in repo_processes(env2.repo) if _alive(p)] == []
+    assert [p.name() for p in repo_processes(env2.repo) if alive(p)] == []
     assert list(env2.state_dir.glob("*/state.json")) == []
 
 
@@ -450,7 +444,7 @@ def test_a_server_not_ready_in_time_is_stopped(env1):
     assert proc.returncode == 1
     assert err.strip().splitlines()[-1].startswith("trtglm: error: rank 0 was not ready within 2 s; stopped all ranks")
     wait_gone(env1.repo)
-    assert [p.name() for p in repo_processes(env1.repo) if _alive(p)] == []
+    assert [p.name() for p in repo_processes(env1.repo) if alive(p)] == []
 
 
 # --- refusals (nothing starts) -------------------------------------------------------------------------

@@ -89,7 +89,7 @@ def echo_through_stubs(root: Path, numpy_first: Path | None) -> tuple[int, dict,
     (repo / "echo" / "1" / "model.py").write_text(ECHO_MODEL)
     stub_env = root / "stub-env"
     _make_venv(stub_env, [str(p) for p in (numpy_first,) if p] + launch_paths())
-    binary = find_tritonserver()
+    binary = find_tritonserver(None)
     http, grpc, metrics = free_ports(3)
     env = server_env(dict(os.environ), "test", str(stub_env / "bin"))
     log_path = root / "server.log"

@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 from conftest import FIXTURE, REPO
+from support.cli_calls import build_engine
 
 from trtglm.chatglm.chat import chat_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
-from trtglm.engine.build import build_engine
 from trtglm.runtime.generate import generate
 from trtglm.runtime.model import load_model
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from support.cli_calls import convert_checkpoint
 from trtglm.chatglm.chat import chat_ids
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
-from trtglm.convert.writer import convert_checkpoint
 from trtglm.runtime.model import load_model
 
 

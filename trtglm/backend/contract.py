@@ -423,6 +423,15 @@ def refusal(tensor: Tensor, array, shown: str | None = None) -> str | None:
     return None if neutral else f"{shown}: trtglm's runtime has no {tensor.lacks}; leave {shown} out"
 
 
+def refuse_unhonoured(model: str, arrays: Mapping, shown: Mapping[str, str] | None = None) -> None:
+    """UsageError naming the first of `model`'s inputs given a value trtglm's runtime cannot honour (`refusal`);
+    `shown`: {input: the client's name for it} where the client names it otherwise."""
+    for tensor in CONTRACT[model].inputs:
+        why = refusal(tensor, arrays.get(tensor.name), (shown or {}).get(tensor.name))
+        if why:
+            raise UsageError(why)
+
+
 def flag_set(array) -> bool:
     """Whether a request's BOOL input is given and true (a batch's first value)."""
     return array is not None and array.size > 0 and bool(array.reshape(-1)[0])

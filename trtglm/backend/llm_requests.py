@@ -29,7 +29,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from trtglm.backend.contract import CONTRACT, FLAGGED_OUTPUTS, TENSORRT_LLM, flag_set, names, refusal
+from trtglm.backend.contract import CONTRACT, FLAGGED_OUTPUTS, TENSORRT_LLM, flag_set, names, refuse_unhonoured
 from trtglm.chatglm.chat import word_sequences
 from trtglm.errors import UsageError, int32_range_error
 from trtglm.request_config import OutputConfig, SamplingConfig, check_return_sequences
@@ -122,7 +122,8 @@ def engine_request(arrays: Mapping[str, np.ndarray | None]) -> tuple[Request, bo
         raise UsageError("input_ids is required")
     if ids.ndim != 2 or ids.shape[0] != 1:
         raise UsageError(f"input_ids must be [1, ids] for one sequence, not {list(ids.shape)}")
-    refuse_unhonoured(arrays)
+    refuse_unhonoured(TENSORRT_LLM, arrays)
+    refuse_decoder_input(arrays)
     length = int(_one(arrays, "input_lengths", ids.shape[1]))
     if not 0 < length <= ids.shape[1]:
         raise UsageError(f"input_lengths {length} must be between 1 and the {ids.shape[1]} ids given")
@@ -185,12 +186,8 @@ def _one_of(arrays: Mapping[str, np.ndarray | None], names: tuple[str, str], def
     return _one(arrays, given[0]) if given else default
 
 
-def refuse_unhonoured(arrays: Mapping[str, np.ndarray | None]) -> None:
-    """UsageError naming the first input given a value trtglm's runtime cannot honour (contract.Tensor.lacks)."""
-    for tensor in CONTRACT[TENSORRT_LLM].inputs:
-        why = refusal(tensor, arrays.get(tensor.name))
-        if why:
-            raise UsageError(why)
+def refuse_decoder_input(arrays: Mapping[str, np.ndarray | None]) -> None:
+    """UsageError for decoder_input_ids beyond the one start id: an encoder-decoder model's input."""
     decoder_ids = arrays.get("decoder_input_ids")
     if decoder_ids is not None and decoder_ids.shape[-1] > 1:
         raise UsageError("decoder_input_ids: ChatGLM3 is decoder-only; give the prompt as input_ids")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from trtglm.backend import triton_io
-from trtglm.backend.contract import CONTRACT, ENSEMBLE, PREPROCESSING, Limits, feeds, names, refusal
+from trtglm.backend.contract import CONTRACT, ENSEMBLE, PREPROCESSING, Limits, feeds, names, refuse_unhonoured
 from trtglm.backend.triton_io import pb_utils
 from trtglm.chatglm.chat import bad_sequences, prompt_ids, stack_word_lists, stop_sequences, word_ids, word_list
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
@@ -60,7 +60,7 @@ def preprocess(tokenizer: ChatGLMTokenizer, limits: Limits, inputs: dict[str, np
     missing = [CLIENT_NAMES[name] for name in ("QUERY", "REQUEST_OUTPUT_LEN") if inputs.get(name) is None]
     if missing:
         raise UsageError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
-    refuse_unhonoured(inputs)
+    refuse_unhonoured(PREPROCESSING, inputs, CLIENT_NAMES)
     rows = [prepare(tokenizer, limits, inputs, row) for row in range(len(inputs["QUERY"]))]
     return assemble(rows)
 
@@ -126,14 +126,6 @@ def embedding_bias(tokenizer: ChatGLMTokenizer, words: Sequence[str], weights: S
         ids = sorted({token for seq in word_ids(tokenizer, word) for token in seq})
         bias[ids] += np.float32(weight)
     return bias
-
-
-def refuse_unhonoured(inputs: dict[str, np.ndarray | None]) -> None:
-    """UsageError naming the first input given a value trtglm cannot honour (contract.Tensor.lacks)."""
-    for tensor in CONTRACT[PREPROCESSING].inputs:
-        why = refusal(tensor, inputs.get(tensor.name), CLIENT_NAMES.get(tensor.name, tensor.name))
-        if why:
-            raise UsageError(why)
 
 
 def refuse_included_input(exclude: np.ndarray | None) -> None:

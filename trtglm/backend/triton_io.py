@@ -23,6 +23,7 @@ import psutil
 from trtglm.backend.contract import TOKENIZER_DIR, int_parameter, parameter  # int_parameter: the models' too
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import TrtglmError, UsageError
+from trtglm.processes import alive
 
 try:
     import triton_python_backend_utils as pb_utils
@@ -190,13 +191,6 @@ def _siblings() -> list[psutil.Process]:
         return psutil.Process(os.getppid()).children()
     except psutil.Error:
         return []
-
-
-def alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE  # a dead stub stays a zombie
-    except psutil.Error:
-        return False
 
 
 def gone(procs: list[psutil.Process]) -> psutil.Process | None:

@@ -29,13 +29,13 @@ from pathlib import Path
 
 import torch
 
-from trtglm.bench.measure import INFLIGHT_OUTPUTS, INFLIGHT_PROMPTS, inflight_stats, wall_ms
+from trtglm.bench import INFLIGHT_OUTPUTS, INFLIGHT_PROMPTS
+from trtglm.bench.measure import inflight_stats, wall_ms
 from trtglm.errors import UsageError
 
 log = logging.getLogger(__name__)
 
 PREFILL_PART_TOKENS = 1024  # the prompt whose prefill gives the time per prompt token
-SHARED_PREFIX = 1000  # tokens of the shared-prefix workload's system prompt
 
 
 def inflight_run(model, requests: int, concurrency: int, generator: torch.Generator, prefill_tokens: int = 512,
@@ -156,11 +156,9 @@ def shared_prefix_workload(model, requests: int, concurrency: int, generator: to
 
 # --- the command ---------------------------------------------------------------------------------------------------
 
-def bench_inflight(fixture: str | Path | None = None, preset: str = "6b", weight_only: str = "none",
-                   requests: int = 256, concurrency: int = 64, prompts: tuple[int, int] = INFLIGHT_PROMPTS,
-                   outputs: tuple[int, int] = INFLIGHT_OUTPUTS, prefix: int = SHARED_PREFIX,
-                   max_num_tokens: int = 8192, tokens_per_block: int = 64, seed: int = 0,
-                   out: str | Path = "out/bench-inflight") -> dict:
+def bench_inflight(*, fixture: str | Path | None, preset: str, weight_only: str, requests: int, concurrency: int,
+                   prompts: tuple[int, int] | str, outputs: tuple[int, int] | str, prefix: int, max_num_tokens: int,
+                   tokens_per_block: int, seed: int, out: str | Path) -> dict:
     """Both workloads on one model (see the module docstring); results in OUT/inflight.json and on stdout."""
     prompts, outputs = _check(requests, concurrency, prompts, outputs, prefix, max_num_tokens, tokens_per_block)
     max_seq_len = -(-(prefix + prompts[1] + outputs[1] + 1) // 64) * 64
@@ -210,7 +208,8 @@ def _model(fixture, preset: str, weight_only: str, max_batch: int, max_seq_len: 
     if fixture is not None:
         from trtglm.convert.writer import convert_checkpoint
 
-        checkpoint = convert_checkpoint(Path(fixture), work / "checkpoint", dtype="float32")
+        checkpoint = convert_checkpoint(Path(fixture), work / "checkpoint", dtype="float32", tp_size=1, pp_size=1,
+                                        weight_only=None, chatglm_version="auto", force=False)
         if device.type == "cuda":
             from trtglm.runtime.fast import load_fast_model
 

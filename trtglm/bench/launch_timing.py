@@ -73,7 +73,7 @@ class LogTail:
 
 
 def timed_launch(label: str, repo: Path, ports: dict[str, int], log_dir: Path, env: dict[str, str],
-                 timeout: float = 480.0) -> dict:
+                 timeout: float) -> dict:
     """Launch `repo` detached; the launch's timings (see the module docstring) and output."""
     argv = [sys.executable, "-m", "trtglm", "launch", "--repo", str(repo), "--detach", "--no-openai",
             "--timeout", f"{timeout:g}", "--log-dir", str(log_dir), *(f"--{name}-port={port}" for name, port in ports.items())]

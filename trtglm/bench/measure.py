@@ -27,8 +27,6 @@ QUANTIZED_HF = ("self_attention.query_key_value.weight", "self_attention.dense.w
 DTYPES_TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "bfloat16": "bfloat16", "float16": "float16"}
 COPY_BYTES = 4 << 30
-INFLIGHT_PROMPTS = (32, 1024)  # prompt tokens, inclusive
-INFLIGHT_OUTPUTS = (16, 256)  # generated tokens, inclusive
 
 
 @dataclass

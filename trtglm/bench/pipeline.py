@@ -40,11 +40,13 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
 from trtglm.backend.cpus import engine_cpus_env
 from trtglm.bench import launch_timing, served, served_report
+from trtglm.bench.served_flags import SERVED_FLAGS
 from trtglm.chatglm.variants import VARIANTS
 from trtglm.serve.checks import resolve_world_size
 
@@ -242,10 +244,9 @@ def launch_timing_text(result: dict) -> str:
 
 
 def served_flags(args: list[str]) -> dict:
-    """`--name value` / `--name=value` pairs (after --) as keyword arguments of served.run."""
-    import inspect
-
-    known = set(inspect.signature(served.run).parameters) - {"url", "grpc", "metrics_url", "out", "extra", "quiet"}
+    """`--name value` / `--name=value` pairs (after --) as keyword arguments of served.run, the flags left out
+    with their defaults."""
+    known = asdict(SERVED_FLAGS)
     flags, i = {}, 0
     while i < len(args):
         name, has_value, value = args[i].removeprefix("--").partition("=")
@@ -255,11 +256,11 @@ def served_flags(args: list[str]) -> dict:
         key = name.replace("-", "_")
         if key not in known:
             raise SystemExit(f"pipeline: unknown `bench served` flag --{name} (known: {', '.join(sorted(known))})")
-        default = inspect.signature(served.run).parameters[key].default
+        default = known[key]
         flags[key] = type(default)(value) if isinstance(default, (int, float)) and not isinstance(default, bool) \
             else value
         i += 1
-    return flags
+    return {**known, **flags}
 
 
 def main(argv: list[str] | None = None) -> None:

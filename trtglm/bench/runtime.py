@@ -39,11 +39,12 @@ from pathlib import Path
 
 import torch
 
+from trtglm.bench import INFLIGHT_OUTPUTS, INFLIGHT_PROMPTS
 from trtglm.bench.checks import (CHECK_SEQUENCES, reference_logits, check_model_logits, compare_logits, fixture_check,
                                  float32_reference_logits, hf_reference, kernel_checks, quantized_reference_logits)
-from trtglm.bench.measure import (DTYPES, INFLIGHT_OUTPUTS, INFLIGHT_PROMPTS, KIND_OF_MODE, MODES, WEIGHT_ONLY,
-                                  checkpoint_tensors, copy_bandwidth, cuda_device, decode_floor_ms,
-                                  fast_timing, hf_timings, long_ttft_ms, profile_decode_step, synth_tensors)
+from trtglm.bench.measure import (DTYPES, KIND_OF_MODE, MODES, WEIGHT_ONLY, checkpoint_tensors, copy_bandwidth,
+                                  cuda_device, decode_floor_ms, fast_timing, hf_timings, long_ttft_ms,
+                                  profile_decode_step, synth_tensors)
 from trtglm.bench.inflight import run_mixed_workload
 from trtglm.bench.report import fill_ratios, plot, summary, targets
 from trtglm.errors import ModelFileError, TrtglmError, UsageError
@@ -51,12 +52,10 @@ from trtglm.errors import ModelFileError, TrtglmError, UsageError
 log = logging.getLogger(__name__)
 
 
-def bench_runtime(preset: str = "6b", dtype: str = "bf16", weight_only: Sequence[str] | str = "none",
-                  batch: Sequence[int] | int = (1, 8, 32, 64), prompt_len: int = 128, new_tokens: int = 128,
-                  baseline: str = "hf", out: str | Path = "out/bench-runtime", layers: int | None = None,
-                  long_prompt: int = 512, requests: int = 256, concurrency: int = 64, prefill_chunk: int = 1024,
-                  check: bool = True, profile: bool = True, tune: bool | None = None, seed: int = 0,
-                  fixture: str | Path | None = None) -> dict:
+def bench_runtime(*, preset: str, dtype: str, weight_only: Sequence[str] | str, batch: Sequence[int] | int,
+                  prompt_len: int, new_tokens: int, baseline: str, out: str | Path, layers: int | None,
+                  long_prompt: int, requests: int, concurrency: int, prefill_chunk: int, check: bool, profile: bool,
+                  tune: bool | None, seed: int, fixture: str | Path | None) -> dict:
     """Run the benchmark (see the module docstring); returns the results written to OUT/runtime.json.
     `fixture`: a trained small ChatGLM3 HF folder whose logits are checked too (skipped when None)."""
     fixture = _check_fixture(fixture)

@@ -194,10 +194,9 @@ def table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def bench_sampling(url: str | None = None, metrics_url: str | None = None, model: str = "ensemble",
-                   fixture: str | None = None, preset: str = "6b", cases: str = ",".join(CASES), rounds: int = 2,
-                   requests: int = 64, concurrency: int = 64, prompt_len: int = 32, new_tokens: int = 48,
-                   seed: int = 0, timeout: float = 600.0, out: str | None = None) -> dict:
+def bench_sampling(*, url: str | None, metrics_url: str | None, model: str, fixture: str | None, preset: str,
+                   cases: str, rounds: int, requests: int, concurrency: int, prompt_len: int, new_tokens: int,
+                   seed: int, timeout: float, out: str | None) -> dict:
     names = parse_cases(cases)
     if min(rounds, requests, concurrency, prompt_len, new_tokens) < 1:
         raise UsageError("--rounds, --requests, --concurrency, --prompt-len and --new-tokens must be >= 1")

@@ -29,11 +29,11 @@ import json
 import logging
 import shlex
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from trtglm.bench import DEFAULT_PROMPT, load_stats, stream_load
+from trtglm.bench import load_stats, stream_load
 from trtglm.bench.served_report import RATIO_TARGET_PCT, markdown
 from trtglm.bench.serving import (BLOCK, InProcess, check_positive, engine_dir_of, machine, measure_overhead,
                                   tokenizer_dir_of)
@@ -42,7 +42,6 @@ from trtglm.bench.workload import Workload, fixed_workload, mixed_workload
 from trtglm.client import ServerError, check_model
 from trtglm.client import http as http_client
 from trtglm.errors import UsageError
-from trtglm.ports import LOCAL_URL
 
 log = logging.getLogger(__name__)
 
@@ -53,30 +52,29 @@ WARM_UP_TOKENS = 4  # new tokens per request of a workload's warm-up wave
 
 @dataclass(frozen=True)
 class ServedSettings:
-    url: str = LOCAL_URL
-    grpc: str | None = None  # HOST:PORT; None: no gRPC paths
-    metrics_url: str | None = None  # http://HOST:PORT/metrics; None: tokens counted by the client only
-    engine_dir: str | None = None
-    device: str | None = None
-    repeats: int = 20
-    overhead_model: str = "ensemble"
-    overhead_prompt: str = DEFAULT_PROMPT
-    overhead_tokens: int = 128
-    requests: int = 256
-    concurrency: int = 64
-    prompt_len: int = 128
-    new_tokens: int = 128
-    paths: tuple[tuple[str, str], ...] = (("ensemble", "http"), ("ensemble", "grpc"),
-                                          ("tensorrt_llm_bls", "http"), ("tensorrt_llm_bls", "grpc"))
-    mixed_requests: int = 256
-    mixed_concurrency: int = 64
-    mixed_prompts: tuple[int, int] = (32, 1024)
-    mixed_outputs: tuple[int, int] = (16, 256)
-    mixed_paths: tuple[tuple[str, str], ...] = (("ensemble", "http"), ("tensorrt_llm_bls", "grpc"))
-    seed: int = 0
-    timeout: float = 600.0
-    stop_after: float = 0.0  # seconds after which no new run starts (0: no limit)
-    extra: dict = field(default_factory=dict)  # merged into the results (e.g. the pipeline's launch timings)
+    url: str
+    grpc: str | None  # HOST:PORT; None: no gRPC paths
+    metrics_url: str | None  # http://HOST:PORT/metrics; None: tokens counted by the client only
+    engine_dir: str | None
+    device: str | None
+    repeats: int
+    overhead_model: str
+    overhead_prompt: str
+    overhead_tokens: int
+    requests: int
+    concurrency: int
+    prompt_len: int
+    new_tokens: int
+    paths: tuple[tuple[str, str], ...]
+    mixed_requests: int
+    mixed_concurrency: int
+    mixed_prompts: tuple[int, int]
+    mixed_outputs: tuple[int, int]
+    mixed_paths: tuple[tuple[str, str], ...]
+    seed: int
+    timeout: float
+    stop_after: float  # seconds after which no new run starts (0: no limit)
+    extra: dict  # merged into the results (e.g. the pipeline's launch timings)
 
     def command(self) -> str:
         args = ["trtglm", "bench", "served", "--url", self.url]
@@ -168,7 +166,7 @@ class Run:
         return tuple(now - then for now, then in zip(self.counter, before))
 
 
-def bench_served(settings: ServedSettings, out: str | Path | None = None) -> dict:
+def bench_served(settings: ServedSettings, out: str | Path | None) -> dict:
     """Run every part (see the module docstring); the results as a dict (served.json / served.md under `out`)."""
     if any(protocol == "grpc" for _, protocol in (*settings.paths, *settings.mixed_paths)) and not settings.grpc:
         raise UsageError("gRPC paths need --grpc HOST:PORT (or leave them out of --paths / --mixed-paths)")
@@ -218,8 +216,8 @@ def overhead(run: Run, runtime: InProcess) -> dict:
     """`measure_overhead` at --overhead-tokens, replies timed and not compared, with token counts."""
     s = run.settings
     settings = ServingSettings(url=s.url, model=s.overhead_model, prompt=s.overhead_prompt,
-                                max_tokens=s.overhead_tokens, concurrency=(), repeats=s.repeats, timeout=s.timeout,
-                                compare_replies=False)
+                               max_tokens=s.overhead_tokens, concurrency=(), requests=0, repeats=s.repeats,
+                               engine_dir=s.engine_dir, device=s.device, timeout=s.timeout, compare_replies=False)
     expected, reply_tokens = runtime.answer(s.overhead_prompt, s.overhead_tokens)
     run.server_tokens()
     result = measure_overhead(settings, runtime, expected)
@@ -322,15 +320,11 @@ def _gpu() -> dict:
 # --- the command --------------------------------------------------------------------------------------------
 
 
-def run(url: str = LOCAL_URL, grpc: str | None = None, metrics_url: str | None = None,
-        engine_dir: str | None = None, device: str | None = None, repeats: int = 20, overhead_tokens: int = 128,
-        overhead_prompt: str = DEFAULT_PROMPT, overhead_model: str = "ensemble", requests: int = 256,
-        concurrency: int = 64, prompt_len: int = 128, new_tokens: int = 128,
-        paths: str = "ensemble:http,ensemble:grpc,tensorrt_llm_bls:http,tensorrt_llm_bls:grpc",
-        mixed_requests: int = 256, mixed_concurrency: int = 64, mixed_prompts: str = "32,1024",
-        mixed_outputs: str = "16,256", mixed_paths: str = "ensemble:http,tensorrt_llm_bls:grpc", seed: int = 0,
-        timeout: float = 600.0, stop_after: float = 0.0, out: str | None = None, extra: dict | None = None,
-        quiet: bool = False) -> dict:
+def run(*, url: str, grpc: str | None, metrics_url: str | None, engine_dir: str | None, device: str | None,
+        repeats: int, overhead_tokens: int, overhead_prompt: str, overhead_model: str, requests: int, concurrency: int,
+        prompt_len: int, new_tokens: int, paths: str, mixed_requests: int, mixed_concurrency: int,
+        mixed_prompts: str, mixed_outputs: str, mixed_paths: str, seed: int, timeout: float, stop_after: float,
+        out: str | None, extra: dict | None = None, quiet: bool = False) -> dict:
     """Check the flags, run, print the markdown tables (unless quiet)."""
     for name, value in (("repeats", repeats), ("requests", requests), ("mixed-requests", mixed_requests),
                         ("seed", seed)):

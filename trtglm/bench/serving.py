@@ -42,11 +42,9 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
-from trtglm.bench import DEFAULT_PROMPT
 from trtglm.client import GenerateRequest, ServerError, check_model
 from trtglm.client import http as http_client
 from trtglm.errors import UsageError
-from trtglm.ports import LOCAL_URL
 
 log = logging.getLogger(__name__)
 
@@ -55,17 +53,17 @@ BLOCK = 5  # calls in a row on one side when measuring the overhead
 
 @dataclass(frozen=True)
 class ServingSettings:
-    url: str = LOCAL_URL
-    model: str = "ensemble"
-    prompt: str = DEFAULT_PROMPT
-    max_tokens: int = 64
-    concurrency: tuple[int, ...] = (1, 8, 32)
-    requests: int = 128
-    repeats: int = 50
-    engine_dir: str | None = None
-    device: str | None = None  # as the server picks it: $TRTGLM_DEVICE, else a GPU if any, else the CPU
-    timeout: float = 600.0
-    compare_replies: bool = True  # False for random weights: replies are timed, not compared
+    url: str
+    model: str
+    prompt: str
+    max_tokens: int
+    concurrency: tuple[int, ...]
+    requests: int
+    repeats: int
+    engine_dir: str | None
+    device: str | None  # None: as the server picks it: $TRTGLM_DEVICE, else a GPU if any, else the CPU
+    timeout: float
+    compare_replies: bool  # False for random weights: replies are timed, not compared
 
     def command(self) -> str:
         """The `trtglm bench serving` command line that gives these settings."""
@@ -256,7 +254,7 @@ def machine() -> dict:
             "load_average_1min": round(os.getloadavg()[0], 2)}
 
 
-def bench_serving(settings: ServingSettings, out: str | Path | None = None) -> dict:
+def bench_serving(settings: ServingSettings, out: str | Path | None) -> dict:
     """Run both measurements; results as a dict (written as serving.json and serving.md under `out`)."""
     server = http_client.Server.parse(settings.url)
     check_model(settings.model)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from trtglm.bench.workload import Workload
-from trtglm.client import GenerateRequest, ServerError, check_model, one_line
+from trtglm.client import ANSWER_TIMEOUT_S, GenerateRequest, ServerError, check_model, one_line
 from trtglm.client import grpc as grpc_client
 from trtglm.client import http as http_client
 
@@ -115,7 +115,7 @@ class NoAnswer(ServerError):
     """No response within the run's timeout."""
 
 
-def run_http(url: str, model: str, workload: Workload, timeout: float = 600.0,
+def run_http(url: str, model: str, workload: Workload, timeout: float = ANSWER_TIMEOUT_S,
              fields: dict | None = None) -> tuple[list[Trace], float]:
     """The workload over HTTP `generate_stream` (server-sent events), a new connection per request; `fields`:
     more request fields for every request (e.g. sampling settings)."""
@@ -149,7 +149,8 @@ def _stream_http(server, path: str, body: bytes, timeout: float, model: str, tra
                 trace.add(now, tokens)
 
 
-def run_grpc(address: str, model: str, workload: Workload, timeout: float = 600.0) -> tuple[list[Trace], float]:
+def run_grpc(address: str, model: str, workload: Workload,
+             timeout: float = ANSWER_TIMEOUT_S) -> tuple[list[Trace], float]:
     """The workload over tritonclient's gRPC stream: one client and stream per thread, reused."""
     grpcclient, server_exception = grpc_client._tritonclient()
     address, model = grpc_client.check_address(address), check_model(model)

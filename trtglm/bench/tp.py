@@ -48,19 +48,19 @@ PR_SET_PDEATHSIG = 1  # Linux prctl: the signal a process gets when its parent d
 
 @dataclass(frozen=True)
 class Options:
-    preset: str = "6b"
-    layers: int | None = None
-    dtype: str = "bfloat16"
-    weight_only: str = "none"
-    device: str = "cuda"
-    steps: int = 128
-    batches: tuple[int, ...] = (1, 64)
-    prompt_len: int = 128
-    new_tokens: int = 128
-    max_seq_len: int = 512
-    seed: int = 0
-    tune: bool = True  # time the matmuls' block shapes at start-up (kept on disk per GPU: kernel_cache.py)
-    symmetric_memory: bool = False  # also time PyTorch's one-shot all-reduce over symmetric memory (GPUs)
+    preset: str
+    layers: int | None
+    dtype: str
+    weight_only: str
+    device: str
+    steps: int
+    batches: tuple[int, ...]
+    prompt_len: int
+    new_tokens: int
+    max_seq_len: int
+    seed: int
+    tune: bool  # time the matmuls' block shapes at start-up (kept on disk per GPU: kernel_cache.py)
+    symmetric_memory: bool  # also time PyTorch's one-shot all-reduce over symmetric memory (GPUs)
 
 
 def parse_sizes(text: str | int | tuple, what: str) -> tuple[int, ...]:
@@ -75,10 +75,10 @@ def parse_sizes(text: str | int | tuple, what: str) -> tuple[int, ...]:
     return sizes
 
 
-def run(tp: str = "1,2,4", out: str = "out/bench-tp", **options) -> dict:
+def run(*, tp: str, out: str, **options) -> dict:
     """Every tp size in turn (one process per rank), then the comparison; returns what OUT/tp.json holds."""
     sizes = parse_sizes(tp, "tp")
-    opts = Options(**{**options, "batches": parse_sizes(options.get("batches", "1,64"), "batches")})
+    opts = Options(**{**options, "batches": parse_sizes(options["batches"], "batches")})
     _check(opts, sizes)
     sizes = _sizes_that_fit(sizes, opts.device)
     runs: dict[int, dict] = {}

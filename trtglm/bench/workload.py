@@ -107,7 +107,7 @@ def _workload(name: str, tokenizer, lengths: list[int], outputs: list[int], conc
 
 
 def fixed_workload(tokenizer, requests: int, concurrency: int, prompt_len: int, new_tokens: int,
-                   seed: int = 0) -> Workload:
+                   seed: int) -> Workload:
     """`requests` prompts of `prompt_len` ids (chat template included), `new_tokens` each."""
     _check_counts(requests, concurrency)
     return _workload(f"fixed {prompt_len}/{new_tokens}", tokenizer, [prompt_len] * requests, [new_tokens] * requests,
@@ -115,7 +115,7 @@ def fixed_workload(tokenizer, requests: int, concurrency: int, prompt_len: int, 
 
 
 def mixed_workload(tokenizer, requests: int, concurrency: int, prompt_range: tuple[int, int],
-                   output_range: tuple[int, int], seed: int = 0) -> Workload:
+                   output_range: tuple[int, int], seed: int) -> Workload:
     """Prompt and output lengths uniform over the inclusive ranges (as `inflight_run` draws them)."""
     _check_counts(requests, concurrency)
     rng = random.Random(seed)

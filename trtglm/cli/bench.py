@@ -5,17 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from trtglm.bench import DEFAULT_PROMPT
+from trtglm.bench import DEFAULT_PROMPT, INFLIGHT_OUTPUTS, INFLIGHT_PROMPTS, range_flag
+from trtglm.bench.served_flags import SERVED_FLAGS as SERVED
 from trtglm.cli.flags import CountInt, Passthrough, PosFloat, PosInt
+from trtglm.client import ANSWER_TIMEOUT_S
 from trtglm.ports import LOCAL_URL
-
-PATHS = "ensemble:http,ensemble:grpc,tensorrt_llm_bls:http,tensorrt_llm_bls:grpc"
 
 
 def serving(url: str = LOCAL_URL, concurrency: str = "1,8,32", requests: PosInt = 128, repeats: PosInt = 50,
             max_tokens: PosInt = 64, prompt: str = DEFAULT_PROMPT, model: str = "ensemble",
             engine_dir: str | None = None, device: str | None = None, out: str | None = None,
-            timeout: PosFloat = 600.0, compare_replies: bool = True):
+            timeout: PosFloat = ANSWER_TIMEOUT_S, compare_replies: bool = True):
     """A served repository: Triton's overhead over the runtime, and tokens/s by concurrency.
 
     `bench serving --url URL`: --repeats sequential requests through --model against the same
@@ -42,13 +42,15 @@ def serving_local(work_dir: str = "/tmp/trtglm-bench-serving", config: str = "co
 
 
 def served(url: str = LOCAL_URL, grpc: str | None = None, metrics_url: str | None = None,
-           engine_dir: str | None = None, device: str | None = None, repeats: CountInt = 20,
-           overhead_tokens: PosInt = 128, overhead_prompt: str = DEFAULT_PROMPT, overhead_model: str = "ensemble",
-           requests: CountInt = 256, concurrency: PosInt = 64, prompt_len: PosInt = 128, new_tokens: PosInt = 128,
-           paths: str = PATHS, mixed_requests: CountInt = 256, mixed_concurrency: PosInt = 64,
-           mixed_prompts: str = "32,1024", mixed_outputs: str = "16,256",
-           mixed_paths: str = "ensemble:http,tensorrt_llm_bls:grpc", seed: CountInt = 0, timeout: PosFloat = 600.0,
-           stop_after: float = 0.0, out: str | None = None):
+           engine_dir: str | None = SERVED.engine_dir, device: str | None = SERVED.device,
+           repeats: CountInt = SERVED.repeats, overhead_tokens: PosInt = SERVED.overhead_tokens,
+           overhead_prompt: str = SERVED.overhead_prompt, overhead_model: str = SERVED.overhead_model,
+           requests: CountInt = SERVED.requests, concurrency: PosInt = SERVED.concurrency,
+           prompt_len: PosInt = SERVED.prompt_len, new_tokens: PosInt = SERVED.new_tokens, paths: str = SERVED.paths,
+           mixed_requests: CountInt = SERVED.mixed_requests, mixed_concurrency: PosInt = SERVED.mixed_concurrency,
+           mixed_prompts: str = SERVED.mixed_prompts, mixed_outputs: str = SERVED.mixed_outputs,
+           mixed_paths: str = SERVED.mixed_paths, seed: CountInt = SERVED.seed, timeout: PosFloat = SERVED.timeout,
+           stop_after: float = SERVED.stop_after, out: str | None = None):
     """A served repository streamed to, next to the same engine in-process (random weights welcome).
 
     `bench served --url URL --grpc HOST:PORT --metrics-url URL/metrics`: Triton's overhead at
@@ -90,7 +92,8 @@ def runtime(preset: Literal["tiny", "6b", "6b-32k"] = "6b", dtype: Literal["bflo
 
 def inflight(fixture: Path | None = None, preset: Literal["tiny", "6b", "6b-32k"] = "6b",
              weight_only: Literal["none", "int8", "int4"] = "none", requests: PosInt = 256, concurrency: PosInt = 64,
-             prompts: str = "32,1024", outputs: str = "16,256", prefix: CountInt = 1000,
+             prompts: str = range_flag(INFLIGHT_PROMPTS), outputs: str = range_flag(INFLIGHT_OUTPUTS),
+             prefix: CountInt = 1000,
              max_num_tokens: PosInt = 8192, tokens_per_block: PosInt = 64, seed: CountInt = 0,
              out: str = "out/bench-inflight"):
     """The in-flight batching executor against the ideal of its parts, and a shared prefix with reuse off and on.
@@ -111,7 +114,7 @@ def sampling(url: str | None = None, metrics_url: str | None = None, model: str 
              fixture: Path | None = None, preset: Literal["tiny", "6b", "6b-32k"] = "6b",
              cases: str = "greedy,top-p,top-k,log-probs", rounds: PosInt = 2, requests: PosInt = 64,
              concurrency: PosInt = 64, prompt_len: PosInt = 32, new_tokens: PosInt = 48, seed: CountInt = 0,
-             timeout: PosFloat = 600.0, out: str | None = None):
+             timeout: PosFloat = ANSWER_TIMEOUT_S, out: str | None = None):
     """What sampled and log-prob requests cost next to greedy ones, in the same run.
 
     Cases (comma-separated, greedy included): greedy, top-p (temperature 0.8, top_p 0.8: ChatGLM3's

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Iterator, Literal
 
 from trtglm.cli.flags import CountInt, PosFloat, PosInt
+from trtglm.client import ANSWER_TIMEOUT_S
 from trtglm.errors import TrtglmError, UsageError
 from trtglm.ports import LOCAL_URL
 
@@ -14,7 +15,7 @@ from trtglm.ports import LOCAL_URL
 def generate(prompt: str, url: str = LOCAL_URL, max_tokens: PosInt = 64, stream: bool = False,
              grpc: str | None = None, model: str = "ensemble", temperature: float | None = None,
              top_k: CountInt | None = None, top_p: float | None = None, seed: int | None = None,
-             beam_width: PosInt | None = None, timeout: PosFloat = 600.0):
+             beam_width: PosInt | None = None, timeout: PosFloat = ANSWER_TIMEOUT_S):
     """Ask a served model (ensemble or tensorrt_llm_bls) and print its answer; --stream prints it as it arrives.
 
     --prompt: text, or a JSON chat (a list of {role, content} messages or {"messages": [...]}).
@@ -71,7 +72,7 @@ def chat(engine_dir: str | None = None, url: str | None = None, grpc: str | None
          checkpoint: str | None = None, tokenizer_dir: str | None = None, prompt: str | None = None,
          system: str | None = None, model: str | None = None, max_new_tokens: PosInt = 256,
          temperature: float = 0.0, top_k: CountInt = 0, top_p: PosFloat = 1.0, seed: CountInt | None = None,
-         device: Literal["auto", "cpu", "cuda"] = "auto", timeout: PosFloat = 600.0):
+         device: Literal["auto", "cpu", "cuda"] = "auto", timeout: PosFloat = ANSWER_TIMEOUT_S):
     """Chat with ChatGLM3: an engine folder in-process, or a served repository; replies stream as they come.
 
     What answers: --engine-dir ENG (trtglm's runtime on the engine's checkpoint, on the GPU when

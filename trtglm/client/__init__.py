@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from trtglm.errors import TrtglmError, UsageError
 
 MODELS = ("ensemble", "tensorrt_llm_bls")  # the client-facing models of the repository
+ANSWER_TIMEOUT_S = 600.0  # how long a client waits for the server's answer (a long generation on a busy server)
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 

@@ -14,7 +14,7 @@ from typing import Iterator
 
 import numpy as np
 
-from trtglm.client import GenerateRequest, ServerError, check_model, one_line
+from trtglm.client import ANSWER_TIMEOUT_S, GenerateRequest, ServerError, check_model, one_line
 from trtglm.errors import DependencyError, UsageError
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,8 @@ def check_address(address: str) -> str:
     return address
 
 
-def generate_stream(address: str, model: str, request: GenerateRequest, timeout: float = 600.0) -> Iterator[str]:
+def generate_stream(address: str, model: str, request: GenerateRequest,
+                    timeout: float = ANSWER_TIMEOUT_S) -> Iterator[str]:
     """The reply's text pieces as the server sends them (one piece when not streamed)."""
     grpcclient, InferenceServerException = _tritonclient()
     address, model = check_address(address), check_model(model)

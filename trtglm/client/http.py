@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 from urllib.parse import urlsplit
 
-from trtglm.client import GenerateRequest, ServerError, check_model, one_line
+from trtglm.client import ANSWER_TIMEOUT_S, GenerateRequest, ServerError, check_model, one_line
 from trtglm.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class Server:
         return ServerError(f"cannot reach {self.what} at {self.url}: {error.strerror or error}")
 
 
-def generate(url: str, model: str, request: GenerateRequest, timeout: float = 600.0) -> str:
+def generate(url: str, model: str, request: GenerateRequest, timeout: float = ANSWER_TIMEOUT_S) -> str:
     """The whole reply of `model` (one response) through `/generate`."""
     server, path = Server.parse(url), f"/v2/models/{check_model(model)}/generate"
     log.debug("POST %s%s", server.url, path)
@@ -92,7 +92,8 @@ def generate(url: str, model: str, request: GenerateRequest, timeout: float = 60
     return output_text(json_object(model, body))
 
 
-def generate_stream(url: str, model: str, request: GenerateRequest, timeout: float = 600.0) -> Iterator[str]:
+def generate_stream(url: str, model: str, request: GenerateRequest,
+                    timeout: float = ANSWER_TIMEOUT_S) -> Iterator[str]:
     """The reply's text pieces as `/generate_stream` sends them (each event's text_output)."""
     server, path = Server.parse(url), f"/v2/models/{check_model(model)}/generate_stream"
     log.debug("POST %s%s", server.url, path)
@@ -105,7 +106,7 @@ def generate_stream(url: str, model: str, request: GenerateRequest, timeout: flo
                 yield piece
 
 
-def infer(url: str, model: str, inputs: list[dict], timeout: float = 600.0) -> dict[str, list]:
+def infer(url: str, model: str, inputs: list[dict], timeout: float = ANSWER_TIMEOUT_S) -> dict[str, list]:
     """The outputs (name -> data) of one `/v2/models/{model}/infer`; `inputs` as Triton's JSON writes them
     ({name, datatype, shape, data})."""
     server, path = Server.parse(url), f"/v2/models/{check_model(model)}/infer"

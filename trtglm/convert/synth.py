@@ -50,8 +50,8 @@ BLOCK_ELEMENTS = 16 << 20
 TensorSpec = tuple[str, tuple[int, ...]]
 
 
-def synth_model(preset: str, out: str | Path, layers: int | None = None, fmt: str = "safetensors",
-                dtype: str = "float16", seed: int = 0, force: bool = False) -> Path:
+def synth_model(preset: str, out: str | Path, *, layers: int | None, fmt: str, dtype: str, seed: int,
+                force: bool) -> Path:
     """Write a random-weight ChatGLM3 HF checkpoint for `preset` into `out`."""
     _check_options(preset, layers, fmt, dtype, seed)
     out = Path(out)

@@ -68,9 +68,8 @@ def plan_conversion(cfg: ChatGLMConfig, tp_size: int) -> list[PlannedTensor]:
     return [PlannedTensor(m.hf, m.trt, m.shape, RULES[m.rule](m.shape, cfg, tp_size)) for m in mapped_tensors(cfg)]
 
 
-def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, dtype: str = "auto", tp_size: int = 1,
-                       pp_size: int = 1, weight_only: str | None = None, chatglm_version: str = "auto",
-                       force: bool = False) -> Path:
+def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, *, dtype: str, tp_size: int, pp_size: int,
+                       weight_only: str | None, chatglm_version: str, force: bool) -> Path:
     """Convert the ChatGLM HF checkpoint in `model_dir` into a TensorRT-LLM checkpoint at `output_dir`."""
     _check_options(dtype, tp_size, pp_size, weight_only)
     model_dir, out = Path(model_dir), Path(output_dir)

@@ -65,9 +65,8 @@ TRTLLM_CONTAINER = "nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3"
 DEFAULT_ENGINES = Path("engines")
 
 
-def build_engine(config: str | Path, model_dir: str | Path | None = None, output_dir: str | Path | None = None,
-                 dry_run: bool = False, force: bool = False, target: str = "current",
-                 overrides: dict[str, Any] | None = None) -> Path | None:
+def build_engine(config: str | Path, *, model_dir: str | Path | None, output_dir: str | Path | None, dry_run: bool,
+                 force: bool, target: str, overrides: dict[str, Any]) -> Path | None:
     """Build the engine folder for profile `config`; returns it (None for --dry-run / another target)."""
     if target not in TARGETS:
         raise UsageError(f"--target must be one of {', '.join(TARGETS)}, not {target!r}")
@@ -90,11 +89,11 @@ def build_engine(config: str | Path, model_dir: str | Path | None = None, output
     return _build(profile, hf, out)
 
 
-def load_build_profile(config: str | Path, model_dir: str | Path | None = None,
-                       overrides: dict[str, Any] | None = None, tensorrt: bool = False) -> Profile:
+def load_build_profile(config: str | Path, model_dir: str | Path | None, overrides: dict[str, Any],
+                       tensorrt: bool) -> Profile:
     """The profile with `--model-dir` (relative to the working directory) applied as `model.dir`, and
     build.engine auto resolved (`tensorrt`: to a TensorRT engine whatever this machine has)."""
-    overrides = dict(overrides or {})
+    overrides = dict(overrides)
     if model_dir is not None:
         overrides["model.dir"] = str(Path(model_dir).resolve())
     profile = load_profile(config, overrides)

@@ -163,14 +163,14 @@ def memory_plan(profile: Profile, shape: ChatGLMConfig, gpu_bytes: int, shape_so
 # --- the command ----------------------------------------------------------------------------------
 
 
-def plan(config: str | Path, gpu_memory: str | int | float = "80GiB", gpus: int | None = None,
-         overrides: dict[str, Any] | None = None, strict: bool = False) -> MemoryPlan:
+def plan(config: str | Path, *, gpu_memory: str | int | float, gpus: int | None, overrides: dict[str, Any],
+         strict: bool) -> MemoryPlan:
     """Print the memory plan of a profile on GPUs of `gpu_memory`; `gpus` plans for tp = gpus.
 
     A profile that does not fit is a warning (exit 0), or a UsageError with `strict`.
     """
     gpu_bytes = parse_memory(gpu_memory)
-    overrides = dict(overrides or {})
+    overrides = dict(overrides)
     if gpus is not None:
         if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
             raise UsageError(f"--gpus must be a positive integer, not {gpus!r}")

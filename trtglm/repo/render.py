@@ -42,9 +42,8 @@ BACKEND_ONLY = re.compile(r"#\s*only with backend (\w+)\s*$")
 ADDED_MODELS = (HISTORY_CHAT,)  # trtglm's models beside the pipeline: every repository gets them
 
 
-def patch_repo(engine_dir: str | Path, tokenizer_dir: str | Path | None, output_repo: str | Path,
-               template: str | Path | None = None, sets: Mapping[str, object] | None = None,
-               force: bool = False) -> Path:
+def patch_repo(engine_dir: str | Path, tokenizer_dir: str | Path | None, output_repo: str | Path, *,
+               template: str | Path | None, sets: Mapping[str, object], force: bool) -> Path:
     """Render `template` (default: trtglm's) for the engine into `output_repo`; returns its path.
 
     `tokenizer_dir` None means the engine's own tokenizer (trtglm.json). Raises UsageError for

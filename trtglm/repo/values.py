@@ -71,7 +71,7 @@ FIXED = {
 
 
 def placeholder_values(manifest: Mapping, tokenizer_dir: str, version: str,
-                       sets: Mapping[str, object] | None = None) -> dict[str, str | None]:
+                       sets: Mapping[str, object]) -> dict[str, str | None]:
     """Placeholder -> text (or UNSET) for a template of `version`; `sets` overrides (unknown key: UsageError)."""
     values: dict[str, object] = {name: UNSET for name in BACKEND_DEFAULTS}
     values.update(FIXED)
@@ -84,7 +84,7 @@ def placeholder_values(manifest: Mapping, tokenizer_dir: str, version: str,
                   encoder_input_features_data_type=_datatype(manifest),
                   chatglm_version=manifest["model"].get("chatglm_version", "chatglm3"))
     known = known_placeholders(version)
-    for name, value in (sets or {}).items():
+    for name, value in sets.items():
         if name not in known:
             raise UsageError(f"--set {name}: not a placeholder of the {version} template "
                              f"(known: {', '.join(sorted(known))})")

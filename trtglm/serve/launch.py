@@ -168,7 +168,7 @@ def _supervisor_failed(log_path: Path, code: int) -> TrtglmError:
 # --- stop ----------------------------------------------------------------------------------------
 
 
-def stop(repo: str | Path | None = None) -> None:
+def stop(repo: str | Path | None) -> None:
     """Stop the launch serving `repo` (default: the only running launch)."""
     launch_dir = _launch_to_stop(repo)
     if launch_dir is None:

@@ -65,6 +65,7 @@ from tqdm import tqdm
 from trtglm.backend.cpus import engine_cpus_env
 from trtglm.errors import TrtglmError
 from trtglm.files import PHASE_FILE, read_phase
+from trtglm.processes import alive
 from trtglm.serve.launch_spec import LaunchSpec
 from trtglm.serve.openai_process import OpenAIProcess
 from trtglm.serve.rank_logs import last_error_line, print_excerpt, print_tails, read_log
@@ -383,13 +384,6 @@ class Supervisor:
             self.hurry = True
         else:
             self.stop_signal = signum
-
-
-def alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def _terminate(proc: psutil.Process) -> None:

@@ -41,7 +41,7 @@ EXPORTED_VARS = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "GLOO_SOCKET_IFNAME", 
 # ^ what mpirun passes to every rank
 
 
-def find_tritonserver(flag: str | None = None, environ: dict[str, str] | None = None) -> Path:
+def find_tritonserver(flag: str | None, environ: dict[str, str] | None = None) -> Path:
     """The tritonserver binary to run; DependencyError (one line) when there is none."""
     environ = os.environ if environ is None else environ
     if flag:
