@@ -246,6 +246,8 @@ def test_32_concurrent_requests_are_answered_exactly_and_batched(server, convers
     assert metrics["trtglm_max_decode_batch"] == 8  # the engine's max_batch_size, every slot in use
     assert metrics["trtglm_generated_tokens_total"] > 2 * metrics["trtglm_decode_steps_total"]  # > 1 per step
     assert metrics["trtglm_active_sequences"] == 0 and metrics["trtglm_queued_requests"] == 0
+    assert 0 < metrics["trtglm_decode_only_steps_total"] < metrics["trtglm_decode_steps_total"]  # prompts came too
+    assert 0 < metrics["trtglm_decode_only_step_microseconds_total"] < metrics["trtglm_step_microseconds_total"]
 
 
 @pytest.mark.slow

@@ -560,6 +560,9 @@ def test_overlapped_steps_hand_out_a_step_late_and_feed_tokens_on_the_device(mod
     decodes = [call for call in recording.calls if call[0] == "decode"]
     assert len(decodes) == len(result.tokens) - (not overlap)  # the first token is the prompt's
     assert {call[1] for call in recording.calls if call[0] == "decode tokens"} == {torch.Tensor}
+    # The decode-only steps: those that ran a decode pass (overlapped: after one), not the one after the prompt's.
+    stats = executor.stats()
+    assert stats.decode_only_steps == len(decodes) - overlap and 0 < stats.decode_only_us <= stats.step_us
 
 
 def test_a_request_cancelled_with_a_token_on_the_way_never_gets_it(model, tok, prompts):

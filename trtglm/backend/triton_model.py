@@ -43,8 +43,9 @@ into the next response; a request whose send has waited outbox.SEND_TIMEOUT_S is
 
 Custom metrics on rank 0: `trtglm_active_sequences`, `trtglm_queued_requests`,
 `trtglm_max_decode_batch`, `trtglm_decode_steps_total`, `trtglm_generated_tokens_total`,
-`trtglm_prompt_tokens_total`, `trtglm_reused_prompt_tokens_total`, `trtglm_step_microseconds_total`
-(Triton's /metrics).
+`trtglm_prompt_tokens_total`, `trtglm_reused_prompt_tokens_total`, `trtglm_step_microseconds_total`,
+`trtglm_decode_only_steps_total` and `trtglm_decode_only_step_microseconds_total` (the steps of decode tokens
+alone: the served decode step without the prompts' passes) (Triton's /metrics).
 """
 
 from __future__ import annotations
@@ -257,7 +258,10 @@ class Metrics:
                 "trtglm_generated_tokens_total": ("generated_tokens", "tokens generated"),
                 "trtglm_prompt_tokens_total": ("prefill_tokens", "prompt tokens computed"),
                 "trtglm_reused_prompt_tokens_total": ("reused_tokens", "prompt tokens taken from the prefix cache"),
-                "trtglm_step_microseconds_total": ("step_us", "time the engine spent in steps")}
+                "trtglm_step_microseconds_total": ("step_us", "time the engine spent in steps"),
+                "trtglm_decode_only_steps_total": ("decode_only_steps", "steps of decode tokens alone"),
+                "trtglm_decode_only_step_microseconds_total": ("decode_only_us", "time of the steps of decode "
+                                                                                 "tokens alone")}
     PERIOD_S = 0.5
 
     def __init__(self, executor: EngineProcess, pb_utils):

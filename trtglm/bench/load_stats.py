@@ -24,6 +24,7 @@ METRIC_ACTIVE = "trtglm_active_sequences"
 METRIC_QUEUED = "trtglm_queued_requests"
 METRIC_STEPS = "trtglm_decode_steps_total"
 METRIC_STEP_TIME = "trtglm_step_microseconds_total"
+METRIC_DECODE_ONLY = ("trtglm_decode_only_steps_total", "trtglm_decode_only_step_microseconds_total")
 METRICS_PERIOD_S = 0.5  # triton_model.Metrics refreshes the counters this often
 
 
@@ -69,6 +70,12 @@ def read_metrics(metrics_url: str, timeout: float = 10.0) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             values[name.split("{")[0].strip()] = float(value)
     return values
+
+
+def decode_only_counts(metrics_url: str) -> tuple[int, int]:
+    """The server's count of steps of decode tokens alone and their microseconds (0, 0 from a server without them)."""
+    values = read_metrics(metrics_url)
+    return tuple(int(values.get(name, 0)) for name in METRIC_DECODE_ONLY)
 
 
 def settled_tokens(metrics_url: str, timeout: float = 30.0) -> int:

@@ -122,13 +122,15 @@ def served_run(url: str, metrics_url: str, model: str, workload, case: Case, tim
     from trtglm.bench import load_stats, stream_load
 
     fields = {name: value for name, (value, _) in client_inputs(case.sampling, case.output).items()}
-    before = load_stats.settled_counters(metrics_url)
+    before = load_stats.settled_counters(metrics_url), load_stats.decode_only_counts(metrics_url)
     traces, seconds = stream_load.run_http(url, model, workload, timeout, fields)
-    tokens, steps, step_us = (after - then for after, then in zip(load_stats.settled_counters(metrics_url), before))
+    tokens, steps, step_us = (now - then for now, then in zip(load_stats.settled_counters(metrics_url), before[0]))
+    only_steps, only_us = (now - then for now, then in zip(load_stats.decode_only_counts(metrics_url), before[1]))
     failed = sum(trace.error is not None for trace in traces)
     return {"seconds": seconds, "generated_tokens": tokens, "decode_steps": steps, "failed": failed,
             "errors": sorted({t.error for t in traces if t.error})[:3], "tokens_per_s": tokens / seconds,
             "ms_per_decode_step": 1e3 * seconds / steps if steps else None,
+            "ms_per_decode_only_step": only_us / 1e3 / only_steps if only_steps else None,
             "engine_busy_pct": 100 * step_us / 1e6 / seconds}
 
 
@@ -169,9 +171,11 @@ def summarised(results: dict) -> dict:
     cases = {}
     for case, runs in results["runs"].items():
         steps = [r["ms_per_decode_step"] for r in runs if r["ms_per_decode_step"]]
+        alone = [r["ms_per_decode_only_step"] for r in runs if r.get("ms_per_decode_only_step")]
         cases[case] = {"tokens_per_s": statistics.mean(r["tokens_per_s"] for r in runs),
                        "tokens_per_s_each": [round(r["tokens_per_s"], 1) for r in runs],
                        "ms_per_decode_step": statistics.mean(steps) if steps else None,
+                       "ms_per_decode_only_step": statistics.mean(alone) if alone else None,
                        "failed": sum(r.get("failed", 0) for r in runs)}
     base = cases[BASELINE]["tokens_per_s"]
     for case in cases.values():
@@ -182,14 +186,16 @@ def summarised(results: dict) -> dict:
 def table(results: dict) -> str:
     lines = [f"sampling cost, {results['where']} ({results.get('model') or results.get('url')}, "
              f"{results.get('device', '')}):", "",
-             "| case | request settings | tokens/s (each round) | wall ms per decode step | vs greedy | failed |",
-             "|---|---|---:|---:|---:|---:|"]
+             "| case | request settings | tokens/s (each round) | wall ms per decode step | ms per decode-only step "
+             "| vs greedy | failed |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for name, case in results["cases"].items():
         fields = client_inputs(CASES[name].sampling, CASES[name].output)
         settings = ", ".join(f"{k} {v}" for k, (v, _) in fields.items()) or "none (greedy)"
-        step = f"{case['ms_per_decode_step']:.2f}" if case["ms_per_decode_step"] else "–"
+        step, alone = (f"{case[key]:.2f}" if case.get(key) else "–"
+                       for key in ("ms_per_decode_step", "ms_per_decode_only_step"))
         lines.append(f"| {name} | {settings} | {case['tokens_per_s']:,.0f} "
-                     f"({', '.join(f'{t:,.0f}' for t in case['tokens_per_s_each'])}) | {step} | "
+                     f"({', '.join(f'{t:,.0f}' for t in case['tokens_per_s_each'])}) | {step} | {alone} | "
                      f"{case['vs_greedy']:.2f}× | {case['failed']} |")
     return "\n".join(lines) + "\n"
 

@@ -224,6 +224,7 @@ class _Pass:
 
     sequences: list[_Sequence]
     chosen: Chosen
+    decode_only: bool = False  # it carried no prompt tokens
 
 
 class Executor:
@@ -354,21 +355,29 @@ class Executor:
         as many prompt tokens as the budget leaves, and hand out the tokens the pass chose (overlapped: those of
         the pass before, see the module docstring)."""
         started = time.perf_counter()
+        decode_only = False
         try:
             self._drop_cancelled()
             overlap = self.overlap and not self._host_bound()
             if not overlap:
                 self._hand_out_in_flight()
+            before = self._in_flight
             launched = self._launch()
             self._hand_out_in_flight()
             self._in_flight = launched
             if not overlap:
                 self._hand_out_in_flight()
             self._stats.steps += 1
+            decode_only = launched is not None and launched.decode_only and \
+                (not overlap or before is not None and before.decode_only)
         except Exception as e:
             log.exception("the model failed")
             self._recover(e)
-        self._stats.step_us += int(1e6 * (time.perf_counter() - started))
+        took_us = int(1e6 * (time.perf_counter() - started))
+        self._stats.step_us += took_us
+        if decode_only:
+            self._stats.decode_only_steps += 1
+            self._stats.decode_only_us += took_us
         if self.on_step_end is not None:
             self.on_step_end()
 
@@ -534,7 +543,10 @@ class Executor:
         if rows and len(rows) < len(slots):
             logits = logits.index_select(0, upload(rows, logits.device))
         widths = [s.request.sampling.beam_width for s in decoding] + [1] * len(complete)
-        return self._take_rows(decoding + [chunks[i][0] for i in complete], logits, widths)
+        launched = self._take_rows(decoding + [chunks[i][0] for i in complete], logits, widths)
+        if launched is not None:
+            launched.decode_only = not chunks
+        return launched
 
     def _take_rows(self, sequences: list[_Sequence], logits: torch.Tensor, widths: list[int]) -> _Pass | None:
         """Each sequence's next token from its `widths[i]` rows of `logits` (a beam search's: one per beam, one

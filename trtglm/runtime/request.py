@@ -79,6 +79,10 @@ class ExecutorStats:
     generated_tokens: int = 0
     max_decode_batch: int = 0  # the largest number of requests decoded together
     step_us: int = 0  # time spent in steps (the rest of the time the executor waited for work)
+    # Steps that ran decode tokens alone (overlapped: and handed out a pass of decode tokens alone), and their time:
+    # the served decode step, without the prompts' passes.
+    decode_only_steps: int = 0
+    decode_only_us: int = 0
     finished: int = 0
     cancelled: int = 0
     rejected: int = 0
