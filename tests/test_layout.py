@@ -72,7 +72,6 @@ LONGER_MODULES = {  # may be longer: GPU kernels, the fixture-training script, a
     "trtglm/runtime/fast/gluon_gemv.py",
     "scripts/train_fixture.py",
     "trtglm/runtime/executor.py",  # split pending
-    "trtglm/runtime/fast/model.py",  # split pending
 }
 
 

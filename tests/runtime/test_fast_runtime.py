@@ -38,7 +38,7 @@ from trtglm.runtime.checkpoint import load_checkpoint
 from trtglm.request_config import OutputConfig, SamplingConfig
 from trtglm.runtime.executor import Executor
 from trtglm.runtime.fast import FastModel, batch_buckets, load_fast_model
-from trtglm.runtime.fast import model as fast_model
+from trtglm.runtime.fast import passes
 from trtglm.runtime.fast import shapes
 from trtglm.runtime.fast.linear import Linear, pack_int4, pack_int8, unpack_int4, unpack_int8
 from trtglm.runtime.fast.ops import TorchOps, slot_positions
@@ -334,7 +334,7 @@ def test_a_mixed_step_gives_the_logits_of_decode_and_prefill(any_model, referenc
     if attention != "padded":
         monkeypatch.setattr(model, "mixed_widths", [])
     if attention == "flash":
-        monkeypatch.setattr(fast_model, "DECODE_ATTENTION_POSITIONS", 0)
+        monkeypatch.setattr(passes, "DECODE_ATTENTION_POSITIONS", 0)
     seqs = sequences(hf_cfg.vocab_size, [30, 30, 40, 24, 30], seed=29)
     refs = [ref_logits(reference(None), seq) for seq in seqs]
     model.prefill([0, 1, 2], [seqs[0][:9], seqs[1][:17], seqs[2][:5]])

@@ -1,5 +1,7 @@
 """`FastModel`: ChatGLM3 on one GPU behind the `SlotModel` interface (slots.py), built for speed; a
-tensor-parallel checkpoint runs one `FastModel` per GPU, one process each (parallel.py).
+tensor-parallel checkpoint runs one `FastModel` per GPU, one process each (parallel.py). This module
+loads it, checks each call's arguments and picks the pass that runs it: the passes are passes.py's,
+the warm-up and the CUDA graphs' capture graphs.py's.
 
 - Paged KV cache (`PagedCache`, runtime/cache.py): per layer `[blocks, kv_heads, block_size,
   head]`, each slot's positions in the blocks its row of a block table names. A slot takes blocks
@@ -8,33 +10,8 @@ tensor-parallel checkpoint runs one `FastModel` per GPU, one process each (paral
   what `kv_fraction` of the memory left after the weights holds (TensorRT-LLM's
   `kv_cache_free_gpu_mem_fraction`). An extra slot is scratch that padding rows of a decode step
   (and `score`) write into; padding past a sequence's blocks lands in a sink block.
-- Decode steps are captured as CUDA graphs, one per batch bucket (1, 2, 4, … max_batch); a
-  step of n sequences replays the smallest bucket ≥ n. Slot indices, tokens and each
-  slot's length live in device buffers the graph reads; the graph itself advances the
-  lengths, so a steady decode loop uploads nothing but changed slot lists.
-- Between the matmuls, one Triton kernel per step (ops.py / kernels.py): residual add +
-  RMSNorm, rotary + KV-cache write, split-K decode attention over the two KV heads (at batch
-  1 rotary, the cache write and attention in one kernel, one program per query head); SwiGLU
-  either by the one-row `proj` matmul as it reads its input or by a kernel of its own,
-  whichever the start-up tuning timed faster (kernels.tune).
-- Prefill: prompts of similar length are right-padded into one batch (the padding's cache
-  entries lie past each prompt's end, where the prompt's own next tokens overwrite them
-  before anything reads them) and attend with PyTorch's SDPA (flash attention on the GPU,
-  never cuDNN's, which builds a plan of about 40 ms for every new shape: every prompt
-  length). Chunks that continue their slots from one start position share a batch too and
-  attend to the cached positions before them through a lower-right causal bias. A prompt
-  prefilled on its own from position 0 (the time to first token of a lone request) is
-  padded to the next of shapes.PREFILL_GRAPH_WIDTHS and replays that width's CUDA graph; batches
-  and chunks are launched eagerly.
-- Mixed steps (`step`: the decode tokens of running slots and prompt chunks of others, as the
-  in-flight executor schedules them; and prefills of several prompts or of chunks) of up to
-  shapes.MIXED_GRAPH_TOKENS[-1] tokens replay a CUDA graph captured for the next of those token
-  counts: every token, a decode token or one of a chunk, attends through the decode kernel to its
-  slot's positions up to its own (the chunk's keys are written first), so one launch covers any mix
-  of pieces and nothing in the step depends on the host but its input buffers. Longer steps run
-  eagerly: the matmuls take every token at once, one-token pieces attend through the decode kernel
-  and each chunk through SDPA. The warm-up runs each eager shape class once, so serving compiles
-  nothing.
+- Decode steps, lone prompts and mixed steps of up to shapes.MIXED_GRAPH_TOKENS[-1] tokens replay
+  CUDA graphs (graphs.py); prompt batches, chunks and longer steps run eagerly (passes.py).
 - Weight-only int8 / int4 (linear.py) for the qkv, dense, fc and proj weights; Triton and Gluon
   matmuls (kernels.py, gluon_gemv.py).
 
@@ -47,38 +24,31 @@ others follow its steps: trtglm.runtime.distributed). At tp 1 there are no colle
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 from tqdm import tqdm
 
 from trtglm.errors import UsageError
 from trtglm.files import report_phase
 from trtglm.runtime.cache import KV_FRACTION, PagedCache
 from trtglm.runtime.checkpoint import CheckpointConfig, load_checkpoint
+from trtglm.runtime.fast.graphs import GraphCapture
 from trtglm.runtime.fast.linear import Linear
-from trtglm.runtime.fast.ops import TritonOps, select_ops, slot_positions
+from trtglm.runtime.fast.ops import TritonOps, select_ops
 from trtglm.runtime.fast.parallel import RankGroup
-from trtglm.runtime.fast.shapes import (DECODE_ATTENTION_POSITIONS, DECODE_CHUNK, MIXED_GRAPH_TOKENS, batch_buckets,
-                                        check_shape_options, eager_row_counts, prefill_groups, prefill_widths,
-                                        resolve_dtype, resolve_weight_only)
+from trtglm.runtime.fast.passes import ForwardPasses
+from trtglm.runtime.fast.shapes import (MIXED_GRAPH_TOKENS, batch_buckets, check_shape_options, prefill_groups,
+                                        prefill_widths, resolve_dtype, resolve_weight_only)
 from trtglm.runtime.model import one_rank_checkpoint, rotary_tables
 from trtglm.runtime.slots import check_copy, check_reuse, check_start, prefill_starts
 from trtglm.runtime.transfer import upload
 
 log = logging.getLogger(__name__)
-
-STEP_TUNING_MARGIN = 0.15  # one-row layouts this close to the fastest alone are timed again in a decode step
-PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # not cuDNN
 
 
 @dataclass
@@ -91,7 +61,7 @@ class FastLayer:
     proj: Linear
 
 
-class FastModel:
+class FastModel(ForwardPasses, GraphCapture):
     """A ChatGLM3 `SlotModel` on one GPU over one rank's tensors of a TensorRT-LLM checkpoint: all of a tp-1 one, or
     this process's rank of a tp-N one with `process_group` (its N ranks, one per process)."""
 
@@ -213,183 +183,6 @@ class FastModel:
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (every linear layer and the lm_head)."""
         return sum(layer.nbytes for layer in self.linears)
-
-    # --- the computation ---------------------------------------------------------------------------------------
-
-    def _run_layers(self, x: torch.Tensor, attend: Callable[[int, torch.Tensor], torch.Tensor]
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Residual stream `[T, hidden]` through every layer (`attend(layer, qkv rows)`: rotary, the cache write and
-        attention); returns (stream, last layer's MLP output)."""
-        cfg, ops, delta = self.config, self.ops, None
-        total = self.ranks.all_reduce if self.ranks else None  # the ranks' partial sums of dense and proj
-        for i, w in enumerate(self.layers):
-            x, h = ops.add_rms_norm(x, delta, w.input_norm, cfg.norm_epsilon)
-            delta = w.dense(attend(i, w.qkv(h)))
-            if total:
-                delta = total(delta)
-            x, h = ops.add_rms_norm(x, delta, w.post_norm, cfg.norm_epsilon)
-            delta = w.proj(w.fc(h), swiglu=True)
-            if total:
-                delta = total(delta)
-        return x, delta
-
-    def _logits(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        _, h = self.ops.add_rms_norm(x, delta, self.final_norm, self.config.norm_epsilon)
-        logits = self.lm_head(h, out_dtype=torch.float32)
-        return self.ranks.gather_columns(logits) if self.ranks else logits
-
-    def _decode_step(self, n: int) -> torch.Tensor:
-        """One token for each of the first n entries of the input buffers (static shapes: graph-capturable)."""
-        slots = self._slots[:n]
-        x, positions = self.ops.decode_inputs(self._tokens[:n], slots, self.cache.device_lengths, self.embedding,
-                                                    self.scratch)
-
-        def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
-            return self.ops.decode_qkv_attention(qkv, slots, positions, self.cos, self.sin, self.cache.keys[i],
-                                                 self.cache.values[i], self.cache.table, self.heads)
-
-        return self._logits(*self._run_layers(x, attend))
-
-    def _prefill_group(self, slots: list[int], prompts: list[Sequence[int]], start: int = 0,
-                       all_positions: bool = False) -> torch.Tensor:
-        """Prompts (longest first) right-padded into one batch, each at positions start… of its slot; logits of
-        each last position (or of all)."""
-        width, dev = len(prompts[0]), self.device
-        tokens = upload([t for prompt in prompts for t in [*prompt, *[0] * (width - len(prompt))]], dev)
-        positions = torch.arange(start, start + width, device=dev, dtype=torch.int32)
-        last = None if all_positions else upload([row * width + len(p) - 1 for row, p in enumerate(prompts)], dev)
-        return self._prefill_rows(tokens, upload(slots, dev), positions, start, last)
-
-    def _prefill_rows(self, tokens: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor, start: int,
-                      last: torch.Tensor | None) -> torch.Tensor:
-        """The forward pass of a prefill batch: `tokens` `[n·width]` (row r at positions `positions` of slot
-        slot_ids[r]); logits of the rows `last` (all rows if None). Device tensors only: graph-capturable."""
-        n, width = slot_ids.shape[0], positions.shape[0]
-        token_slots = slot_ids.repeat_interleave(width)
-        token_positions = positions.repeat(n)
-        # Queries sit at the end of the `start + width` keys each row attends to: SDPA's is_causal aligns them
-        # to the top left, so a chunk after cached positions needs the lower-right bias.
-        causal = {"is_causal": True} if start == 0 else {"attn_mask": causal_lower_right(width, start + width)}
-
-        def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
-            q = self.ops.rope_cache(qkv, token_slots, token_positions, self.cos, self.sin, self.cache.keys[i],
-                                    self.cache.values[i], self.cache.table, self.heads)
-            q = q.view(n, width, *q.shape[1:]).transpose(1, 2)
-            keys = slot_positions(self.cache.keys[i], self.cache.table, slot_ids, start + width)
-            values = slot_positions(self.cache.values[i], self.cache.table, slot_ids, start + width)
-            with sdpa_kernel(PREFILL_ATTENTION):
-                out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True, **causal)
-            return out.transpose(1, 2).reshape(n * width, -1)
-
-        x, delta = self._run_layers(F.embedding(tokens, self.embedding), attend)
-        if last is not None:
-            x, delta = x[last], delta[last]
-        return self._logits(x, delta)
-
-    def _packed_rows(self, pieces: list[list[int]], slots: list[int], starts: list[int],
-                     decode_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """One forward pass of every piece at positions starts[i]… of slots[i]; logits of each last position. Below
-        DECODE_ATTENTION_POSITIONS every token attends through the decode kernel in one launch; otherwise one-token
-        pieces do, together, and longer ones each through SDPA. `decode_ids`: the ids of the first pieces (device
-        tensor; their values in `pieces` are not read)."""
-        dev, lengths = self.device, [len(p) for p in pieces]
-        on_device = 0 if decode_ids is None else len(decode_ids)
-        ids, slot_of, position_of, ends = _flattened(pieces[on_device:], slots, starts, lengths)
-        tokens = upload(ids, dev)
-        if decode_ids is not None:
-            tokens = torch.cat([decode_ids.to(torch.long), tokens])
-        token_slots, token_positions = upload(slot_of, dev), upload(position_of, dev, torch.int32)
-        single = [i for i, n in enumerate(lengths) if n == 1]
-        single_rows = upload([ends[i] - 1 for i in single], dev)
-        chunks = [(starts[i], ends[i] - lengths[i], lengths[i]) for i, n in enumerate(lengths) if n > 1]
-        reach = max(start + n for start, n in zip(starts, lengths))
-
-        def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
-            keys, values, table = self.cache.keys[i], self.cache.values[i], self.cache.table
-            q = self.ops.rope_cache(qkv, token_slots, token_positions, self.cos, self.sin, keys, values, table,
-                                    self.heads)
-            if reach <= DECODE_ATTENTION_POSITIONS:
-                return self.ops.decode_attention(q, keys, values, table, token_slots, token_positions, reach)
-            out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=dev)
-            if single:
-                out[single_rows] = self.ops.decode_attention(q[single_rows], keys, values, table,
-                                                             token_slots[single_rows], token_positions[single_rows])
-            for start, row, n in chunks:
-                causal = {"is_causal": True} if start == 0 else {"attn_mask": causal_lower_right(n, start + n)}
-                slot = token_slots[row:row + 1]
-                with sdpa_kernel(PREFILL_ATTENTION):
-                    attended = F.scaled_dot_product_attention(q[row:row + n].transpose(0, 1)[None],
-                                                              slot_positions(keys, table, slot, start + n),
-                                                              slot_positions(values, table, slot, start + n),
-                                                              enable_gqa=True, **causal)
-                out[row:row + n] = attended[0].transpose(0, 1).reshape(n, -1)
-            return out
-
-        x, delta = self._run_layers(F.embedding(tokens, self.embedding), attend)
-        last = upload([end - 1 for end in ends], dev)
-        return self._logits(x[last], delta[last])
-
-    def _mixed_padded(self, width: int) -> torch.Tensor:
-        """The first `width` tokens of the mixed input buffers (each at its slot's position; padding at the scratch
-        slot's position 0) in one pass, every token attending through the decode kernel to its slot's positions up
-        to its own: a prompt chunk's causal attention, its keys written before they are read. Logits of the rows
-        `_mixed_last` `[max_batch, vocab]` (static shapes: what a mixed-step graph replays)."""
-        tokens, slots = self._mixed_tokens[:width], self._mixed_slots[:width]
-        positions = self._mixed_positions[:width]
-
-        def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
-            keys, values, table = self.cache.keys[i], self.cache.values[i], self.cache.table
-            q = self.ops.rope_cache(qkv, slots, positions, self.cos, self.sin, keys, values, table, self.heads)
-            return self.ops.decode_attention(q, keys, values, table, slots, positions)
-
-        x, delta = self._run_layers(F.embedding(tokens, self.embedding), attend)
-        return self._logits(x[self._mixed_last], delta[self._mixed_last])
-
-    def _mixed(self, slots: list[int], pieces: list[list[int]], starts: list[int],
-               decode_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-        """`_packed_rows` through the mixed input buffers, padded to the smallest of `mixed_widths` that holds it: its
-        graph replayed where one was captured, else run eagerly; None when no width holds it."""
-        lengths = [len(p) for p in pieces]
-        total = sum(lengths)
-        width = next((w for w in self.mixed_widths if w >= total), None)
-        if width is None:
-            return None
-        pad, dev = width - total, self.device
-        on_device = 0 if decode_ids is None else len(decode_ids)
-        ids, slot_of, position_of, ends = _flattened(pieces[on_device:], slots, starts, lengths)
-        if decode_ids is not None:
-            self._mixed_tokens[:on_device].copy_(decode_ids)
-        self._mixed_tokens[on_device:width].copy_(upload(ids + [0] * pad, dev))
-        self._mixed_slots[:width].copy_(upload(slot_of + [self.scratch] * pad, dev))
-        self._mixed_positions[:width].copy_(upload(position_of + [0] * pad, dev, torch.int32))
-        self._mixed_last.copy_(upload([end - 1 for end in ends] + [0] * (self.max_batch - len(pieces)), dev))
-        if width not in self._mixed_graphs:
-            return self._mixed_padded(width)[:len(pieces)]
-        graph, logits = self._mixed_graphs[width]
-        graph.replay()
-        return logits[:len(pieces)].clone()  # the next replay overwrites the graph's output
-
-    def _prefill_padded(self, width: int) -> torch.Tensor:
-        """The prompt of the prefill input buffer (slot, last position, then its tokens) right-padded to `width`:
-        logits of its last position `[1, vocab]` (static shapes: what a prefill graph replays). The padding's cache
-        entries lie past the prompt's end, where its own next tokens overwrite them before anything reads them."""
-        slot, last, tokens = self._prefill_inputs[:1], self._prefill_inputs[1:2], self._prefill_inputs[2:2 + width]
-        return self._prefill_rows(tokens, slot, self._prefill_positions[:width], 0, last)
-
-    def _prefill_one(self, slot: int, prompt: list[int], width: int) -> torch.Tensor:
-        """One prompt from position 0 of `slot`, right-padded to `width`: its graph replayed where one was captured
-        (no launches from Python), else the same computation run eagerly; float32 logits `[1, vocab]`."""
-        inputs = upload([slot, len(prompt) - 1, *prompt], self.device)
-        self._prefill_inputs[:inputs.shape[0]].copy_(inputs)
-        if width not in self._prefill_graphs:
-            return self._prefill_padded(width)
-        graph, logits = self._prefill_graphs[width]
-        graph.replay()
-        return logits.clone()  # the next replay overwrites the graph's output
-
-    def _prefill_width(self, length: int) -> int | None:
-        """The smallest prefill graph width that holds a prompt of `length` tokens, if any."""
-        return next((w for w in sorted(self._prefill_graphs) if w >= length), None)
 
     # --- SlotModel ---------------------------------------------------------------------------------------------
 
@@ -515,99 +308,6 @@ class FastModel:
         self._check_token_ids(tokens)
         return self._prefill_group([self.scratch], [tokens], all_positions=True)
 
-    # --- CUDA graphs -------------------------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def capture_graphs(self) -> None:
-        """Warm up (compiles the Triton kernels, tunes the matmuls if asked) and capture one decode graph per bucket,
-        one prefill graph per prompt width and one mixed-step graph per token count (in the scratch slot)."""
-        if self.device.type != "cuda":
-            raise UsageError("CUDA graphs need a CUDA device")
-        self._slots.fill_(self.scratch)
-        self._uploaded_slots = []
-        self._prefill_inputs.zero_()
-        self._prefill_inputs[0] = self.scratch
-        self._mixed_tokens.zero_()
-        self._mixed_slots.fill_(self.scratch)
-        self._mixed_positions.zero_()
-        self._mixed_last.zero_()
-        started = time.monotonic()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for n in reversed(self.buckets):
-                for _ in range(2):
-                    self._decode_step(n)
-            for width in reversed(self.prefill_widths):
-                self._prefill_padded(width)
-            for width in reversed(self.mixed_widths):
-                self._mixed_padded(width)
-            self._warm_eager_steps()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        warmed = time.monotonic()
-        # In-step tuning times each rank's own choice of steps: ranks would disagree on how many (collectives) to run.
-        if self.tuned and not self._tuned_in_step and not self.ranks:
-            self._tune_in_step()
-            self._tuned_in_step = True  # later captures (other launch settings) keep these layouts
-        tuned = time.monotonic()
-        pool = torch.cuda.graph_pool_handle()
-        # With collectives, PyTorch's NCCL watchdog thread polls its events during the capture: only this thread's
-        # calls must be capture-safe.
-        capture = {"pool": pool, "capture_error_mode": "thread_local" if self.ranks else "global"}
-        for graphs, sizes, run, what in ((self._graphs, self.buckets, self._decode_step, "decode"),
-                                         (self._prefill_graphs, self.prefill_widths, self._prefill_padded, "prefill"),
-                                         (self._mixed_graphs, self.mixed_widths, self._mixed_padded, "mixed")):
-            for size in tqdm(list(reversed(sizes)), desc=f"capture {what}", unit="graph", disable=None, leave=False):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, **capture):
-                    logits = run(size)
-                graphs[size] = (graph, logits)
-        torch.cuda.synchronize(self.device)
-        # The graphs replay the buffers they were captured with, even where a larger weight elsewhere replaces them.
-        from trtglm.runtime.fast import kernels
-
-        self._graph_buffers = kernels.dequantize_buffers()
-        log.info("captured decode graphs for batch sizes %s, prefill graphs for prompts of up to %s tokens and mixed-step "
-                 "graphs for up to %s tokens", ", ".join(map(str, self.buckets)), ", ".join(map(str, self.prefill_widths)),
-                 ", ".join(map(str, self.mixed_widths)))
-        log.info("start-up: kernels compiled and matmuls tuned while warming up in %.1f s, one-row layouts tuned in "
-                 "the step in %.1f s, graphs captured in %.1f s", warmed - started, tuned - warmed,
-                 time.monotonic() - tuned)
-
-    def _warm_eager_steps(self) -> None:
-        """Run the eager passes (mixed steps, prefills of several prompts) at every row count class they can meet, in
-        the scratch slot, so that serving compiles and tunes nothing: each count of tokens with one prompt chunk, and
-        each count of pieces (what the lm_head takes) with one token each but one."""
-        scratch = self.scratch
-        for tokens in eager_row_counts(min(self.max_seq_len - 1, DECODE_ATTENTION_POSITIONS)):
-            self._packed_rows([[0] * tokens], [scratch], [0])
-        for pieces in eager_row_counts(self.max_batch):
-            self._packed_rows([[0]] * (pieces - 1) + [[0, 0]], [scratch] * pieces, [1] * (pieces - 1) + [0])
-        reach = DECODE_CHUNK
-        while reach <= min(DECODE_ATTENTION_POSITIONS, self.max_seq_len - 1):  # each count of its split-K partials
-            self._packed_rows([[0] * reach], [scratch], [0])
-            reach *= 2
-
-    def _tune_in_step(self) -> None:
-        """Choose each one-row matmul's layout again, among those `tune` timed close to the fastest alone, by timing
-        the batch-1 decode step of the scratch slot as replayed graphs, one per layout, taking turns: alone on a cold
-        L2 cache is not how a kernel runs in the step, where its weights are read while the kernel before finishes
-        and other kernels' data stay in L2 (on an H200 this moved an int4 step by 0.01-0.07 ms)."""
-        from trtglm.runtime.fast import kernels
-
-        keys = sorted({key for layer in self.linears for key in layer.tuned_keys if key[1] == 1},
-                      key=lambda key: -key[2] * key[3])  # the largest matrices first
-        for key in keys:
-            options = kernels.rivals(key, STEP_TUNING_MARGIN)
-            if len(options) > 1:
-                def step_with(config: kernels.AnyConfig, key: tuple = key) -> None:
-                    kernels.CHOSEN[key] = config
-                    self._decode_step(1)
-
-                step_ms = dict(zip(options, kernels.warm_graph_times_ms([partial(step_with, c) for c in options])))
-                kernels.CHOSEN[key] = min(step_ms, key=step_ms.get)
-                log.debug("one-row layout for %s: %s (decode steps: %s)", key, kernels.CHOSEN[key], step_ms)
-
     # --- checks ------------------------------------------------------------------------------------------------
 
     def _check_slot(self, slot: int) -> None:
@@ -650,15 +350,6 @@ class FastModel:
         if not isinstance(tokens, torch.Tensor):
             self._check_token_ids(tokens)
 
-
-def _flattened(host_pieces: list[list[int]], slots: list[int], starts: list[int], lengths: list[int]
-               ) -> tuple[list[int], list[int], list[int], list[int]]:
-    """A pass's pieces as rows, one per token: the ids of `host_pieces` (those whose ids the host has: the last
-    ones), then every row's slot and position, and where each piece's rows end."""
-    ids = [t for piece in host_pieces for t in piece]
-    slot_of = [slot for slot, n in zip(slots, lengths) for _ in range(n)]
-    position_of = [start + i for start, n in zip(starts, lengths) for i in range(n)]
-    return ids, slot_of, position_of, list(itertools.accumulate(lengths))
 
 
 def load_fast_model(path: str | Path, rank: int | None = None, **options) -> FastModel:
