@@ -190,3 +190,14 @@ def test_the_engine_process_ends_when_its_stub_is_gone(engine_dir):
     end.close()
     assert child.wait(30) == 0
     process.stop(timeout=1)
+
+
+def test_kv_cache_free_gpu_mem_fraction_is_tensorrt_llms_unless_set():
+    from trtglm.backend.triton_model import kv_cache_fraction
+
+    assert kv_cache_fraction({"kv_cache_free_gpu_mem_fraction": "0.5"}, "llm") == 0.5
+    assert kv_cache_fraction({}, "llm") == kv_cache_fraction({"kv_cache_free_gpu_mem_fraction": ""}, "llm") == 0.9
+    for bad in ("0", "1.5", "half"):
+        with pytest.raises(UsageError, match=f"llm: parameter kv_cache_free_gpu_mem_fraction must be a number above 0 "
+                                             f"and at most 1, not '{bad}'"):
+            kv_cache_fraction({"kv_cache_free_gpu_mem_fraction": bad}, "llm")

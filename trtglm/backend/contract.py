@@ -36,6 +36,8 @@ LLM_DECOUPLED = "decoupled_mode"  # whether tensorrt_llm answers decoupled (the 
 CHATGLM_VERSION = "chatglm_version"  # the prompt format: chatglm3, or chatglm2 for a ChatGLM2 engine
 MAX_RETURN_SEQUENCES = "max_return_sequences"  # the profile's serve.max_return_sequences
 KV_CACHE_REUSE = "enable_kv_cache_reuse"  # tensorrt_llm: reuse the KV blocks of a shared prompt prefix (NVIDIA's name)
+# tensorrt_llm: of the GPU memory left after the weights, what the KV cache takes (NVIDIA's name)
+KV_CACHE_FRACTION = "kv_cache_free_gpu_mem_fraction"
 # model -> parameters trtglm's python model reads (rendering fills each from the placeholder of that name)
 PYTHON_MODEL_PARAMETERS: dict[str, tuple[str, ...]] = {
     PREPROCESSING: (TOKENIZER_DIR, MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE, CHATGLM_VERSION),

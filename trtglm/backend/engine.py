@@ -46,7 +46,6 @@ class EngineInfo:
     tokenizer_size: int  # ids the tokenizer can decode; the engine's vocabulary may be padded past them
     tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK  # KV-cache block: the unit of admission and prefix reuse
     max_beam_width: int = 1
-    kv_fraction: float = KV_FRACTION  # of the GPU memory left after the weights, for the KV cache
 
 
 def engine_info(engine_dir: str | Path) -> EngineInfo:
@@ -55,13 +54,12 @@ def engine_info(engine_dir: str | Path) -> EngineInfo:
         raise UsageError(f"{engine_dir} holds a {manifest['engine']} engine; the python backend serves torch engines "
                          "(NVIDIA's tensorrtllm backend serves TensorRT ones)")
     limits, mapping = manifest["limits"], manifest["mapping"]
-    build, serve = (section if isinstance(section, dict) else {}
-                    for section in (manifest["profile"].get("build"), manifest["profile"].get("serve")))
-    block = build.get("tokens_per_block", DEFAULT_TOKENS_PER_BLOCK)
+    build = manifest["profile"].get("build")
+    block = build.get("tokens_per_block", DEFAULT_TOKENS_PER_BLOCK) if isinstance(build, dict) else \
+        DEFAULT_TOKENS_PER_BLOCK
     return EngineInfo(Path(engine_dir), Path(manifest["checkpoint_dir"]), int(mapping["tp_size"]) * int(mapping["pp_size"]),
                       int(limits["max_batch_size"]), int(limits["max_seq_len"]), int(limits["max_num_tokens"]),
-                      int(manifest["tokenizer"]["vocab_size"]), int(block), int(limits.get("max_beam_width", 1)),
-                      float(serve.get("kv_cache_free_gpu_mem_fraction", KV_FRACTION)))
+                      int(manifest["tokenizer"]["vocab_size"]), int(block), int(limits.get("max_beam_width", 1)))
 
 
 def pick_device(info: RankInfo, requested: str | None = None) -> torch.device:
@@ -77,11 +75,12 @@ def pick_device(info: RankInfo, requested: str | None = None) -> torch.device:
 RUNTIMES = ("auto", "fast", "portable")  # $TRTGLM_RUNTIME: auto is the fast runtime on GPUs, the portable one on CPU
 
 
-def slot_model(engine: EngineInfo, info: RankInfo, device: torch.device, group: Collectives | None = None
-               ) -> SlotModel:
+def slot_model(engine: EngineInfo, info: RankInfo, device: torch.device, group: Collectives | None = None,
+               kv_fraction: float = KV_FRACTION) -> SlotModel:
     """This rank's SlotModel: the fast one on GPUs when it loads (one GPU per rank), else the portable one
     ($TRTGLM_RUNTIME: see RUNTIMES). Its slots are max_batch_size × max_beam_width (a beam takes a slot), the
-    sequences TensorRT-LLM sizes its KV cache for."""
+    sequences TensorRT-LLM sizes its KV cache for; the fast one's paged KV cache takes `kv_fraction` of the GPU
+    memory left after the weights (at most what those slots can hold)."""
     slots = engine.max_batch_size * engine.max_beam_width
     from trtglm.runtime.model import load_model
     from trtglm.runtime.slot_runtime import ShardedSlotModel
@@ -98,7 +97,7 @@ def slot_model(engine: EngineInfo, info: RankInfo, device: torch.device, group: 
                 kernel_cache.use(engine.engine_dir, device)
             return load_fast_model(engine.checkpoint_dir, rank=rank, process_group=group.group if group else None,
                                    max_batch=slots, max_seq_len=engine.max_seq_len, device=device,
-                                   block_size=engine.tokens_per_block, kv_fraction=engine.kv_fraction)
+                                   block_size=engine.tokens_per_block, kv_fraction=kv_fraction)
         except ImportError as e:
             log.warning("the fast GPU runtime is not available (%s); using the portable one", e)
     model = load_model(engine.checkpoint_dir, device=device, rank=rank, group=group)
@@ -109,7 +108,8 @@ class ServedEngine:
     """The engine as one rank of a server runs it: rank 0 an executor, the others a follower thread."""
 
     def __init__(self, engine_dir: str | Path, max_queue: int | None = None, info: RankInfo | None = None,
-                 device: str | None = None, warm_up: bool = True, kv_cache_reuse: bool = False):
+                 device: str | None = None, warm_up: bool = True, kv_cache_reuse: bool = False,
+                 kv_fraction: float = KV_FRACTION):
         started = time.monotonic()
         self.engine = engine_info(engine_dir)
         self.info = info or rank_info()
@@ -128,7 +128,7 @@ class ServedEngine:
         log.info("rank %d: loading the model on %s", self.info.rank, self.device)
         report_phase("weights")
         loading = time.monotonic()
-        model = slot_model(self.engine, self.info, self.device, group)
+        model = slot_model(self.engine, self.info, self.device, group, kv_fraction)
         log.info("rank %d: model loaded in %.2f s (weights; on GPUs also kernel tuning and CUDA graphs)",
                  self.info.rank, time.monotonic() - loading)
         self.executor: Executor | None = None

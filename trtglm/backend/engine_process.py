@@ -48,6 +48,7 @@ import torch
 
 from trtglm.backend.cpus import pin_engine
 from trtglm.errors import TrtglmError, UsageError
+from trtglm.runtime.cache import KV_FRACTION
 from trtglm.runtime.executor import (CANCEL_CHECK_S, ExecutorStats, ExecutorStopped, Handle, Output,
                                      OutputCallback, QueueFullError, Request, check_request)
 
@@ -148,7 +149,7 @@ class EngineProcess:
 
     @classmethod
     def start(cls, engine_dir: str, max_queue: int | None = None, kv_cache_reuse: bool = False,
-              on_death: Callable[[str], None] | None = None) -> EngineProcess:
+              kv_fraction: float = KV_FRACTION, on_death: Callable[[str], None] | None = None) -> EngineProcess:
         """Start the engine's process and wait until it is ready (its load error raised here, as one line)."""
         ours, theirs = socket.socketpair()
         argv = [engine_python(), "-m", __name__, "--fd", str(theirs.fileno()), "--engine-dir", str(engine_dir)]
@@ -156,6 +157,7 @@ class EngineProcess:
             argv += ["--max-queue", str(max_queue)]
         if kv_cache_reuse:
             argv.append("--kv-cache-reuse")
+        argv += ["--kv-fraction", str(kv_fraction)]
         log.info("starting the engine's process: %s", " ".join(argv))
         with theirs:
             process = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
@@ -385,13 +387,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-dir", required=True)
     parser.add_argument("--max-queue", type=int, default=None)
     parser.add_argument("--kv-cache-reuse", action="store_true")
+    parser.add_argument("--kv-fraction", type=float, default=KV_FRACTION)
     args = parser.parse_args(argv)
     log_to_stderr()
     if torch.cuda.is_available():  # a CPU engine needs every core it has
         pin_engine()  # before the engine starts its threads, which take this thread's CPUs
     wire = MessagePipe(Connection(args.fd))
     try:
-        engine = ServedEngine(args.engine_dir, max_queue=args.max_queue, kv_cache_reuse=args.kv_cache_reuse)
+        engine = ServedEngine(args.engine_dir, max_queue=args.max_queue, kv_cache_reuse=args.kv_cache_reuse,
+                              kv_fraction=args.kv_fraction)
     except Exception as e:
         log.exception("the engine failed to load")
         name = type(e).__name__ if type(e).__name__ in ERRORS else "TrtglmError"

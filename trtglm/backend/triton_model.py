@@ -57,7 +57,7 @@ import time
 
 import numpy as np
 
-from trtglm.backend.contract import ENGINE_DIR, KV_CACHE_REUSE, MAX_RETURN_SEQUENCES, TENSORRT_LLM
+from trtglm.backend.contract import ENGINE_DIR, KV_CACHE_FRACTION, KV_CACHE_REUSE, MAX_RETURN_SEQUENCES, TENSORRT_LLM
 from trtglm.backend.engine import log_to_stderr
 from trtglm.backend.engine_process import EngineProcess
 from trtglm.backend.llm_requests import (BATCH_NEEDS_DECOUPLED, INPUTS, batch_size, engine_requests,
@@ -66,11 +66,27 @@ from trtglm.backend.llm_responses import Responder
 from trtglm.backend.outbox import Outbox
 from trtglm.backend.postprocessing import reply_prefixes
 from trtglm.errors import TrtglmError, UsageError
+from trtglm.runtime.cache import KV_FRACTION
 from trtglm.runtime.executor import QueueFullError, Request
 
 log = logging.getLogger(__name__)
 
 DRAIN_S = 2.0  # at unload, how long the last responses (shutdown errors) may take to go out
+
+
+def kv_cache_fraction(params: dict[str, str], model: str) -> float:
+    """`kv_cache_free_gpu_mem_fraction`: TensorRT-LLM's default (0.9) where a repository leaves it out."""
+    value = params.get(KV_CACHE_FRACTION, "").strip()
+    if not value:
+        return KV_FRACTION
+    try:
+        fraction = float(value)
+    except ValueError:
+        fraction = 0.0
+    if not 0 < fraction <= 1:
+        raise UsageError(f"{model}: parameter {KV_CACHE_FRACTION} must be a number above 0 and at most 1, not "
+                         f"{value!r}")
+    return fraction
 
 
 def kv_cache_reuse(params: dict[str, str], model: str) -> bool:
@@ -100,6 +116,7 @@ class TritonPythonModel:
         reuse = kv_cache_reuse(setup.params, name)
         self.max_return_sequences = triton_io.int_parameter(setup.params, MAX_RETURN_SEQUENCES, name)
         self.engine = EngineProcess.start(engine_dir, max_queue=queue or None, kv_cache_reuse=reuse,
+                                          kv_fraction=kv_cache_fraction(setup.params, name),
                                           on_death=self._engine_died)
         self.executor = self.engine if self.engine.limits.takes_requests else None
         self.metrics = Metrics(self.executor, pb_utils) if self.executor is not None else None
