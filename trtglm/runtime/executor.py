@@ -33,12 +33,8 @@ the way is not scheduled again, and one that ends (end id, stop word, cancel) ma
 token that is never sent. Requests whose choice needs the host (beam search, logits asked for,
 bad words longer than one token) make the steps run in turn while they are there.
 
-With `kv_cache_reuse` (TensorRT-LLM's `enable_kv_cache_reuse`), a new request's prompt is looked
-up block by block (`tokens_per_block`) in the prefix index (prefix.py): the longest prefix of
-whole blocks that some slot's cache holds is copied into its slot (or kept, when its slot is the
-one that holds it) instead of computed, and prefilling starts after it. A finished request's slot
-keeps its prompt's whole blocks for this (`SlotModel.release(slot, keep)`); they count against the
-KV cache until a request that needs the room evicts them, least recently released first.
+With `kv_cache_reuse` (TensorRT-LLM's `enable_kv_cache_reuse`), a new request's prompt starts after the
+longest prefix of whole blocks that some slot's cache holds (admission.py says how).
 
 Each new token goes to its request's callback as an `Output` (the new tokens, their log
 probabilities, whether it is finished and why). A request finishes at `end_id` (which is not
@@ -68,7 +64,9 @@ best first).
 
 `step()` runs one step on the calling thread (tests drive it so); `start()` runs steps on a
 background thread whenever there is work. The types a caller hands in and gets back (`Request`,
-`Output`, `Handle`, the errors, `ExecutorStats`) and the request checks are in request.py.
+`Output`, `Handle`, the errors, `ExecutorStats`) and the request checks are in request.py; a
+request's state in the executor in sequence.py, its admission into slots and the KV cache in
+admission.py, and what happens to a chosen token in hand_out.py.
 """
 
 from __future__ import annotations
@@ -78,18 +76,19 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from trtglm.errors import UsageError
-from trtglm.runtime.beams import Beam, BeamSearch, continued_slots, ends_with_any
+from trtglm.runtime.admission import Admission, shared_kv_blocks
+from trtglm.runtime.beams import continued_slots
+from trtglm.runtime.hand_out import HandOut, LaunchedPass
 from trtglm.runtime.prefix import PrefixIndex
 from trtglm.runtime.request import (ExecutorStats, ExecutorStopped, Handle, Output, OutputCallback, QueueFullError,
                                     Request, check_request, fitted)
-from trtglm.runtime.sampling import BadWords, Chosen, TokenChooser, held_until_min_tokens, processed
+from trtglm.runtime.sampling import TokenChooser
+from trtglm.runtime.sequence import SequenceState
 from trtglm.runtime.slots import SlotModel
 from trtglm.runtime.transfer import upload
 
@@ -98,136 +97,7 @@ log = logging.getLogger(__name__)
 CANCEL_CHECK_S = 0.05  # how often running requests' `is_cancelled` is asked (it may be a remote call)
 
 
-class _Sequence:
-    """A request's state while queued and running."""
-
-    def __init__(self, handle: Handle, request: Request, on_output: OutputCallback,
-                 is_cancelled: Callable[[], bool] | None):
-        self.handle, self.request, self.on_output, self.is_cancelled = handle, request, on_output, is_cancelled
-        self.history = [int(t) for t in request.prompt]  # prompt + generated, for word matching
-        self.prefilled = 0  # prompt tokens in the slot's cache so far
-        self.generated = 0
-        self.pending = 0  # tokens chosen on the device whose results have not reached the host yet
-        self.slot: int | None = None
-        self.scheduled_ns: int | None = None  # when it got its slot, until its first Output carries it
-        self.stops_by_last = _by_last_token(request.stop_words)
-        self.bad_words = BadWords(request.bad_words)
-        self.kv_blocks = 0  # KV-cache blocks reserved for it while it holds a slot
-        self.held: list[int] = []  # a beam search's slots besides `slot`
-        sampling = request.sampling
-        self.beams = BeamSearch(sampling.beam_width, request.max_new_tokens, sampling.length_penalty,
-                                sampling.early_stopping, ends_with_any(request.end_id, request.stop_words)) \
-            if sampling.beam_width > 1 else None
-        self.beam_slots: list[int] = []  # the slot of each running beam
-        self.context_rows: list[np.ndarray] | None = [] if request.output.return_context_logits else None  # per chunk
-        self.step_logits: np.ndarray | None = None  # the raw logits row of the token being chosen, when asked
-
-    @property
-    def unprefilled(self) -> int:
-        return len(self.request.prompt) - self.prefilled
-
-    def next_chunk(self, length: int) -> list[int]:
-        return self.history[self.prefilled:self.prefilled + length]  # history: the prompt, while prefilling
-
-    def wants_cancel(self, ask: bool) -> bool:
-        if self.handle.cancelled:
-            return True
-        if ask and self.is_cancelled is not None:
-            try:
-                return bool(self.is_cancelled())
-            except Exception:  # the request is gone
-                return True
-        return False
-
-    def banned(self, history: list[int]) -> list[int]:
-        """The ids banned after `history` (a beam's: this sequence's and the beam's tokens)."""
-        banned = self.bad_words.banned(history)
-        if len(history) - len(self.request.prompt) < self.request.sampling.min_tokens:
-            banned += held_until_min_tokens(self.request.end_id, self.request.stop_words)
-        return banned
-
-    @property
-    def host_bound(self) -> bool:
-        """Whether choosing its next token needs its last step's results on the host: a beam search, logits asked
-        for, bad words longer than one token (banned by the history)."""
-        output = self.request.output
-        return (self.beams is not None or self.context_rows is not None or output.return_generation_logits
-                or bool(self.bad_words.after))
-
-    @property
-    def decodes(self) -> bool:
-        """Whether its next step takes a decode token: its prompt is in and (a single sequence) its last token is
-        not already on the way."""
-        return not self.unprefilled and (self.beams is not None or
-                                         self.generated + self.pending < self.request.max_new_tokens)
-
-    def decode_rows(self) -> list[tuple[int, int]]:
-        """(slot, position) of each decode token this sequence puts into a step: one per running beam. The token is
-        the slot's newest (`TokenChooser.last_tokens`), which may still be on the way."""
-        if self.beams is None:
-            return [(self.slot, len(self.history) - 1 + self.pending)]
-        return [(slot, len(self.history) + len(tokens) - 1)
-                for slot, tokens in zip(self.beam_slots, self.beams.running, strict=True)]
-
-    def beam_step(self, logits: torch.Tensor, vocab_limit: int) -> list[int]:
-        """Advance the beam search by the logits of its beams (`[beams, vocab]`, processed here, ids from
-        `vocab_limit` on never chosen); each new beam's parent. Penalties count each beam's own history."""
-        request = self.request
-        raw = logits.float().cpu().numpy() if request.output.return_generation_logits else None
-        histories = [self.history + tokens for tokens in self.beams.running]
-        sampling = request.sampling  # beams do not sample: the penalties are not scaled by a temperature
-        penalties = (sampling.repetition_penalty, sampling.presence_penalty, sampling.frequency_penalty) \
-            if sampling.penalised else None
-        rows = processed(logits[:, :vocab_limit], request.embedding_bias, [self.banned(h) for h in histories],
-                         penalties, histories)
-        return self.beams.step(torch.log_softmax(rows, dim=-1), raw)
-
-    def beam_output(self) -> Output:
-        """The finished search's answer: every beam, best first, without its end id (as a single sequence's);
-        log probabilities (each token's, and the sum with the end id's) only when asked for."""
-        end_id, asked, found, beams = self.request.end_id, self.request.output.return_log_probs, self.beams.result(), []
-        for beam in found:
-            cut = len(beam.tokens) - (end_id is not None and beam.tokens[-1] == end_id)
-            beams.append(Beam(beam.tokens[:cut], beam.cum_log_prob if asked else 0.0, beam.score,
-                              beam.log_probs[:cut] if asked else [], beam.logits[:cut]))
-        best, ended = beams[0], found[0].tokens
-        reason = "end_id" if len(ended) > len(best.tokens) else "stop_word" if self.beams.ends(ended) else "length"
-        return Output(best.tokens, best.log_probs, finished=True, reason=reason, beams=beams)
-
-    def stop_word_ends(self) -> bool:
-        return any(self.history[-len(w):] == w for w in self.stops_by_last.get(self.history[-1], ()))
-
-
-def _kv_blocks(model: SlotModel, max_kv_tokens: int | None, tokens_per_block: int) -> int:
-    """The KV-cache blocks of `tokens_per_block` positions the executor shares out: what `max_kv_tokens` asks (None:
-    all), at most what the model's cache holds. A paged cache (one with a `block_size`) is counted in whole blocks
-    of both sizes, so that a request's reservation always covers the blocks its positions take there."""
-    block_size = getattr(model, "block_size", None)
-    if block_size is not None and tokens_per_block % block_size:
-        raise UsageError(f"tokens_per_block ({tokens_per_block}) must be a multiple of the model's KV-cache block "
-                         f"({block_size} positions)")
-    held = model.kv_tokens // tokens_per_block if block_size else -(-model.kv_tokens // tokens_per_block)
-    return min(held, -(-max_kv_tokens // tokens_per_block)) if max_kv_tokens else held
-
-
-def _by_last_token(words: Sequence[Sequence[int]]) -> dict[int, list[list[int]]]:
-    table: dict[int, list[list[int]]] = {}
-    for word in words:
-        if len(word):
-            table.setdefault(int(word[-1]), []).append([int(t) for t in word])
-    return table
-
-
-@dataclass
-class _Pass:
-    """A launched pass: the sequences whose tokens it chose, and the choice on its way to the host."""
-
-    sequences: list[_Sequence]
-    chosen: Chosen
-    decode_only: bool = False  # it carried no prompt tokens
-
-
-class Executor:
+class Executor(Admission, HandOut):
     """In-flight batching of `Request`s over `model` (see the module docstring)."""
 
     def __init__(self, model: SlotModel, max_queue: int = 64, max_num_tokens: int | None = None,
@@ -256,21 +126,21 @@ class Executor:
         self.max_queue = max_queue
         self.max_num_tokens = max_num_tokens or model.max_seq_len
         self.tokens_per_block = tokens_per_block
-        self.kv_blocks = _kv_blocks(model, max_kv_tokens, tokens_per_block)
+        self.kv_blocks = shared_kv_blocks(model, max_kv_tokens, tokens_per_block)
         self._free_kv_blocks = self.kv_blocks
         self._retained: dict[int, int] = {}  # free slot -> blocks its cached prompt keeps, least recently released first
         self.prefixes = PrefixIndex(tokens_per_block, model.max_batch) if kv_cache_reuse else None
         self.vocab_limit = min(vocab_limit or model.vocab_size, model.vocab_size)
         self.device = torch.device(device if device is not None else getattr(model, "device", "cpu"))
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
-        self._in_flight: _Pass | None = None  # the pass launched last, whose tokens are not handed out yet
+        self._in_flight: LaunchedPass | None = None  # the pass launched last, whose tokens are not handed out yet
         self.chooser = TokenChooser(model.max_batch, self.vocab_limit, self.device)
         if self.device.type == "cuda":
             self.chooser.warm_up()
         self._lock = threading.Condition()
-        self._queue: deque[_Sequence] = deque()
-        self._active: dict[int, _Sequence] = {}  # slot -> sequence
-        self._held: dict[int, _Sequence] = {}  # a beam search's other slots -> its sequence
+        self._queue: deque[SequenceState] = deque()
+        self._active: dict[int, SequenceState] = {}  # slot -> sequence
+        self._held: dict[int, SequenceState] = {}  # a beam search's other slots -> its sequence
         self._numbers = itertools.count()
         self._stats = ExecutorStats()
         self._stopping = False
@@ -290,7 +160,7 @@ class Executor:
         self.check(request)
         request = fitted(request, self.model.max_seq_len)
         handle = Handle(next(self._numbers))
-        sequence = _Sequence(handle, request, on_output, is_cancelled)
+        sequence = SequenceState(handle, request, on_output, is_cancelled)
         with self._lock:
             if self._stopping or self._failed:
                 raise ExecutorStopped(self._failed or "the executor is stopping")
@@ -309,9 +179,6 @@ class Executor:
         if blocks > self.kv_blocks:
             raise UsageError(f"the request needs {blocks * self.tokens_per_block} KV-cache positions (prompt and "
                              f"output, for each beam); the cache holds {self.kv_blocks * self.tokens_per_block}")
-
-    def _blocks_for(self, request: Request) -> int:
-        return request.sampling.beam_width * -(-(len(request.prompt) + request.max_new_tokens) // self.tokens_per_block)
 
     def stats(self) -> ExecutorStats:
         with self._lock:
@@ -381,7 +248,7 @@ class Executor:
         if self.on_step_end is not None:
             self.on_step_end()
 
-    def _launch(self) -> _Pass | None:
+    def _launch(self) -> LaunchedPass | None:
         """The step's forward pass and token choice, queued on the model's device."""
         decoding = sorted((s for s in self._active.values() if s.decodes), key=lambda s: s.handle.id)
         decode_tokens = sum(s.request.sampling.beam_width for s in decoding)
@@ -411,89 +278,10 @@ class Executor:
         for sequence in cancelled:
             self._finish(sequence, Output([], finished=True, reason="cancelled"))
 
-    def _plan_prefill(self, budget: int) -> list[tuple[_Sequence, int]]:
-        """(sequence, chunk length) to prefill this step, within `budget` prompt tokens: prompts under way
-        first (oldest first), then new requests admitted while budget is left."""
-        under_way = sorted((s for s in self._active.values() if s.unprefilled), key=lambda s: s.handle.id)
-        chunks = []
-        for sequence in under_way + self._admit(budget - sum(s.unprefilled for s in under_way)):
-            length = min(sequence.unprefilled, budget)
-            if not length:
-                break
-            chunks.append((sequence, length))
-            budget -= length
-        return chunks
+    # --- a step's pass ----------------------------------------------------------------------------
 
-    def _admit(self, budget: int) -> list[_Sequence]:
-        """Queued requests, in arrival order, into free slots while the KV cache has room for them and `budget`
-        prompt tokens are left (the last admitted may start with a chunk of its prompt)."""
-        admitted = []
-        with self._lock:
-            while self._queue and budget > 0 and len(self._free_slots()) >= self._queue[0].request.sampling.beam_width:
-                sequence = self._queue[0]
-                blocks = self._blocks_for(sequence.request)
-                if blocks > self._free_kv_blocks + sum(self._retained.values()):
-                    break  # it waits (as everyone after it does) until finished requests free the cache
-                self._evict(blocks)
-                self._queue.popleft()
-                self._free_kv_blocks -= blocks
-                sequence.kv_blocks = blocks
-                self._place(sequence)
-                if sequence.beams is None:
-                    self.chooser.admit(sequence.slot, sequence.request, sequence.history)
-                sequence.scheduled_ns = time.time_ns()
-                self._hold(sequence)
-                admitted.append(sequence)
-                budget -= sequence.unprefilled
-        return admitted
-
-    def _evict(self, blocks: int) -> None:
-        """Free cached prompts of finished requests, least recently released first, until `blocks` are free."""
-        while self._free_kv_blocks < blocks:
-            slot = next(iter(self._retained))
-            self._free_kv_blocks += self._retained.pop(slot)
-            self.prefixes.forget(slot)
-            self.model.release(slot)
-
-    def _place(self, sequence: _Sequence) -> None:
-        """Give `sequence` a free slot; with prefix caching, the one that holds the longest prefix of its prompt
-        (or the least recently used, into which that prefix is copied from the slot that holds it)."""
-        free = self._free_slots()
-        if self.prefixes is None:
-            sequence.slot = free[0]
-        else:
-            prompt = sequence.request.prompt
-            # context logits need every prompt position computed
-            match = None if sequence.context_rows is not None else self.prefixes.longest(prompt)
-            sequence.slot = self.prefixes.choose_slot(free, match)
-            kept = match.length if match is not None and sequence.slot in match.sources else 0
-            self.prefixes.take(sequence.slot, kept)
-            if sequence.slot in self._retained:  # what it kept beyond `kept` is freed; the rest is the new request's
-                self._free_kv_blocks += self._retained.pop(sequence.slot)
-                self.model.release(sequence.slot, kept)
-            if match is not None:
-                self.model.reuse(sequence.slot, sequence.slot if kept else min(match.sources), match.length)
-                self.prefixes.holds(sequence.slot, prompt, match.length)
-                sequence.prefilled = match.length
-                self._stats.reused_tokens += match.length
-        self._active[sequence.slot] = sequence
-
-    def _hold(self, sequence: _Sequence) -> None:
-        """A beam search's other slots (with prefix caching the least recently used, whose prefixes are
-        forgotten: beams overwrite them)."""
-        for _ in range(sequence.request.sampling.beam_width - 1):
-            free = self._free_slots()
-            slot = free[0] if self.prefixes is None else self.prefixes.choose_slot(free, None)
-            if self.prefixes is not None:
-                self.prefixes.take(slot, 0)
-            sequence.held.append(slot)
-            self._held[slot] = sequence
-        sequence.beam_slots = [sequence.slot, *sequence.held]
-
-    def _free_slots(self) -> list[int]:
-        return [slot for slot in range(self.model.max_batch) if slot not in self._active and slot not in self._held]
-
-    def _forward(self, decoding: list[_Sequence], chunks: list[tuple[_Sequence, int]]) -> _Pass | None:
+    def _forward(self, decoding: list[SequenceState], chunks: list[tuple[SequenceState, int]]
+                 ) -> LaunchedPass | None:
         """One pass of the decode tokens (a beam search's: one per beam) and the prompt chunks; the requests whose
         prompt it completes get their first token. Chunks of requests that ask for their context logits run
         on their own first, keeping the logits of every position."""
@@ -502,7 +290,7 @@ class Executor:
         chunks = [(s, n) for s, n in chunks if s.context_rows is None]
         return self._pass(decoding, chunks) if decoding or chunks else None
 
-    def _prefill_keeping_logits(self, sequence: _Sequence, length: int) -> None:
+    def _prefill_keeping_logits(self, sequence: SequenceState, length: int) -> None:
         logits = self.model.prefill_all(sequence.slot, sequence.next_chunk(length), sequence.prefilled)
         sequence.context_rows.append(logits.float().cpu().numpy())
         self._stats.prefill_calls += 1
@@ -512,14 +300,14 @@ class Executor:
             if chosen is not None:  # its request is host-bound: the step is not overlapped
                 self._hand_out(chosen)
 
-    def _chunk_done(self, sequence: _Sequence, length: int) -> None:
+    def _chunk_done(self, sequence: SequenceState, length: int) -> None:
         sequence.prefilled += length
         self._stats.prefill_tokens += length
         self._stats.prefill_chunks += 1
         if self.prefixes is not None:
             self.prefixes.holds(sequence.slot, sequence.request.prompt, sequence.prefilled)
 
-    def _pass(self, decoding: list[_Sequence], chunks: list[tuple[_Sequence, int]]) -> _Pass | None:
+    def _pass(self, decoding: list[SequenceState], chunks: list[tuple[SequenceState, int]]) -> LaunchedPass | None:
         decode_rows = [row for s in decoding for row in s.decode_rows()]
         slots = [slot for slot, _ in decode_rows] + [s.slot for s, _ in chunks]
         starts = [position for _, position in decode_rows] + [s.prefilled for s, _ in chunks]
@@ -548,7 +336,8 @@ class Executor:
             launched.decode_only = not chunks
         return launched
 
-    def _take_rows(self, sequences: list[_Sequence], logits: torch.Tensor, widths: list[int]) -> _Pass | None:
+    def _take_rows(self, sequences: list[SequenceState], logits: torch.Tensor, widths: list[int]
+                   ) -> LaunchedPass | None:
         """Each sequence's next token from its `widths[i]` rows of `logits` (a beam search's: one per beam, one
         before its first step): a beam search's chosen now, the others' launched (the pass to hand out)."""
         firsts = list(itertools.accumulate(widths, initial=0))
@@ -566,7 +355,7 @@ class Executor:
                 self._beam_step(sequence, logits[firsts[i]:firsts[i + 1]])
         return launched
 
-    def _beam_step(self, sequence: _Sequence, logits: torch.Tensor) -> None:
+    def _beam_step(self, sequence: SequenceState, logits: torch.Tensor) -> None:
         try:
             parents = sequence.beam_step(logits, self.vocab_limit)
         except Exception as e:
@@ -583,77 +372,12 @@ class Executor:
             self.model.copy(sources, targets)
         self.chooser.set_last_tokens(sequence.beam_slots, [tokens[-1] for tokens in sequence.beams.running])
 
-    def _choose_later(self, sequences: list[_Sequence], logits: torch.Tensor) -> _Pass:
+    def _choose_later(self, sequences: list[SequenceState], logits: torch.Tensor) -> LaunchedPass:
         """Each sequence's next token from its row of `logits`, all in one pass (sampling.TokenChooser), launched:
         `_hand_out` gives them to their requests."""
         for sequence in sequences:
             sequence.pending += 1
-        return _Pass(sequences, self.chooser.choose_later([s.slot for s in sequences], logits))
-
-    def _hand_out(self, launched: _Pass) -> None:
-        """The tokens of a launched pass to their requests (those still running); a row whose settings left nothing
-        to choose ends its request alone, with the error."""
-        tokens, log_probs, errors = launched.chosen.result()
-        for sequence, token, log_prob, error in zip(launched.sequences, tokens, log_probs, errors, strict=True):
-            sequence.pending -= 1
-            if sequence.handle.done.is_set():
-                continue  # cancelled, or ended by the token before (this one is never sent)
-            if error is not None:
-                log.warning("request %d: %s", sequence.handle.id, error)
-                self._finish(sequence, Output([], finished=True, reason="error",
-                                              error=f"no next token could be chosen: {error}"))
-            else:
-                self._advance(sequence, token, log_prob)
-
-    # --- one request's token ------------------------------------------------------------------------
-
-    def _advance(self, sequence: _Sequence, token: int, log_prob: float) -> None:
-        request = sequence.request
-        if request.end_id is not None and token == request.end_id:
-            self._finish(sequence, Output([], finished=True, reason="end_id"))
-            return
-        sequence.history.append(token)
-        sequence.generated += 1
-        self._stats.generated_tokens += 1
-        reason = "stop_word" if sequence.stop_word_ends() else \
-            "length" if sequence.generated >= request.max_new_tokens else None
-        output = Output([token], [log_prob] if request.output.return_log_probs else [], finished=reason is not None,
-                        reason=reason,
-                        generation_logits=None if sequence.step_logits is None else sequence.step_logits[None])
-        if reason is not None:
-            self._finish(sequence, output)
-        elif not self._deliver(sequence, output):
-            self._finish(sequence, Output([], finished=True, reason="cancelled"))
-
-    def _finish(self, sequence: _Sequence, output: Output) -> None:
-        if sequence.slot is not None and self._active.get(sequence.slot) is sequence:
-            del self._active[sequence.slot]
-            keep = self.prefixes.cached(sequence.slot) if self.prefixes is not None else 0
-            self.model.release(sequence.slot, keep)
-            if keep:
-                self._retained[sequence.slot] = -(-keep // self.tokens_per_block)
-            self._free_kv_blocks += sequence.kv_blocks - self._retained.get(sequence.slot, 0)
-            self.chooser.release(sequence.slot)
-            for slot in sequence.held:
-                del self._held[slot]
-                self.model.release(slot)
-        self._stats.finished += 1
-        self._stats.cancelled += output.reason == "cancelled"
-        self._deliver(sequence, output)
-        sequence.handle.done.set()
-
-    @staticmethod
-    def _deliver(sequence: _Sequence, output: Output) -> bool:
-        """Hand `output` to the request's callback; False when that fails (the client is gone)."""
-        output.scheduled_ns, sequence.scheduled_ns = sequence.scheduled_ns, None
-        if sequence.context_rows and not sequence.unprefilled:  # the first output after the prompt carries them
-            output.context_logits, sequence.context_rows = np.concatenate(sequence.context_rows), []
-        try:
-            sequence.on_output(output)
-            return True
-        except Exception as e:
-            log.warning("request %d: could not deliver its output (%s); stopping it", sequence.handle.id, e)
-            return False
+        return LaunchedPass(sequences, self.chooser.choose_later([s.slot for s in sequences], logits))
 
     # --- failures ----------------------------------------------------------------------------------
 
@@ -663,11 +387,7 @@ class Executor:
         message = f"the model failed: {type(error).__name__}: {error}"
         self._in_flight = None
         running = list(self._active.values())
-        self._active.clear()
-        self._held.clear()
-        self.chooser.release_all()
-        self._free_kv_blocks = self.kv_blocks
-        self._retained.clear()
+        self._forget_slots()
         if self.prefixes is not None:
             self.prefixes.clear()  # a failed pass may have left any slot's positions half written
         for sequence in running:
@@ -687,11 +407,7 @@ class Executor:
             sequences = list(self._queue) + list(self._active.values())
             self._in_flight = None
             self._queue.clear()
-            self._active.clear()
-            self._held.clear()
-            self.chooser.release_all()
-            self._free_kv_blocks = self.kv_blocks
-            self._retained.clear()
+            self._forget_slots()
         for sequence in sequences:
             self._deliver(sequence, Output([], finished=True, reason="error", error=message))
             sequence.handle.done.set()
