@@ -20,9 +20,8 @@ from trtglm.request_config import SamplingConfig
 class LocalChat:
     """A checkpoint loaded once, answering whole conversations (lists of chat messages)."""
 
-    def __init__(self, checkpoint: str | Path, tokenizer_dir: str | Path, max_new_tokens: int = 64,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 device: str = "cpu"):
+    def __init__(self, checkpoint: str | Path, tokenizer_dir: str | Path, *, max_new_tokens: int, temperature: float,
+                 top_k: int, top_p: float, seed: int | None, device: str):
         from trtglm.runtime.model import load_model
 
         if max_new_tokens < 1:
@@ -49,12 +48,3 @@ class LocalChat:
         tail = reply.finish()
         if tail:
             yield tail
-
-
-def answer(checkpoint: str | Path, tokenizer_dir: str | Path, prompt: str, max_new_tokens: int = 64,
-           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-           device: str = "cpu") -> str:
-    """The model's reply to `prompt` (text, or a JSON chat)."""
-    messages = chat.chat_messages(prompt, name="--prompt")
-    local = LocalChat(checkpoint, tokenizer_dir, max_new_tokens, temperature, top_k, top_p, seed, device)
-    return "".join(local.pieces(messages))

@@ -105,8 +105,8 @@ def tolerance(cfg: CheckpointConfig, ref_scale: float) -> float:
     return _HALF_K * _UNIT_ROUNDOFF[cfg.dtype] * math.sqrt(cfg.num_layers + 1) * ref_scale
 
 
-def verify_checkpoint(checkpoint: str | Path, hf_model: str | Path, prompts: str | Path | None = None,
-                      max_new_tokens: int = 16, device: str = "cpu") -> VerifyReport:
+def verify_checkpoint(checkpoint: str | Path, hf_model: str | Path, *, prompts: str | Path | None, max_new_tokens: int,
+                      device: str) -> VerifyReport:
     """Compare the checkpoint with the HF model; print a table; raise VerificationError on failure."""
     if max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1, not {max_new_tokens}")
