@@ -131,9 +131,10 @@ class Admission:
         del self._active[sequence.slot]
         keep = self.prefixes.cached(sequence.slot) if self.prefixes is not None else 0
         self.model.release(sequence.slot, keep)
-        if keep:
-            self._retained[sequence.slot] = -(-keep // self.tokens_per_block)
-        self._free_kv_blocks += sequence.kv_blocks - self._retained.get(sequence.slot, 0)
+        retained = keep // self.tokens_per_block  # the prompt's whole blocks
+        if retained:
+            self._retained[sequence.slot] = retained
+        self._free_kv_blocks += sequence.kv_blocks - retained
         self.chooser.release(sequence.slot)
         for slot in sequence.held:
             del self._held[slot]
