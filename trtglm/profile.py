@@ -26,6 +26,7 @@ import yaml
 from trtglm.chatglm.config import TP_SIZES, ChatGLMConfig
 from trtglm.chatglm.variants import VARIANTS, Variant
 from trtglm.errors import ModelFileError, UsageError
+from trtglm.kv_defaults import FREE_GPU_MEM_FRACTION, TOKENS_PER_BLOCK
 from trtglm.ports import GRPC_PORT, HTTP_PORT, METRICS_PORT
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class BuildSection:
     context_fmha: bool = True
     remove_input_padding: bool = True
     use_paged_context_fmha: bool = False
-    tokens_per_block: int = field(default=64, metadata=_at_least(1))
+    tokens_per_block: int = field(default=TOKENS_PER_BLOCK, metadata=_at_least(1))
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class ServeSection:
     # the BLS and history models answer one request per instance at a time (backend/bls.py says why): 0 gives them
     # one instance per sequence the engine runs at once (its max_batch_size)
     bls_instances: int = field(default=0, metadata=_at_least(0))
-    kv_cache_free_gpu_mem_fraction: float = field(default=0.9, metadata={"min": 0.01, "max": 1.0})
+    kv_cache_free_gpu_mem_fraction: float = field(default=FREE_GPU_MEM_FRACTION, metadata={"min": 0.01, "max": 1.0})
     batch_scheduler_policy: str = field(default="guaranteed_no_evict",
                                         metadata=_choices("guaranteed_no_evict", "max_utilization"))
     max_queue_delay_microseconds: int = field(default=0, metadata=_at_least(0))

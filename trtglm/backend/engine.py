@@ -21,7 +21,7 @@ import torch
 from trtglm.engine.manifest import read_manifest
 from trtglm.errors import TrtglmError, UsageError
 from trtglm.files import report_phase
-from trtglm.runtime.cache import KV_FRACTION
+from trtglm.kv_defaults import FREE_GPU_MEM_FRACTION, TOKENS_PER_BLOCK
 from trtglm.runtime.distributed import (Collectives, Distributed, LeaderSlotModel, RankInfo, StepChannel, follow,
                                         join, rank_info)
 from trtglm.runtime.executor import Executor, Output, Request
@@ -31,7 +31,6 @@ from trtglm.runtime.slots import SlotModel
 log = logging.getLogger(__name__)
 
 QUEUE_PER_SLOT = 8  # waiting requests per slot when the config sets no max_queue_size
-DEFAULT_TOKENS_PER_BLOCK = 64  # trtllm-build's and trtglm profiles' default
 WARM_UP_PROMPT = (1, 2, 3, 4)
 
 
@@ -44,7 +43,7 @@ class EngineInfo:
     max_seq_len: int
     max_num_tokens: int
     tokenizer_size: int  # ids the tokenizer can decode; the engine's vocabulary may be padded past them
-    tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK  # KV-cache block: the unit of admission and prefix reuse
+    tokens_per_block: int = TOKENS_PER_BLOCK  # KV-cache block: the unit of admission and prefix reuse
     max_beam_width: int = 1
 
 
@@ -55,8 +54,8 @@ def engine_info(engine_dir: str | Path) -> EngineInfo:
                          "(NVIDIA's tensorrtllm backend serves TensorRT ones)")
     limits, mapping = manifest["limits"], manifest["mapping"]
     build = manifest["profile"].get("build")
-    block = build.get("tokens_per_block", DEFAULT_TOKENS_PER_BLOCK) if isinstance(build, dict) else \
-        DEFAULT_TOKENS_PER_BLOCK
+    block = build.get("tokens_per_block", TOKENS_PER_BLOCK) if isinstance(build, dict) else \
+        TOKENS_PER_BLOCK
     return EngineInfo(Path(engine_dir), Path(manifest["checkpoint_dir"]), int(mapping["tp_size"]) * int(mapping["pp_size"]),
                       int(limits["max_batch_size"]), int(limits["max_seq_len"]), int(limits["max_num_tokens"]),
                       int(manifest["tokenizer"]["vocab_size"]), int(block), int(limits.get("max_beam_width", 1)))
@@ -76,7 +75,7 @@ RUNTIMES = ("auto", "fast", "portable")  # $TRTGLM_RUNTIME: auto is the fast run
 
 
 def slot_model(engine: EngineInfo, info: RankInfo, device: torch.device, group: Collectives | None = None,
-               kv_fraction: float = KV_FRACTION) -> SlotModel:
+               kv_fraction: float = FREE_GPU_MEM_FRACTION) -> SlotModel:
     """This rank's SlotModel: the fast one on GPUs when it loads (one GPU per rank), else the portable one
     ($TRTGLM_RUNTIME: see RUNTIMES). Its slots are max_batch_size × max_beam_width (a beam takes a slot), the
     sequences TensorRT-LLM sizes its KV cache for; the fast one's paged KV cache takes `kv_fraction` of the GPU
@@ -109,7 +108,7 @@ class ServedEngine:
 
     def __init__(self, engine_dir: str | Path, max_queue: int | None = None, info: RankInfo | None = None,
                  device: str | None = None, warm_up: bool = True, kv_cache_reuse: bool = False,
-                 kv_fraction: float = KV_FRACTION):
+                 kv_fraction: float = FREE_GPU_MEM_FRACTION):
         started = time.monotonic()
         self.engine = engine_info(engine_dir)
         self.info = info or rank_info()

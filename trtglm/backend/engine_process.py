@@ -48,7 +48,7 @@ import torch
 
 from trtglm.backend.cpus import pin_engine
 from trtglm.errors import TrtglmError, UsageError
-from trtglm.runtime.cache import KV_FRACTION
+from trtglm.kv_defaults import FREE_GPU_MEM_FRACTION
 from trtglm.runtime.executor import (CANCEL_CHECK_S, ExecutorStats, ExecutorStopped, Handle, Output,
                                      OutputCallback, QueueFullError, Request, check_request)
 
@@ -149,7 +149,7 @@ class EngineProcess:
 
     @classmethod
     def start(cls, engine_dir: str, max_queue: int | None = None, kv_cache_reuse: bool = False,
-              kv_fraction: float = KV_FRACTION, on_death: Callable[[str], None] | None = None) -> EngineProcess:
+              kv_fraction: float = FREE_GPU_MEM_FRACTION, on_death: Callable[[str], None] | None = None) -> EngineProcess:
         """Start the engine's process and wait until it is ready (its load error raised here, as one line)."""
         ours, theirs = socket.socketpair()
         argv = [engine_python(), "-m", __name__, "--fd", str(theirs.fileno()), "--engine-dir", str(engine_dir)]
@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-dir", required=True)
     parser.add_argument("--max-queue", type=int, default=None)
     parser.add_argument("--kv-cache-reuse", action="store_true")
-    parser.add_argument("--kv-fraction", type=float, default=KV_FRACTION)
+    parser.add_argument("--kv-fraction", type=float, default=FREE_GPU_MEM_FRACTION)
     args = parser.parse_args(argv)
     log_to_stderr()
     if torch.cuda.is_available():  # a CPU engine needs every core it has

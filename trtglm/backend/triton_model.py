@@ -66,7 +66,7 @@ from trtglm.backend.llm_responses import Responder
 from trtglm.backend.outbox import Outbox
 from trtglm.backend.postprocessing import reply_prefixes
 from trtglm.errors import TrtglmError, UsageError
-from trtglm.runtime.cache import KV_FRACTION
+from trtglm.kv_defaults import FREE_GPU_MEM_FRACTION
 from trtglm.runtime.executor import QueueFullError, Request
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def kv_cache_fraction(params: dict[str, str], model: str) -> float:
     """`kv_cache_free_gpu_mem_fraction`: TensorRT-LLM's default (0.9) where a repository leaves it out."""
     value = params.get(KV_CACHE_FRACTION, "").strip()
     if not value:
-        return KV_FRACTION
+        return FREE_GPU_MEM_FRACTION
     try:
         fraction = float(value)
     except ValueError:

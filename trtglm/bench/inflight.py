@@ -32,15 +32,16 @@ import torch
 from trtglm.bench import INFLIGHT_OUTPUTS, INFLIGHT_PROMPTS
 from trtglm.bench.measure import inflight_stats, wall_ms
 from trtglm.errors import UsageError
+from trtglm.kv_defaults import TOKENS_PER_BLOCK
 
 log = logging.getLogger(__name__)
 
 PREFILL_PART_TOKENS = 1024  # the prompt whose prefill gives the time per prompt token
 
 
-def inflight_run(model, requests: int, concurrency: int, generator: torch.Generator, prefill_tokens: int = 512,
+def inflight_run(model, requests: int, concurrency: int, generator: torch.Generator, prefill_tokens: int,
                  prompt_range: tuple[int, int] = INFLIGHT_PROMPTS, output_range: tuple[int, int] = INFLIGHT_OUTPUTS,
-                 prefix: int = 0, kv_cache_reuse: bool = False, tokens_per_block: int = 64) -> dict:
+                 prefix: int = 0, kv_cache_reuse: bool = False, tokens_per_block: int = TOKENS_PER_BLOCK) -> dict:
     """Closed loop through the executor: `concurrency` requests in flight, a new one as each finishes.
 
     Prompt and output lengths are uniform over the given inclusive ranges; every prompt starts with the same

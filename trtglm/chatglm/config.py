@@ -15,6 +15,16 @@ log = logging.getLogger(__name__)
 TP_SIZES = (1, 2, 4, 8)  # the tensor-parallel sizes a checkpoint is split into (convert, profiles)
 ARCHITECTURES = ("ChatGLMModel", "ChatGLMForConditionalGeneration", "ChatGLMForCausalLM")
 
+
+def kv_heads_per_rank(kv_heads: int, tp: int) -> int:
+    """KV heads are split when there are enough, otherwise each rank holds one (repeated) head."""
+    return max(1, kv_heads // tp)
+
+
+def kv_bytes_per_position(layers: int, kv_heads: int, head_dim: int, tp: int, itemsize: int) -> int:
+    """One position's keys and values, every layer, on one of `tp` ranks."""
+    return 2 * layers * kv_heads_per_rank(kv_heads, tp) * head_dim * itemsize
+
 # HF config key -> (field, required).  Optional keys fall back to ChatGLM3-6B's values.
 _REQUIRED_KEYS = (
     "num_layers",

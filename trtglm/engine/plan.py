@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trtglm.chatglm.config import CHATGLM3_6B_CONFIG, ChatGLMConfig
+from trtglm.chatglm.config import CHATGLM3_6B_CONFIG, ChatGLMConfig, kv_bytes_per_position, kv_heads_per_rank
 from trtglm.errors import ModelFileError, UsageError
 from trtglm.profile import LONG_CONTEXT_TOKEN_LIMIT, Profile, load_profile, read_model_config
 
@@ -53,12 +53,8 @@ SHAPES_6B_SOURCE = "ChatGLM3-6B's published config"
 # --- the estimate ---------------------------------------------------------------------------------
 
 
-def kv_heads_per_rank(shape: ChatGLMConfig, tp: int) -> int:
-    return max(1, shape.num_kv_heads // tp)
-
-
 def qkv_rows_per_rank(shape: ChatGLMConfig, tp: int) -> int:
-    return (shape.num_heads // tp + 2 * kv_heads_per_rank(shape, tp)) * shape.head_dim
+    return (shape.num_heads // tp + 2 * kv_heads_per_rank(shape.num_kv_heads, tp)) * shape.head_dim
 
 
 def weight_bytes(shape: ChatGLMConfig, dtype: str, weight_only: str | None = None, tp: int = 1) -> int:
@@ -77,7 +73,7 @@ def weight_bytes(shape: ChatGLMConfig, dtype: str, weight_only: str | None = Non
 
 
 def kv_bytes_per_token(shape: ChatGLMConfig, dtype: str, tp: int = 1) -> int:
-    return 2 * shape.num_layers * kv_heads_per_rank(shape, tp) * shape.head_dim * DTYPE_BYTES[dtype]
+    return kv_bytes_per_position(shape.num_layers, shape.num_kv_heads, shape.head_dim, tp, DTYPE_BYTES[dtype])
 
 
 def token_activation_bytes(shape: ChatGLMConfig, dtype: str, tp: int = 1) -> int:

@@ -31,11 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from trtglm.errors import UsageError
+from trtglm.kv_defaults import TOKENS_PER_BLOCK
 from trtglm.runtime.checkpoint import CheckpointConfig
 from trtglm.runtime.transfer import upload
 
 
-KV_FRACTION = 0.9  # of the GPU memory left after the weights, for a paged cache: TensorRT-LLM's default
 
 
 @runtime_checkable
@@ -302,7 +302,7 @@ class PagedCache:
     SINK = 0
 
     def __init__(self, cfg: CheckpointConfig, max_batch: int, max_seq_len: int, dtype: torch.dtype,
-                 device: torch.device, block_size: int = 64, kv_tokens: int | None = None):
+                 device: torch.device, block_size: int = TOKENS_PER_BLOCK, kv_tokens: int | None = None):
         if block_size < 1 or (kv_tokens is not None and kv_tokens < max_seq_len):
             raise UsageError(f"a paged KV cache needs block_size >= 1 and room for one whole sequence "
                              f"({max_seq_len} positions), not {block_size} and {kv_tokens}")

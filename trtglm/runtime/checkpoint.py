@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from trtglm.chatglm.config import kv_heads_per_rank
 from trtglm.errors import ModelFileError
 from trtglm.files import read_json_object
 
@@ -61,8 +62,7 @@ class CheckpointConfig:
 
     @property
     def kv_heads_per_rank(self) -> int:
-        """KV heads are split when there are enough, otherwise each rank holds one (repeated) head."""
-        return max(1, self.num_kv_heads // self.tp_size)
+        return kv_heads_per_rank(self.num_kv_heads, self.tp_size)
 
     @property
     def rotary_dim(self) -> int:

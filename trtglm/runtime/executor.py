@@ -81,6 +81,7 @@ from collections.abc import Callable
 import torch
 
 from trtglm.errors import UsageError
+from trtglm.kv_defaults import TOKENS_PER_BLOCK
 from trtglm.runtime.admission import Admission, shared_kv_blocks
 from trtglm.runtime.beams import continued_slots
 from trtglm.runtime.hand_out import HandOut, LaunchedPass
@@ -103,7 +104,7 @@ class Executor(Admission, HandOut):
     def __init__(self, model: SlotModel, max_queue: int = 64, max_num_tokens: int | None = None,
                  device: torch.device | str | None = None, vocab_limit: int | None = None,
                  on_step_end: Callable[[], None] | None = None, max_kv_tokens: int | None = None,
-                 tokens_per_block: int = 64, kv_cache_reuse: bool = False, max_beam_width: int = 1,
+                 tokens_per_block: int = TOKENS_PER_BLOCK, kv_cache_reuse: bool = False, max_beam_width: int = 1,
                  overlap: bool | None = None):
         """`device`: where tokens are chosen (None: the model's, else the CPU). `max_num_tokens`: tokens of one step
         (None: max_seq_len). `max_kv_tokens`: what the KV cache holds,

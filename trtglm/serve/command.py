@@ -49,6 +49,7 @@ MPI_LOOPBACK = {4: ("--mca", "oob_tcp_if_include", "lo", "--mca", "btl_tcp_if_in
                 5: ("--mca", "btl_tcp_if_include", "lo")}
 # Per-rank logs in DIR/JOB/rank.N/{stdout,stderr}, not copied to mpirun's own output, by major version.
 MPI_OUTPUT = {4: ("--output-filename", "{dir}:nocopy"), 5: ("--output", "dir={dir}")}
+EXIT_TIMEOUT_S = 5  # tritonserver's own wait for in-flight requests (< supervise.GRACE_S)
 RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
 
 
@@ -87,7 +88,7 @@ def shm_prefix(base: str, rank: int) -> str:
 
 def server_args(tritonserver: str | Path, repo: str | Path, rank: int, endpoints: Endpoints, *,
                 shm_base: str = "prefix", backend_dir: str | Path | None = None,
-                exit_timeout_s: int = 5, server_flags: Sequence[str] = ()) -> list[str]:
+                exit_timeout_s: int = EXIT_TIMEOUT_S, server_flags: Sequence[str] = ()) -> list[str]:
     """One rank's tritonserver command line (`server_flags`: the user's own, last)."""
     args = [str(tritonserver), f"--model-repository={repo}", "--disable-auto-complete-config",
             f"--backend-config=python,shm-region-prefix-name={shm_prefix(shm_base, rank)}"]
@@ -142,7 +143,7 @@ def mpirun_args(mpirun: str | Path, sections: list[list[str]], *, mpi_version: i
 
 def launch_args(tritonserver: str | Path, repo: str | Path, world_size: int, endpoints: Endpoints, *,
                 mpirun: str | Path = "mpirun", mpi_version: int = 4, shm_base: str = "prefix",
-                backend_dir: str | Path | None = None, exit_timeout_s: int = 5, export_vars: list[str] = (),
+                backend_dir: str | Path | None = None, exit_timeout_s: int = EXIT_TIMEOUT_S, export_vars: list[str] = (),
                 cpu_count: int = 1, output_dir: str | Path | None = None,
                 server_flags: Sequence[str] = ()) -> list[str]:
     """The whole command: tritonserver itself for one rank, mpirun for several."""

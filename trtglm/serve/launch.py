@@ -31,8 +31,8 @@ from trtglm.errors import DependencyError, TrtglmError, UsageError
 from trtglm.model_repository import profile_ports
 from trtglm.ports import TRITON_PORTS
 from trtglm.serve.checks import check_ports, repo_folder, resolve_world_size
-from trtglm.serve.command import Endpoints
-from trtglm.serve.launch_spec import EXIT_TIMEOUT_S, LaunchSpec
+from trtglm.serve.command import EXIT_TIMEOUT_S, Endpoints
+from trtglm.serve.launch_spec import LaunchSpec
 from trtglm.serve.state import LaunchDir, all_launch_dirs, clean_stale, only_launch
 from trtglm.serve.preload import preload_library
 from trtglm.serve.supervise import GRACE_S, Supervisor, announce, show_phase

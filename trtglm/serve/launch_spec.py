@@ -12,8 +12,6 @@ from trtglm.serve.command import Endpoints, launch_args, restricted_args
 from trtglm.serve.preload import preload_env
 from trtglm.serve.tritonserver import EXPORTED_VARS
 
-EXIT_TIMEOUT_S = 5  # tritonserver's own wait for in-flight requests (< supervise.GRACE_S)
-
 
 @dataclass
 class LaunchSpec:
@@ -44,7 +42,7 @@ class LaunchSpec:
         exports = [name for name in (*EXPORTED_VARS, "TRTGLM_LAUNCH_ID") if name in env]
         return launch_args(self.tritonserver, self.repo, self.world_size, self.endpoints,
                            mpirun=self.mpirun or "mpirun", mpi_version=self.mpi_version or 4, shm_base=self.shm_base,
-                           backend_dir=self.backend_dir, exit_timeout_s=EXIT_TIMEOUT_S, export_vars=exports,
+                           backend_dir=self.backend_dir, export_vars=exports,
                            cpu_count=os.cpu_count() or 1, output_dir=Path(self.log_dir) / "ranks",
                            server_flags=self.server_flags)
 

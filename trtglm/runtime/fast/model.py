@@ -33,9 +33,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from trtglm.chatglm.config import kv_bytes_per_position
 from trtglm.errors import UsageError
 from trtglm.files import report_phase
-from trtglm.runtime.cache import KV_FRACTION, PagedCache
+from trtglm.kv_defaults import FREE_GPU_MEM_FRACTION, TOKENS_PER_BLOCK
+from trtglm.runtime.cache import PagedCache
 from trtglm.runtime.checkpoint import CheckpointConfig, load_checkpoint
 from trtglm.runtime.fast.graphs import GraphCapture
 from trtglm.runtime.fast.linear import Linear
@@ -69,7 +71,8 @@ class FastModel(ForwardPasses, GraphCapture):
                  max_seq_len: int = 2048, dtype: str | torch.dtype | None = None, device: str | torch.device = "cuda",
                  weight_only: str | None = None, kernels: str = "auto", graphs: bool | None = None,
                  tune: bool | None = None, process_group: torch.distributed.ProcessGroup | None = None,
-                 block_size: int = 64, kv_tokens: int | None = None, kv_fraction: float = KV_FRACTION):
+                 block_size: int = TOKENS_PER_BLOCK, kv_tokens: int | None = None,
+                 kv_fraction: float = FREE_GPU_MEM_FRACTION):
         self.device = torch.device(device)
         self.config, self.dtype = cfg, resolve_dtype(dtype, cfg)
         self.quant_algo = resolve_weight_only(weight_only, cfg)
@@ -160,7 +163,8 @@ class FastModel(ForwardPasses, GraphCapture):
         if self.device.type != "cuda":
             return None
         cfg = self.config
-        per_position = 2 * cfg.num_layers * cfg.kv_heads_per_rank * cfg.head_size * self.dtype.itemsize
+        per_position = kv_bytes_per_position(cfg.num_layers, cfg.num_kv_heads, cfg.head_size, cfg.tp_size,
+                                             self.dtype.itemsize)
         free, _ = torch.cuda.mem_get_info(self.device)
         fits = int(free * fraction) // per_position // block_size * block_size
         fits = self.ranks.least(fits, self.device) if self.ranks else fits  # every rank's cache takes the same blocks
