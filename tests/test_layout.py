@@ -8,21 +8,21 @@ from pathlib import Path
 
 from conftest import REPO
 
-EVERYTHING = {"errors", "files", "kv_defaults", "ports", "processes", "request_config", "chatglm", "convert", "profile",
+EVERYTHING = {"errors", "files", "conventions", "ports", "processes", "request_config", "chatglm", "convert", "profile",
               "engine", "runtime", "backend", "model_repository", "repo", "openai_api", "serve", "client", "bench", "cli"}
 ALLOWED = {
     "errors": set(),
-    "kv_defaults": set(),
+    "conventions": set(),
     "ports": set(),
     "processes": set(),
     "files": {"errors"},
     "request_config": {"errors"},
     "chatglm": {"errors", "files"},
-    "convert": {"chatglm", "errors", "files"},
-    "profile": {"chatglm", "errors", "kv_defaults", "ports"},
+    "convert": {"chatglm", "conventions", "errors", "files"},
+    "profile": {"chatglm", "errors", "conventions", "ports"},
     "engine": {"chatglm", "convert", "errors", "files", "profile"},
-    "runtime": {"chatglm", "errors", "files", "kv_defaults", "request_config"},
-    "backend": {"chatglm", "engine", "errors", "files", "kv_defaults", "processes", "request_config", "runtime"},
+    "runtime": {"chatglm", "errors", "files", "conventions", "request_config"},
+    "backend": {"chatglm", "engine", "errors", "files", "conventions", "processes", "request_config", "runtime"},
     "model_repository": {"backend.contract", "engine", "errors", "files"},
     "repo": {"backend.contract", "chatglm", "engine", "errors", "files", "model_repository"},
     "openai_api": {"backend.contract", "chatglm", "errors", "model_repository", "ports", "request_config"},

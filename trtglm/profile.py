@@ -26,13 +26,12 @@ import yaml
 from trtglm.chatglm.config import TP_SIZES, ChatGLMConfig
 from trtglm.chatglm.variants import VARIANTS, Variant
 from trtglm.errors import ModelFileError, UsageError
-from trtglm.kv_defaults import FREE_GPU_MEM_FRACTION, TOKENS_PER_BLOCK
+from trtglm.conventions import DTYPES, FREE_GPU_MEM_FRACTION, QUANT_ALGOS, TOKENS_PER_BLOCK
 from trtglm.ports import GRPC_PORT, HTTP_PORT, METRICS_PORT
 
 log = logging.getLogger(__name__)
 
-DTYPES = ("float16", "bfloat16", "float32")
-WEIGHT_ONLY = {None: None, "int8": "W8A16", "int4": "W4A16"}  # profile value -> TensorRT-LLM quant_algo
+WEIGHT_ONLY = {None: None, **QUANT_ALGOS}  # profile value -> TensorRT-LLM quant_algo
 PLUGIN_CHOICES = ("auto", "float16", "bfloat16", "float32", "disable")
 # TensorRT-LLM's ChatGLM build refuses max_num_tokens ≥ 2**31 / (2 × ffn_hidden_size) for the
 # rope-scaled 32k models (an int32 index overflow in the MLP); trtllm.md quotes it as 78398.

@@ -21,7 +21,7 @@ import torch
 from trtglm.engine.manifest import read_manifest
 from trtglm.errors import TrtglmError, UsageError
 from trtglm.files import report_phase
-from trtglm.kv_defaults import FREE_GPU_MEM_FRACTION, TOKENS_PER_BLOCK
+from trtglm.conventions import FREE_GPU_MEM_FRACTION, TOKENS_PER_BLOCK
 from trtglm.runtime.distributed import (Collectives, Distributed, LeaderSlotModel, RankInfo, StepChannel, follow,
                                         join, rank_info)
 from trtglm.runtime.executor import Executor, Output, Request

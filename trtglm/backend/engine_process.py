@@ -48,7 +48,7 @@ import torch
 
 from trtglm.backend.cpus import pin_engine
 from trtglm.errors import TrtglmError, UsageError
-from trtglm.kv_defaults import FREE_GPU_MEM_FRACTION
+from trtglm.conventions import FREE_GPU_MEM_FRACTION
 from trtglm.runtime.executor import (CANCEL_CHECK_S, ExecutorStats, ExecutorStopped, Handle, Output,
                                      OutputCallback, QueueFullError, Request, check_request)
 

@@ -66,7 +66,7 @@ from trtglm.backend.llm_responses import Responder
 from trtglm.backend.outbox import Outbox
 from trtglm.backend.postprocessing import reply_prefixes
 from trtglm.errors import TrtglmError, UsageError
-from trtglm.kv_defaults import FREE_GPU_MEM_FRACTION
+from trtglm.conventions import FREE_GPU_MEM_FRACTION
 from trtglm.runtime.executor import QueueFullError, Request
 
 log = logging.getLogger(__name__)

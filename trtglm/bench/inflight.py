@@ -32,7 +32,7 @@ import torch
 from trtglm.bench import INFLIGHT_OUTPUTS, INFLIGHT_PROMPTS
 from trtglm.bench.measure import inflight_stats, wall_ms
 from trtglm.errors import UsageError
-from trtglm.kv_defaults import TOKENS_PER_BLOCK
+from trtglm.conventions import TOKENS_PER_BLOCK
 
 log = logging.getLogger(__name__)
 

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import torch
 
+from trtglm.conventions import QUANT_ALGOS
 from trtglm.errors import DependencyError
 
 log = logging.getLogger(__name__)
 
-WEIGHT_ONLY = ("none", "int8", "int4")
+MODES = {"none": None, **QUANT_ALGOS}  # weight-only mode -> quant_algo
+WEIGHT_ONLY = tuple(MODES)
 KIND_OF_MODE = {"none": 0, "int8": 1, "int4": 2}  # kernels.FLOAT / INT8 / INT4
-MODES = {"none": None, "int8": "W8A16", "int4": "W4A16"}  # quant_algo
 QUANTIZED_HF = ("self_attention.query_key_value.weight", "self_attention.dense.weight", "mlp.dense_h_to_4h.weight",
                 "mlp.dense_4h_to_h.weight")  # HF weights that weight-only quantization applies to
 DTYPES_TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,7 +47,7 @@ class BatchTiming:
 def synth_tensors(preset: str, layers: int | None, dtype: str, seed: int, device: torch.device):
     """(ChatGLMConfig, HF tensors) of a random-weight preset, generated on the GPU (synth's distribution)."""
     from trtglm.chatglm.config import ChatGLMConfig
-    from trtglm.convert.synth import DTYPES as SYNTH_DTYPES
+    from trtglm.convert.writer import DTYPES as SYNTH_DTYPES
     from trtglm.convert.synth import (
         INV_FREQ,
         NORM_STD,

@@ -48,13 +48,13 @@ from trtglm.backend.cpus import engine_cpus_env
 from trtglm.bench import launch_timing, served, served_report
 from trtglm.bench.served_flags import SERVED_FLAGS
 from trtglm.chatglm.variants import VARIANTS
+from trtglm.engine.build import TOKENIZER_FILES
 from trtglm.serve.checks import resolve_world_size
 
 log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[2]
 PORT_RANGE = (19000, 20000)
-TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
 SYNTH_DONE = ".trtglm-synth-done"
 
 

@@ -9,7 +9,7 @@ from trtglm.bench import DEFAULT_PROMPT, INFLIGHT_OUTPUTS, INFLIGHT_PROMPTS, ran
 from trtglm.bench.served_flags import SERVED_FLAGS as SERVED
 from trtglm.cli.flags import CountInt, Passthrough, PosFloat, PosInt
 from trtglm.client import ANSWER_TIMEOUT_S
-from trtglm.kv_defaults import TOKENS_PER_BLOCK
+from trtglm.conventions import TOKENS_PER_BLOCK
 from trtglm.ports import LOCAL_URL
 
 

@@ -26,6 +26,7 @@ from trtglm.chatglm.variants import VARIANTS
 from trtglm.convert.names import DROPPED, mapped_tensors
 from trtglm.convert.safetensors_file import SafetensorsWriter, tensor_bytes
 from trtglm.convert.staging import check_output, staged_output
+from trtglm.convert.writer import DTYPES
 from trtglm.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,6 @@ PRESETS: dict[str, tuple[dict, int]] = {
 }
 FORMATS = {"safetensors": ("model", ".safetensors", "model.safetensors.index.json"),
            "bin": ("pytorch_model", ".bin", "pytorch_model.bin.index.json")}
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 INV_FREQ = DROPPED[0]
 WEIGHT_STD = 0.02
 NORM_STD = 0.05

@@ -25,6 +25,8 @@ import torch
 from tqdm import tqdm
 
 from trtglm.chatglm.config import TP_SIZES, ChatGLMConfig
+from trtglm.conventions import DTYPES as DTYPE_NAMES
+from trtglm.conventions import QUANT_ALGOS
 from trtglm.convert.names import DROPPED, mapped_tensors
 from trtglm.convert.safetensors_file import KernelCopyUnsupported, SafetensorsWriter
 from trtglm.convert.source import TensorSource
@@ -34,8 +36,8 @@ from trtglm.errors import ModelFileError, UsageError
 
 log = logging.getLogger(__name__)
 
-DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-QUANT_ALGOS: dict[str, str] = {"int8": "W8A16", "int4": "W4A16"}  # TensorRT-LLM quantizes at build time
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}  # torch's names are TensorRT-LLM's
+# QUANT_ALGOS (conventions.py): the checkpoint only says which; TensorRT-LLM quantizes at build time
 BLOCK_BYTES = 64 << 20  # source bytes copied per step
 _SOURCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # TensorRT-LLM's model registry knows ChatGLM by these two architecture names.

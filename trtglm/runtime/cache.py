@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from trtglm.errors import UsageError
-from trtglm.kv_defaults import TOKENS_PER_BLOCK
+from trtglm.conventions import TOKENS_PER_BLOCK
 from trtglm.runtime.checkpoint import CheckpointConfig
 from trtglm.runtime.transfer import upload
 

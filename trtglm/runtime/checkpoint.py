@@ -14,15 +14,16 @@ from pathlib import Path
 
 import torch
 
-from trtglm.chatglm.config import kv_heads_per_rank
+from trtglm.chatglm.config import ARCHITECTURES, kv_heads_per_rank
+from trtglm.conventions import DTYPES as DTYPE_NAMES
+from trtglm.conventions import QUANT_ALGOS as TRTLLM_QUANT_ALGOS
 from trtglm.errors import ModelFileError
 from trtglm.files import read_json_object
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = ("ChatGLMModel", "ChatGLMForCausalLM", "ChatGLMForConditionalGeneration")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-QUANT_ALGOS = (None, "W8A16", "W4A16")
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # torch's names are TensorRT-LLM's
+QUANT_ALGOS = (None, *TRTLLM_QUANT_ALGOS.values())
 
 _REQUIRED_KEYS = ("architecture", "dtype", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                   "hidden_size", "intermediate_size", "norm_epsilon", "vocab_size", "max_position_embeddings",
@@ -124,7 +125,7 @@ def _check_config(cfg: CheckpointConfig, mapping: dict, where: str) -> None:
     if cfg.dtype not in DTYPES:
         problems.append(f"dtype {cfg.dtype!r} is not one of {', '.join(DTYPES)}")
     if cfg.quant_algo not in QUANT_ALGOS:
-        problems.append(f"quant_algo {cfg.quant_algo!r} is not supported (null, W8A16, W4A16)")
+        problems.append(f"quant_algo {cfg.quant_algo!r} is not supported (null, {', '.join(TRTLLM_QUANT_ALGOS.values())})")
     if int(mapping.get("pp_size", 1)) != 1:
         problems.append(f"pp_size {mapping.get('pp_size')} is not supported (ChatGLM uses pp_size 1)")
     if int(mapping.get("world_size", tp)) != tp * int(mapping.get("pp_size", 1)):

@@ -81,7 +81,7 @@ from collections.abc import Callable
 import torch
 
 from trtglm.errors import UsageError
-from trtglm.kv_defaults import TOKENS_PER_BLOCK
+from trtglm.conventions import TOKENS_PER_BLOCK
 from trtglm.runtime.admission import Admission, shared_kv_blocks
 from trtglm.runtime.beams import continued_slots
 from trtglm.runtime.hand_out import HandOut, LaunchedPass

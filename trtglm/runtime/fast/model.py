@@ -36,7 +36,7 @@ from tqdm import tqdm
 from trtglm.chatglm.config import kv_bytes_per_position
 from trtglm.errors import UsageError
 from trtglm.files import report_phase
-from trtglm.kv_defaults import FREE_GPU_MEM_FRACTION, TOKENS_PER_BLOCK
+from trtglm.conventions import FREE_GPU_MEM_FRACTION, TOKENS_PER_BLOCK
 from trtglm.runtime.cache import PagedCache
 from trtglm.runtime.checkpoint import CheckpointConfig, load_checkpoint
 from trtglm.runtime.fast.graphs import GraphCapture

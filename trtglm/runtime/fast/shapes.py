@@ -7,9 +7,11 @@ from __future__ import annotations
 import torch
 
 from trtglm.errors import UsageError
+from trtglm.conventions import QUANT_ALGOS
 from trtglm.runtime.checkpoint import DTYPES, CheckpointConfig
 
-WEIGHT_ONLY = {None: None, "none": None, "int8": "W8A16", "int4": "W4A16", "W8A16": "W8A16", "W4A16": "W4A16"}
+# a weight-only mode by its name or its quant_algo's -> the quant_algo
+WEIGHT_ONLY = {None: None, "none": None, **QUANT_ALGOS, **{algo: algo for algo in QUANT_ALGOS.values()}}
 PREFILL_TOKENS = 8192  # tokens (padding included) per prefill forward pass
 # Prompt lengths a one-prompt prefill is padded to, to replay a graph instead of launching ~400 kernels from
 # Python (which, not the GPU, bounded a 512-token prefill); steps of at most a quarter above 256 tokens.
