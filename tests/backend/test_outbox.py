@@ -7,9 +7,10 @@ import time
 
 import pytest
 
+from trtglm.backend.llm_responses import Timing
 from trtglm.backend.outbox import Outbox, merge
 from trtglm.errors import TrtglmError
-from trtglm.runtime.request import Output
+from trtglm.runtime.request import KvBlocks, Output
 
 
 @pytest.fixture
@@ -32,6 +33,18 @@ def test_merge_keeps_order_and_takes_the_last_end():
     assert merge([Output([4], [], True, "error", "boom")]).error == "boom"
     # when the request got its slot (its first output says) survives the merge: the perf metrics report it
     assert merge([Output([1], scheduled_ns=123), Output([2])]).scheduled_ns == 123
+    # and so do the KV-cache blocks the sequence takes, the latest
+    merged = merge([Output([1], kv_blocks=KvBlocks(2, 1)), Output([2], kv_blocks=KvBlocks(3, 1)),
+                    Output([], finished=True)])
+    assert merged.kv_blocks == KvBlocks(3, 1)
+
+
+def test_the_perf_metrics_count_the_blocks_the_latest_output_says():
+    timing = Timing(arrival_ns=5)
+    assert [timing.arrays()[name].item() for name in Timing.OUTPUTS[:3]] == [0, 0, 0]  # never placed
+    timing.update(Output([7], kv_blocks=KvBlocks(total=4, reused=3)))
+    timing.update(Output([8]))
+    assert [timing.arrays()[name].item() for name in Timing.OUTPUTS[:3]] == [1, 3, 4]  # new, reused, total
 
 
 def test_outputs_arriving_during_a_send_go_out_together_in_order(outbox):

@@ -371,9 +371,12 @@ def test_min_tokens_keeps_the_end_id_away_under_either_name(server, conversation
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
-def test_perf_metrics_time_the_request_in_order(server, conversation, model):
+def test_perf_metrics_time_the_request_in_order(server, conversation, fixture_dir, model):
     """return_perf_metrics: arrival, slot, first and last token in that order within the request's wall-clock
-    time; one block per sequence (its cache slot), none reused; no draft tokens."""
+    time; the KV-cache blocks of 64 (configs/tiny.yaml) its prompt and answer take, none reused (prefix caching
+    is off); no draft tokens."""
+    prompt, answer = answer_ids(fixture_dir, conversation)
+    blocks = -(-(len(prompt) + len(answer)) // 64)
     body = {"text_input": conversation["messages"][0]["content"], "max_tokens": 64}
     before = time.time_ns()
     status, reply = server.generate(model, {**body, "return_perf_metrics": True})
@@ -383,7 +386,7 @@ def test_perf_metrics_time_the_request_in_order(server, conversation, model):
     assert before <= times[0] <= times[1] <= times[2] < times[3] <= after, times
     assert [reply[name] for name in ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks",
                                      "kv_cache_alloc_total_blocks", "total_accepted_draft_tokens",
-                                     "total_draft_tokens", "acceptance_rate")] == [1, 0, 1, 0, 0, 0]
+                                     "total_draft_tokens", "acceptance_rate")] == [blocks, 0, blocks, 0, 0, 0]
     status, plain = server.generate(model, body)
     assert status == 200 and "arrival_time_ns" not in plain, plain
 

@@ -19,7 +19,7 @@ from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
 from trtglm.request_config import OutputConfig, SamplingConfig
 from trtglm.runtime.executor import Executor
-from trtglm.runtime.request import ExecutorStopped, Output, QueueFullError, Request
+from trtglm.runtime.request import ExecutorStopped, KvBlocks, Output, QueueFullError, Request
 from trtglm.runtime.generate import full_logits, generate
 from trtglm.runtime.model import load_model
 from trtglm.runtime.slot_runtime import ShardedSlotModel
@@ -622,6 +622,15 @@ def test_a_shared_prefix_is_reused_with_the_tokens_it_gives_computed(model, tok,
     run(beside)
     assert [first.tokens, second.tokens] == expected[:2]
     assert [call for call in beside.model.calls if call[0] == "reuse"] == [("reuse", 1, 0, 96)]
+    # Each output counts the blocks of 16 its request's positions take so far, the prefix's 6 reused in the second.
+    for collected, prompt, reused in ((first, prompts[0], 0), (second, prompts[1], 6)):
+        taken, generated = [], 0
+        for output in collected.outputs:
+            generated += len(output.tokens)
+            taken.append(output.kv_blocks)
+        assert taken[-1] == KvBlocks(-(-(len(prompt) + generated) // 16), reused)
+        assert [blocks.total for blocks in taken] == sorted(blocks.total for blocks in taken)
+        assert {blocks.reused for blocks in taken} == {reused} and taken[-1].new == taken[-1].total - reused
 
 
 def test_evicted_prefixes_are_computed_again_and_give_the_same_tokens(model, tok, all_prompts):

@@ -21,6 +21,7 @@ import numpy as np
 
 from trtglm.runtime.beams import Beam
 from trtglm.runtime.executor import Output
+from trtglm.runtime.request import KvBlocks
 
 PADDING = -1  # past a beam's length in a response of several beams (NVIDIA's padding)
 
@@ -73,8 +74,8 @@ def beam_logits(beams: list[Beam], width: int) -> np.ndarray:
 
 class Timing:
     """A sequence's performance metrics as NVIDIA's return_perf_metrics outputs give them (time.time_ns()
-    clock). The KV-cache figures count each sequence's cache as one block of its own (what the portable runtime
-    allocates; the fast runtime's paged blocks are not counted here); there are no draft tokens."""
+    clock). The KV-cache figures are the executor's: the blocks of `tokens_per_block` positions the sequence's
+    positions take so far, and those of its prompt found in the prefix cache; there are no draft tokens."""
 
     OUTPUTS = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",
                "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
@@ -83,16 +84,20 @@ class Timing:
     def __init__(self, arrival_ns: int):
         self.arrival_ns = arrival_ns
         self.scheduled_ns = self.first_token_ns = self.last_token_ns = 0
+        self.kv_blocks = KvBlocks(0, 0)
 
     def update(self, output: Output) -> None:
         if output.scheduled_ns is not None:
             self.scheduled_ns = output.scheduled_ns
+        if output.kv_blocks is not None:
+            self.kv_blocks = output.kv_blocks
         if output.tokens:
             self.last_token_ns = time.time_ns()
             self.first_token_ns = self.first_token_ns or self.last_token_ns
 
     def arrays(self) -> dict[str, np.ndarray]:
-        values = (1, 0, 1, self.arrival_ns, self.scheduled_ns, self.first_token_ns, self.last_token_ns, 0.0, 0, 0)
+        blocks = self.kv_blocks
+        values = (blocks.new, blocks.reused, blocks.total, self.arrival_ns, self.scheduled_ns, self.first_token_ns, self.last_token_ns, 0.0, 0, 0)
         return {name: np.array([[value]]) for name, value in zip(self.OUTPUTS, values, strict=True)}
 
 

@@ -45,6 +45,7 @@ def merge(outputs: list[Output]) -> Output:
                   finished=last.finished, reason=last.reason,
                   error=next((o.error for o in outputs if o.error), None),
                   scheduled_ns=next((o.scheduled_ns for o in outputs if o.scheduled_ns is not None), None),
+                  kv_blocks=next((o.kv_blocks for o in reversed(outputs) if o.kv_blocks is not None), None),
                   context_logits=next((o.context_logits for o in outputs if o.context_logits is not None), None),
                   generation_logits=_joined_rows([o.generation_logits for o in outputs]))
 

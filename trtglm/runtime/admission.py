@@ -89,6 +89,7 @@ class Admission:
         """Give `sequence` a free slot; with prefix caching, the one that holds the longest prefix of its prompt
         (or the least recently used, into which that prefix is copied from the slot that holds it)."""
         free = self._free_slots()
+        sequence.reused_blocks = 0
         if self.prefixes is None:
             sequence.slot = free[0]
         else:
@@ -105,6 +106,7 @@ class Admission:
                 self.model.reuse(sequence.slot, sequence.slot if kept else min(match.sources), match.length)
                 self.prefixes.holds(sequence.slot, prompt, match.length)
                 sequence.prefilled = match.length
+                sequence.reused_blocks = match.length // self.tokens_per_block
                 self._stats.reused_tokens += match.length
         self._active[sequence.slot] = sequence
 

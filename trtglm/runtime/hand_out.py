@@ -67,10 +67,10 @@ class HandOut:
         self._deliver(sequence, output)
         sequence.handle.done.set()
 
-    @staticmethod
-    def _deliver(sequence: SequenceState, output: Output) -> bool:
+    def _deliver(self, sequence: SequenceState, output: Output) -> bool:
         """Hand `output` to the request's callback; False when that fails (the client is gone)."""
         output.scheduled_ns, sequence.scheduled_ns = sequence.scheduled_ns, None
+        output.kv_blocks = sequence.blocks_taken(self.tokens_per_block)
         if sequence.context_rows and not sequence.unprefilled:  # the first output after the prompt carries them
             output.context_logits, sequence.context_rows = np.concatenate(sequence.context_rows), []
         try:

@@ -45,6 +45,18 @@ class Request:
     output: OutputConfig = OutputConfig()
 
 
+@dataclass(frozen=True)
+class KvBlocks:
+    """A request's share of the KV cache, as TensorRT-LLM's perf metrics count it."""
+
+    total: int  # blocks its positions (each beam's) take so far
+    reused: int  # of them, prompt blocks the prefix cache held
+
+    @property
+    def new(self) -> int:
+        return self.total - self.reused
+
+
 @dataclass
 class Output:
     """What one step gave a request."""
@@ -57,6 +69,8 @@ class Output:
     beams: list[Beam] = field(default_factory=list)  # beam search: every beam, best first (only when finished)
     # on a request's first Output: when it got its slot (time.time_ns()); timing, not content, so not compared
     scheduled_ns: int | None = field(default=None, compare=False)
+    # KV-cache blocks its positions take so far and how many of them came from the prefix cache (once placed)
+    kv_blocks: KvBlocks | None = field(default=None, compare=False)
     # float32 [prompt length, vocab], on the first Output, when the request asks for it
     context_logits: np.ndarray | None = field(default=None, compare=False)
     # float32 [len(tokens), vocab]: the model's logits each new token was chosen from, when the request asks

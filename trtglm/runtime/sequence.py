@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from trtglm.runtime.beams import Beam, BeamSearch, ends_with_any
-from trtglm.runtime.request import Handle, Output, OutputCallback, Request
+from trtglm.runtime.request import Handle, KvBlocks, Output, OutputCallback, Request
 from trtglm.runtime.sampling import BadWords, held_until_min_tokens, processed
 
 
@@ -29,6 +29,7 @@ class SequenceState:
         self.stops_by_last = _by_last_token(request.stop_words)
         self.bad_words = BadWords(request.bad_words)
         self.kv_blocks = 0  # KV-cache blocks reserved for it while it holds a slot
+        self.reused_blocks: int | None = None  # prompt blocks found in the prefix cache, once it has a slot
         self.held: list[int] = []  # a beam search's slots besides `slot`
         sampling = request.sampling
         self.beams = BeamSearch(sampling.beam_width, request.max_new_tokens, sampling.length_penalty,
@@ -37,6 +38,13 @@ class SequenceState:
         self.beam_slots: list[int] = []  # the slot of each running beam
         self.context_rows: list[np.ndarray] | None = [] if request.output.return_context_logits else None  # per chunk
         self.step_logits: np.ndarray | None = None  # the raw logits row of the token being chosen, when asked
+
+    def blocks_taken(self, tokens_per_block: int) -> KvBlocks | None:
+        """The blocks its positions take so far (None before it has a slot)."""
+        if self.reused_blocks is None:
+            return None
+        positions = self.prefilled + self.generated
+        return KvBlocks(self.request.sampling.beam_width * -(-positions // tokens_per_block), self.reused_blocks)
 
     @property
     def unprefilled(self) -> int:
