@@ -26,7 +26,7 @@ import yaml
 from trtglm.chatglm.config import TP_SIZES, ChatGLMConfig
 from trtglm.chatglm.variants import VARIANTS, Variant
 from trtglm.errors import ModelFileError, UsageError
-from trtglm.conventions import DTYPES, FREE_GPU_MEM_FRACTION, QUANT_ALGOS, TOKENS_PER_BLOCK
+from trtglm.conventions import DTYPES, FREE_GPU_MEM_FRACTION, MAX_NUM_TOKENS, QUANT_ALGOS, TOKENS_PER_BLOCK
 from trtglm.ports import GRPC_PORT, HTTP_PORT, METRICS_PORT
 
 log = logging.getLogger(__name__)
@@ -282,8 +282,8 @@ def _resolve_model_dir(model_dir: str | None, profile_path: Path, from_override:
 
 
 def _default_num_tokens(build: BuildSection) -> int:
-    """TensorRT-LLM's default (8192), raised to fit one full prompt, capped at what the batch can hold."""
-    return min(max(8192, build.max_input_len), build.max_batch_size * build.max_seq_len)
+    """TensorRT-LLM's default, raised to fit one full prompt, capped at what the batch can hold."""
+    return min(max(MAX_NUM_TOKENS, build.max_input_len), build.max_batch_size * build.max_seq_len)
 
 
 # --- rules across keys ---------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from trtglm.conventions import MAX_NUM_TOKENS
 from trtglm.errors import UsageError
 from trtglm.request_config import OutputConfig, SamplingConfig, client_inputs
 
@@ -52,7 +53,6 @@ CASES = {
 }
 BASELINE = "greedy"
 WARM_UP_TOKENS = 4
-MAX_NUM_TOKENS = 8192  # tokens a step of the in-process executor takes (the 6B profiles' max_num_tokens)
 
 
 def parse_cases(value: str | list | tuple) -> list[str]:

@@ -9,7 +9,7 @@ from trtglm.bench import DEFAULT_PROMPT, INFLIGHT_OUTPUTS, INFLIGHT_PROMPTS, ran
 from trtglm.bench.served_flags import SERVED_FLAGS as SERVED
 from trtglm.cli.flags import CountInt, Passthrough, PosFloat, PosInt
 from trtglm.client import ANSWER_TIMEOUT_S
-from trtglm.conventions import TOKENS_PER_BLOCK
+from trtglm.conventions import MAX_NUM_TOKENS, TOKENS_PER_BLOCK
 from trtglm.ports import LOCAL_URL
 
 
@@ -95,7 +95,7 @@ def inflight(fixture: Path | None = None, preset: Literal["tiny", "6b", "6b-32k"
              weight_only: Literal["none", "int8", "int4"] = "none", requests: PosInt = 256, concurrency: PosInt = 64,
              prompts: str = range_flag(INFLIGHT_PROMPTS), outputs: str = range_flag(INFLIGHT_OUTPUTS),
              prefix: CountInt = 1000,
-             max_num_tokens: PosInt = 8192, tokens_per_block: PosInt = TOKENS_PER_BLOCK, seed: CountInt = 0,
+             max_num_tokens: PosInt = MAX_NUM_TOKENS, tokens_per_block: PosInt = TOKENS_PER_BLOCK, seed: CountInt = 0,
              out: str = "out/bench-inflight"):
     """The in-flight batching executor against the ideal of its parts, and a shared prefix with reuse off and on.
 
