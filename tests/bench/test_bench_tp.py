@@ -37,6 +37,7 @@ def test_tp_runs_compare_with_tp1_and_time_the_steps_and_collectives(tmp_path):
     collectives = runs["2"]["collectives"]
     assert [c["batch"] for c in collectives] == [1, 3] and collectives[0]["all_reduces_per_step"] == 2 * 3  # layers
     assert collectives[0]["one_shot_all_reduce_us"] == "not on the CPU"  # symmetric memory is CUDA's
+    assert all(c["step_message_us"] > 0 for c in collectives) and ", step message " in proc.stdout
     assert results["step_ratios"]["2"] == pytest.approx(runs["2"]["timings"][0]["step_ms"]
                                                         / runs["1"]["timings"][0]["step_ms"])
     assert "tp 2 vs tp 1: prefill max |Δlogit|" in proc.stdout

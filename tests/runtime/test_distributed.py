@@ -18,8 +18,9 @@ from conftest import REPO
 from support.engines import MAX_NEW, build_tiny_engine, chat_prompts, unsplit_answers
 from trtglm.backend.engine import ServedEngine
 from trtglm.errors import UsageError
-from trtglm.runtime.distributed import (COPY, DECODE, MIXED, PREFILL, RELEASE, REUSE, STOP, LeaderSlotModel, RankInfo,
-                                        Step, follow, rank_info, rendezvous)
+from trtglm.runtime.distributed import (COPY, DECODE, DECODE_TOKEN, MIXED, PREFILL, RELEASE, REUSE, STOP,
+                                        MESSAGE, LeaderSlotModel, RankInfo, Step, StepChannel, follow, rank_info,
+                                        rendezvous)
 from trtglm.runtime.model import load_model
 
 # One rank's program: a ServedEngine from the OMPI environment; rank 0 answers the prompts (all submitted
@@ -198,6 +199,10 @@ def test_prefill_steps_carry_each_prompt_and_where_it_starts():
     assert chunked.data == [4, 0, 3, 1, 5, 6, 7, 9]
     received = Step(chunked.op, chunked.slots, chunked.data)
     assert received.prompts() == [[5, 6, 7], [9]] and received.starts() == [4, 0]
+    # A mixed step's decode tokens come first, their ids apart (on the device); the prompts' ids follow.
+    mixed = Step.prefill([3, 1, 0], [None, None, [5, 6]], starts=[7, 2, 0], op=MIXED, tokens=torch.tensor([8, 9]))
+    assert mixed.data == [7, 2, 0, DECODE_TOKEN, DECODE_TOKEN, 2, 5, 6] and mixed.tokens.tolist() == [8, 9]
+    assert Step(MIXED, mixed.slots, mixed.data).prompts() == [None, None, [5, 6]]
     with pytest.raises(UsageError, match="2 prompts but 1 starts"):
         Step.prefill([2, 0], [[5, 6, 7], [9]], starts=[4])
 
@@ -216,12 +221,13 @@ class Script:
         self.calls.append(("prefill", list(slots), [list(p) for p in prompts], list(starts)))
 
     def decode(self, slots, tokens):
-        if tokens == [99]:
+        if tokens.tolist() == [99]:
             raise UsageError("token id 99 is outside the vocabulary")  # as rank 0's shard refused it too
-        self.calls.append(("decode", list(slots), list(tokens)))
+        self.calls.append(("decode", list(slots), tokens.tolist()))
 
-    def step(self, slots, pieces, starts):
-        self.calls.append(("step", list(slots), [list(p) for p in pieces], list(starts)))
+    def step(self, slots, pieces, starts, decode_ids=None):
+        self.calls.append(("step", list(slots), [p and list(p) for p in pieces], list(starts),
+                           None if decode_ids is None else decode_ids.tolist()))
 
     def prefill_all(self, slot, chunk, start=0):
         self.calls.append(("prefill_all", slot, list(chunk), start))
@@ -237,8 +243,9 @@ class Script:
 
 
 def test_a_follower_makes_rank_0s_calls_and_goes_on_after_one_that_fails():
-    script = Script([Step.prefill([1], [[4, 5]]), Step(DECODE, [1], [99]), Step(DECODE, [1], [6]),
-                     Step(COPY, [0], [1]), Step(RELEASE, [1], [8]), Step(DECODE, [0], [3])])
+    script = Script([Step.prefill([1], [[4, 5]]), Step(DECODE, [1], [], torch.tensor([99])),
+                     Step(DECODE, [1], [], torch.tensor([6])), Step(COPY, [0], [1]), Step(RELEASE, [1], [8]),
+                     Step(DECODE, [0], [], torch.tensor([3]))])
     script.steps.insert(5, Step(STOP, [], []))  # rank 0 stops: what follows is never made
     follow(script, script)
     assert script.calls == [("prefill", [1], [[4, 5]], [0]), ("decode", [1], [6]), ("copy", [1], [0]),
@@ -258,10 +265,63 @@ def test_a_follower_makes_rank_0s_mixed_steps_prefix_copies_and_prefills_keeping
     sent = []
     leader = LeaderSlotModel(script, type("Channel", (), {"send": lambda self, step: sent.append(step)})())
     leader.prefill_all(0, [8, 9], 3)
+    leader.step([2, 1], [None, [4, 5]], [6, 4], decode_ids=torch.tensor([7]))
     script.steps += sent
     follow(script, script)
-    assert script.calls == [("prefill_all", 0, [8, 9], 3), ("reuse", 1, 0, 4),
-                            ("step", [0, 1], [[7], [4, 5]], [6, 4]), ("prefill_all", 0, [8, 9], 3)]
+    assert script.calls == [("prefill_all", 0, [8, 9], 3), ("step", [2, 1], [None, [4, 5]], [6, 4], [7]),
+                            ("reuse", 1, 0, 4), ("step", [0, 1], [[7], [4, 5]], [6, 4], None),
+                            ("prefill_all", 0, [8, 9], 3), ("step", [2, 1], [None, [4, 5]], [6, 4], [7])]
+
+
+class Loopback(StepChannel):
+    """A StepChannel whose broadcasts go into a list (rank 0's end) and come out of it (a follower's), in order,
+    each with the group it went over."""
+
+    def __init__(self, message: int):
+        super().__init__("control", "compute", torch.device("cpu"), message=message)
+        self.wire: list[tuple[str, torch.Tensor]] = []
+
+    def _exchange(self, tensor, group):
+        if self.sending:
+            self.wire.append((group, tensor.clone()))
+        else:
+            sent_over, sent = self.wire.pop(0)
+            assert sent_over == group and sent.shape == tensor.shape, (group, sent_over, sent.shape, tensor.shape)
+            tensor.copy_(sent)
+        return tensor
+
+
+@pytest.mark.parametrize("message", [MESSAGE, 9], ids=["one_message", "two_messages"])
+def test_steps_cross_the_channel_whole(message):
+    """Header, slots and numbers over the control group (in one message when they fit), the decode tokens' ids
+    over the compute group; what a follower receives is what rank 0 sent."""
+    steps = [Step(DECODE, [0, 3, 1], [], torch.tensor([7, 8, 9])),
+             Step.prefill([2, 0, 1], [None, [5, 6, 7], [9] * 20], starts=[4, 0, 2], op=MIXED, tokens=torch.tensor([3])),
+             Step(RELEASE, [1], [8]), Step(STOP, [], [])]
+    channel = Loopback(message)
+    channel.sending = True
+    for step in steps:
+        channel.send(step)
+    assert [group for group, _ in channel.wire].count("compute") == 2
+    assert len(channel.wire) == len(steps) + 2 + (message < MESSAGE)  # the long mixed step's second message
+    channel.sending = False
+    received = [channel.receive() for _ in steps]
+    assert received == steps and channel.wire == []
+    assert [None if s.tokens is None else s.tokens.tolist() for s in received] == [[7, 8, 9], [3], None, None]
+
+
+def test_the_leader_tells_a_decode_step_without_waiting_for_its_tokens():
+    """The decode tokens' ids go to the followers as the tensor the token choice left (on the device), never
+    brought to the host; ids given as a list are sent as a tensor on the channel's device."""
+    script, sent = Script([]), []
+    channel = type("Channel", (), {"send": lambda self, step: sent.append(step), "device": torch.device("cpu")})()
+    leader = LeaderSlotModel(script, channel)
+    chosen = torch.tensor([4, 2])
+    leader.decode([0, 1], chosen)
+    leader.decode([1], [6])
+    assert [(s.op, s.slots, s.data) for s in sent] == [(DECODE, [0, 1], []), (DECODE, [1], [])]
+    assert sent[0].tokens is chosen and sent[1].tokens.tolist() == [6] and sent[1].tokens.dtype == torch.int64
+    assert script.calls == [("decode", [0, 1], [4, 2]), ("decode", [1], [6])]
 
 
 def test_a_rank_process_holds_only_its_own_shard(engines):

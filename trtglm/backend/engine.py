@@ -134,7 +134,7 @@ class ServedEngine:
         self.follower: threading.Thread | None = None
         if self.info.rank == 0:
             if self.distributed:
-                model = LeaderSlotModel(model, StepChannel(self.distributed.control))
+                model = LeaderSlotModel(model, self.distributed.steps(self.device))
             self.model = model
             self.executor = Executor(model, max_queue or QUEUE_PER_SLOT * self.engine.max_batch_size,
                                      max_num_tokens=self.engine.max_num_tokens, device=self.device,
@@ -151,7 +151,7 @@ class ServedEngine:
         else:
             self.model = model
             self.follower = threading.Thread(target=_follow_on, args=(self.device, model,
-                                                                      StepChannel(self.distributed.control)),
+                                                                      self.distributed.steps(self.device)),
                                              name="trtglm-follower", daemon=True)
             self.follower.start()
         report_phase("engine ready; Triton loads the other models")

@@ -12,7 +12,9 @@ and runs a `FastModel` with its CUDA graphs, every rank making the same calls:
 - speed: `bench runtime`'s decode timing (--prompt-len prompts, --new-tokens tokens): the decode step at
   each of --batches, and generated tokens/s (time to first token included);
 - the collectives alone: one step's all-reduces (2 × layers of `[batch, hidden]`, in the compute dtype) and
-  its gather of the logits, timed as CUDA graphs as the decode graphs replay them.
+  its gather of the logits, timed as CUDA graphs as the decode graphs replay them; and rank 0's host time to
+  tell the followers a decode step (`StepChannel.send`: its slots over gloo, the tokens' ids queued on the
+  compute group), the followers receiving as a served follower does.
 
 Prints the batch-1 step of tp N over tp 1's against the targets (≤ 0.6 at tp 2, ≤ 0.35 at tp 4) and writes
 OUT/tp.json. --device cpu runs the same code over gloo with the torch ops (e.g. --preset tiny --dtype
@@ -163,6 +165,8 @@ def _rank_main(rank: int, size: int, opts: Options, work: str, meeting: str) -> 
     logits, ids = greedy_runs(model, opts)
     timings = [decode_timing(model, batch, opts) for batch in opts.batches]
     collectives = collective_times(model, opts.batches, opts.symmetric_memory) if size > 1 else []
+    for row in collectives:
+        row["step_message_us"] = step_message_us(joined, device, row["batch"])
     say(f"tp {size}: measured after {time.monotonic() - started:.1f} s", flush=True)
     if rank == 0:
         from safetensors.torch import save_file
@@ -283,6 +287,24 @@ def collective_times(model, batches: tuple[int, ...], symmetric_memory: bool = F
     return rows
 
 
+def step_message_us(joined, device: torch.device, batch: int) -> float:
+    """Rank 0's host µs per decode step of `batch` sequences told to the followers (each rank calls it: rank 0
+    sends, the others receive)."""
+    from trtglm.runtime.distributed import DECODE, Step
+
+    channel = joined.steps(device)
+    step = Step(DECODE, list(range(batch)), [], torch.zeros(batch, dtype=torch.int64, device=device))
+    tell = (lambda: channel.send(step)) if joined.info.rank == 0 else channel.receive
+    tell()  # warm-up
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(TIMED_REPLAYS):
+        tell()
+    took = time.perf_counter() - start  # the host's time: the tokens' broadcasts are only queued
+    _sync(device)
+    return took * 1e6 / TIMED_REPLAYS
+
+
 def _one_shot_all_reduce_us(like: torch.Tensor, group, calls: int) -> float | str:
     """µs per all-reduce of PyTorch's one-shot kernel (each GPU reads every peer's buffer over NVLink: no
     multicast), for comparison with NCCL's; what went wrong where this PyTorch or GPU lacks it."""
@@ -380,7 +402,8 @@ def _speed_line(size: int, run: dict) -> str:
                         for t in run["timings"])
     collectives = "; ".join(f"batch {c['batch']}: all-reduce {c['all_reduce_us']:.1f} µs × "
                             f"{c['all_reduces_per_step']} = {c['step_all_reduce_ms']:.3f} ms/step, logits gather "
-                            f"{c['gather_logits_us']:.1f} µs" + _one_shot_text(c) for c in run["collectives"])
+                            f"{c['gather_logits_us']:.1f} µs" + _one_shot_text(c) +
+                            f", step message {c['step_message_us']:.1f} µs" for c in run["collectives"])
     same = "" if run["weights_identical_on_ranks"] else " WEIGHTS DIFFER BETWEEN RANKS"
     return f"tp {size} on {run['device']}: {timings}" + (f"; {collectives}" if collectives else "") + same
 

@@ -9,12 +9,14 @@ process groups:
   all-gather of the lm_head chunks in every forward (`Collectives`, the `Group` that
   `ShardedModel` combines its partial results with);
 - control (gloo, CPU tensors): rank 0, which takes the requests, broadcasts each call it makes
-  on its `SlotModel` (prefill, prefill_all and mixed step: slots, starts and pieces; decode: slots and
-  tokens; reuse: slot, source and length; copy: source and target slots; release: a slot;
-  stop) before making it (`LeaderSlotModel`); the other ranks make the same calls
-  (`follow`), so every collective meets its partners. Followers wait for the next message
-  without a deadline (an idle server is fine) and stop when rank 0 says so or goes away
-  (gloo reports the closed connection at once).
+  on its `SlotModel` (prefill, prefill_all and mixed step: slots, starts and pieces; decode: slots;
+  reuse: slot, source and length; copy: source and target slots; release: a slot; stop) before
+  making it (`LeaderSlotModel`); the other ranks make the same calls (`follow`), so every
+  collective meets its partners. Followers wait for the next message without a deadline (an idle
+  server is fine) and stop when rank 0 says so or goes away (gloo reports the closed connection
+  at once). The ids of a step's decode tokens are the token choice's output, on the device: rank 0
+  broadcasts them over the compute group, queued behind that choice, so it never waits for the
+  device to tell the followers a step (the executor prepares the next step while the GPU runs).
 
 The ranks meet through `MASTER_ADDR` / `MASTER_PORT` (env://) when both are set, otherwise
 through a file in the temporary folder named after the launch (`TRTGLM_LAUNCH_ID`, which
@@ -30,7 +32,7 @@ import os
 import re
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -38,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from trtglm.errors import UsageError
-from trtglm.runtime.slots import SlotModel, filled_pieces, prefill_starts
+from trtglm.runtime.slots import SlotModel, prefill_starts
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +121,10 @@ class Distributed:
     control: dist.ProcessGroup
     init_method: str = ""
 
+    def steps(self, device: torch.device) -> StepChannel:
+        """The channel of rank 0's steps (the decode tokens' ids on `device`, this rank's)."""
+        return StepChannel(self.control, self.collectives.group, device)
+
     def close(self) -> None:
         """Leave the groups together: a rank tearing gloo down while a peer still talks to it can abort."""
         if not dist.is_initialized():
@@ -155,55 +161,74 @@ def join(info: RankInfo, device: torch.device, init_method: str | None = None,
 # --- rank 0's steps, told to the followers -------------------------------------------------------------
 
 PREFILL, DECODE, RELEASE, STOP, MIXED, REUSE, COPY, PREFILL_ALL = 1, 2, 3, 4, 5, 6, 7, 8
+DECODE_TOKEN = -1  # a mixed step's piece length for a decode token (its id is in `Step.tokens`)
+MESSAGE = 4 + 1024  # numbers in a step's first message: the header and a decode step of up to 1,024 slots
 
 
 @dataclass(frozen=True)
 class Step:
-    """One SlotModel call: `op`, its slots, and `data` (decode: tokens; prefill and mixed step: starts, lengths,
-    then all ids; reuse: the slot, then [source, length]; copy: the targets, then the sources)."""
+    """One SlotModel call: `op`, its slots, and `data` (prefill and mixed step: starts, lengths (-1: a decode
+    token), then all prompt ids; reuse: the slot, then [source, length]; copy: the targets, then the sources);
+    `tokens`: the ids of its decode tokens (decode, mixed step), a tensor on the compute group's device."""
 
     op: int
     slots: list[int]
     data: list[int]
+    tokens: torch.Tensor | None = field(default=None, compare=False)
 
     @classmethod
-    def prefill(cls, slots: Sequence[int], prompts: Sequence[Sequence[int]],
-                starts: Sequence[int] | None = None, op: int = PREFILL) -> Step:
+    def prefill(cls, slots: Sequence[int], prompts: Sequence[Sequence[int] | None],
+                starts: Sequence[int] | None = None, op: int = PREFILL, tokens: torch.Tensor | None = None) -> Step:
         starts = prefill_starts(starts, len(prompts))
-        return cls(op, list(slots), starts + [len(p) for p in prompts] + [int(t) for p in prompts for t in p])
+        lengths = [DECODE_TOKEN if p is None else len(p) for p in prompts]
+        return cls(op, list(slots), starts + lengths + [int(t) for p in prompts if p is not None for t in p], tokens)
 
     def starts(self) -> list[int]:
         return self.data[:len(self.slots)]
 
-    def prompts(self) -> list[list[int]]:
+    def prompts(self) -> list[list[int] | None]:
         n = len(self.slots)
         lengths, ids = self.data[n:2 * n], self.data[2 * n:]
         out, start = [], 0
         for length in lengths:
-            out.append(ids[start:start + length])
-            start += length
+            out.append(None if length == DECODE_TOKEN else ids[start:start + length])
+            start += max(length, 0)
         return out
 
 
 class StepChannel:
-    """Rank 0 broadcasts `Step`s over the control group: a header [op, slots, data] then the numbers."""
+    """Rank 0 broadcasts `Step`s: over the control group a message of MESSAGE numbers, the header [op, slots,
+    data, tokens] and the first of the step's numbers (a decode step's slots fit: one round trip), the rest in a
+    second one; the decode tokens' ids over the compute group (`compute`, whose collectives run on `device`)."""
 
-    def __init__(self, group: dist.ProcessGroup, source: int = 0):
-        self.group, self.source = group, source
+    def __init__(self, control: dist.ProcessGroup, compute: dist.ProcessGroup, device: torch.device,
+                 source: int = 0, message: int = MESSAGE):
+        self.control, self.compute, self.device, self.source, self.message = control, compute, device, source, message
 
     def send(self, step: Step) -> None:
-        self._exchange(torch.tensor([step.op, len(step.slots), len(step.data)], dtype=torch.int64))
-        if step.slots or step.data:
-            self._exchange(torch.tensor(step.slots + step.data, dtype=torch.int64))
+        tokens = 0 if step.tokens is None else len(step.tokens)
+        numbers = [step.op, len(step.slots), len(step.data), tokens] + step.slots + step.data
+        first = torch.zeros(self.message, dtype=torch.int64)
+        first[:min(self.message, len(numbers))] = torch.tensor(numbers[:self.message], dtype=torch.int64)
+        self._exchange(first, self.control)
+        if len(numbers) > self.message:
+            self._exchange(torch.tensor(numbers[self.message:], dtype=torch.int64), self.control)
+        if tokens:  # queued on the device behind the choice that wrote them: nothing here waits for it
+            self._exchange(step.tokens.to(self.device, torch.int64), self.compute)
 
     def receive(self) -> Step:
-        header = self._exchange(torch.zeros(3, dtype=torch.int64))
-        op, n_slots, n_data = (int(v) for v in header)
-        body = self._exchange(torch.zeros(n_slots + n_data, dtype=torch.int64)).tolist() if n_slots + n_data else []
-        return Step(op, body[:n_slots], body[n_slots:])
+        numbers = self._exchange(torch.zeros(self.message, dtype=torch.int64), self.control).tolist()
+        op, n_slots, n_data, n_tokens = numbers[:4]
+        rest = 4 + n_slots + n_data - self.message
+        if rest > 0:
+            numbers += self._exchange(torch.zeros(rest, dtype=torch.int64), self.control).tolist()
+        body = numbers[4:4 + n_slots + n_data]
+        tokens = self._exchange(torch.empty(n_tokens, dtype=torch.int64, device=self.device), self.compute) \
+            if n_tokens else None
+        return Step(op, body[:n_slots], body[n_slots:], tokens)
 
-    def _exchange(self, tensor: torch.Tensor) -> torch.Tensor:
-        dist.broadcast(tensor, self.source, group=self.group)
+    def _exchange(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        dist.broadcast(tensor, self.source, group=group)
         return tensor
 
 
@@ -225,19 +250,17 @@ class LeaderSlotModel:
         self.channel.send(Step.prefill([slot], [chunk], [start], op=PREFILL_ALL))
         return self.inner.prefill_all(slot, chunk, start)
 
-    # The followers are told the ids of a step, so tokens left on the device are brought to the host first (rank 0
-    # waits for the step before).
     def decode(self, slots: Sequence[int], tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else [int(t) for t in tokens]
-        self.channel.send(Step(DECODE, list(slots), tokens))
+        if not isinstance(tokens, torch.Tensor):
+            tokens = torch.tensor([int(t) for t in tokens], dtype=torch.int64, device=self.channel.device)
+        self.channel.send(Step(DECODE, list(slots), [], tokens))
         return self.inner.decode(slots, tokens)
 
     def step(self, slots: Sequence[int], pieces: Sequence[Sequence[int] | None], starts: Sequence[int],
              decode_ids: torch.Tensor | None = None) -> torch.Tensor:
-        pieces = filled_pieces(pieces, decode_ids)
-        step = Step.prefill(slots, pieces, starts, op=MIXED)
+        step = Step.prefill(slots, pieces, starts, op=MIXED, tokens=decode_ids)
         self.channel.send(step)
-        return self.inner.step(slots, pieces, step.starts())
+        return self.inner.step(slots, pieces, step.starts(), decode_ids=decode_ids)
 
     def reuse(self, slot: int, source: int, length: int) -> None:
         self.channel.send(Step(REUSE, [slot], [source, length]))
@@ -286,11 +309,11 @@ def _make(model: SlotModel, step: Step) -> None:
     if step.op == PREFILL:
         model.prefill(step.slots, step.prompts(), step.starts())
     elif step.op == MIXED:
-        model.step(step.slots, step.prompts(), step.starts())
+        model.step(step.slots, step.prompts(), step.starts(), decode_ids=step.tokens)
     elif step.op == PREFILL_ALL:
         model.prefill_all(step.slots[0], step.prompts()[0], step.starts()[0])
     elif step.op == DECODE:
-        model.decode(step.slots, step.data)
+        model.decode(step.slots, step.tokens)
     elif step.op == REUSE:
         model.reuse(step.slots[0], *step.data)
     elif step.op == RELEASE:
