@@ -8,8 +8,9 @@ from pathlib import Path
 
 from conftest import REPO
 
-EVERYTHING = {"errors", "files", "conventions", "ports", "processes", "request_config", "chatglm", "convert", "profile",
-              "engine", "runtime", "backend", "model_repository", "repo", "openai_api", "serve", "client", "bench", "cli"}
+EVERYTHING = {"errors", "files", "conventions", "ports", "processes", "request_config", "chatglm", "convert",
+              "profile", "engine", "runtime", "backend", "model_repository", "repo", "openai_api", "serve", "client",
+              "bench", "cli"}
 ALLOWED = {
     "errors": set(),
     "conventions": set(),

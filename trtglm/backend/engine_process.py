@@ -149,7 +149,8 @@ class EngineProcess:
 
     @classmethod
     def start(cls, engine_dir: str, max_queue: int | None = None, kv_cache_reuse: bool = False,
-              kv_fraction: float = FREE_GPU_MEM_FRACTION, on_death: Callable[[str], None] | None = None) -> EngineProcess:
+              kv_fraction: float = FREE_GPU_MEM_FRACTION,
+              on_death: Callable[[str], None] | None = None) -> EngineProcess:
         """Start the engine's process and wait until it is ready (its load error raised here, as one line)."""
         ours, theirs = socket.socketpair()
         argv = [engine_python(), "-m", __name__, "--fd", str(theirs.fileno()), "--engine-dir", str(engine_dir)]

@@ -97,7 +97,8 @@ class Timing:
 
     def arrays(self) -> dict[str, np.ndarray]:
         blocks = self.kv_blocks
-        values = (blocks.new, blocks.reused, blocks.total, self.arrival_ns, self.scheduled_ns, self.first_token_ns, self.last_token_ns, 0.0, 0, 0)
+        values = (blocks.new, blocks.reused, blocks.total, self.arrival_ns, self.scheduled_ns, self.first_token_ns,
+                  self.last_token_ns, 0.0, 0, 0)
         return {name: np.array([[value]]) for name, value in zip(self.OUTPUTS, values, strict=True)}
 
 

@@ -36,7 +36,7 @@ from trtglm.errors import ModelFileError, UsageError
 
 log = logging.getLogger(__name__)
 
-DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}  # torch's names are TensorRT-LLM's
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}  # TensorRT-LLM's names: torch's
 # QUANT_ALGOS (conventions.py): the checkpoint only says which; TensorRT-LLM quantizes at build time
 BLOCK_BYTES = 64 << 20  # source bytes copied per step
 _SOURCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

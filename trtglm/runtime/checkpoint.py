@@ -125,7 +125,8 @@ def _check_config(cfg: CheckpointConfig, mapping: dict, where: str) -> None:
     if cfg.dtype not in DTYPES:
         problems.append(f"dtype {cfg.dtype!r} is not one of {', '.join(DTYPES)}")
     if cfg.quant_algo not in QUANT_ALGOS:
-        problems.append(f"quant_algo {cfg.quant_algo!r} is not supported (null, {', '.join(TRTLLM_QUANT_ALGOS.values())})")
+        supported = ", ".join(TRTLLM_QUANT_ALGOS.values())
+        problems.append(f"quant_algo {cfg.quant_algo!r} is not supported (null, {supported})")
     if int(mapping.get("pp_size", 1)) != 1:
         problems.append(f"pp_size {mapping.get('pp_size')} is not supported (ChatGLM uses pp_size 1)")
     if int(mapping.get("world_size", tp)) != tp * int(mapping.get("pp_size", 1)):

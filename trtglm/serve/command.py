@@ -143,7 +143,8 @@ def mpirun_args(mpirun: str | Path, sections: list[list[str]], *, mpi_version: i
 
 def launch_args(tritonserver: str | Path, repo: str | Path, world_size: int, endpoints: Endpoints, *,
                 mpirun: str | Path = "mpirun", mpi_version: int = 4, shm_base: str = "prefix",
-                backend_dir: str | Path | None = None, exit_timeout_s: int = EXIT_TIMEOUT_S, export_vars: list[str] = (),
+                backend_dir: str | Path | None = None, exit_timeout_s: int = EXIT_TIMEOUT_S,
+                export_vars: list[str] = (),
                 cpu_count: int = 1, output_dir: str | Path | None = None,
                 server_flags: Sequence[str] = ()) -> list[str]:
     """The whole command: tritonserver itself for one rank, mpirun for several."""
