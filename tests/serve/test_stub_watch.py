@@ -11,9 +11,9 @@ import time
 
 import psutil
 import pytest
+from trtglm.backend.contract import STUB
 from trtglm.serve import stubs
 from trtglm.serve.stubs import ZOMBIE_S, DeathWatch, child_pids, describe, descendants
-from trtglm.serve.tritonserver import STUB
 
 
 @pytest.fixture

@@ -29,6 +29,7 @@ REPO_MODELS = (*MODELS, HISTORY_CHAT)
 PYTHON, TENSORRTLLM = "python", "tensorrtllm"  # tensorrt_llm's backends
 
 # parameters
+STUB = "triton_python_backend_stub"  # the python backend's process of one model instance
 ENGINE_DIR = "gpt_model_path"  # tensorrt_llm's engine folder (NVIDIA's name, read by both backends)
 TOKENIZER_DIR, MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE = "tokenizer_dir", "max_input_len", "max_seq_len", "vocab_size"
 LLM_MODEL_NAME, ACCUMULATE_TOKENS = "tensorrt_llm_model_name", "accumulate_tokens"

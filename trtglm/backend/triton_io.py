@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import psutil
 
-from trtglm.backend.contract import TOKENIZER_DIR, int_parameter, parameter  # int_parameter: the models' too
+from trtglm.backend.contract import STUB, TOKENIZER_DIR, int_parameter, parameter  # int_parameter: the models' too
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import TrtglmError, UsageError
 from trtglm.processes import alive
@@ -128,8 +128,6 @@ def triton_error(message: str, code: str = "INTERNAL"):
 
 
 # --- other models' processes ------------------------------------------------------------------------------
-
-STUB = "triton_python_backend_stub"
 
 
 class ModelProcesses:

@@ -20,11 +20,11 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
+from trtglm.client import NO_PROXY
+
 POLL_S = 0.05
-NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 ROOT = Path(__file__).resolve().parents[2]
 
 # (key, regex on a log line, the phase that ends at this marker); the first line matching each counts.

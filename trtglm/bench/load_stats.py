@@ -11,14 +11,12 @@ event.
 from __future__ import annotations
 
 import time
-import urllib.request
 
 from trtglm.bench.measure import inflight_stats
 from trtglm.bench.stream_load import Trace
 from trtglm.bench.workload import Workload
-from trtglm.client import ServerError
+from trtglm.client import NO_PROXY, ServerError
 
-NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback must not go through a proxy
 METRIC_TOKENS = "trtglm_generated_tokens_total"
 METRIC_ACTIVE = "trtglm_active_sequences"
 METRIC_QUEUED = "trtglm_queued_requests"

@@ -52,7 +52,6 @@ CASES = {
     "log-probs": Case(SamplingConfig(), OutputConfig(return_log_probs=True)),
 }
 BASELINE = "greedy"
-WARM_UP_TOKENS = 4
 
 
 def parse_cases(value: str | list | tuple) -> list[str]:
@@ -136,6 +135,7 @@ def served_run(url: str, metrics_url: str, model: str, workload, case: Case, tim
 
 def served(url: str, metrics_url: str, model: str, cases: list[str], rounds: int, requests: int, concurrency: int,
            prompt_len: int, new_tokens: int, seed: int, timeout: float) -> dict:
+    from trtglm.bench.served import WARM_UP_TOKENS
     from trtglm.bench.serving import tokenizer_dir_of
     from trtglm.bench.workload import Workload, fixed_workload
     from trtglm.chatglm.tokenizer import ChatGLMTokenizer

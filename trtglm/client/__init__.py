@@ -10,11 +10,13 @@ text pieces as they arrive: one piece for a whole reply, new text only for a str
 from __future__ import annotations
 
 import re
+import urllib.request
 from dataclasses import dataclass
 
 from trtglm.errors import TrtglmError, UsageError
 
 MODELS = ("ensemble", "tensorrt_llm_bls")  # the client-facing models of the repository
+NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # for loopback: never through a proxy
 ANSWER_TIMEOUT_S = 600.0  # how long a client waits for the server's answer (a long generation on a busy server)
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 

@@ -19,7 +19,7 @@ from trtglm.errors import DependencyError, UsageError
 
 log = logging.getLogger(__name__)
 
-DATATYPES = {  # model input -> (numpy dtype, Triton datatype)
+INPUT_TYPES = {  # model input -> (numpy dtype, Triton datatype)
     "text_input": (np.object_, "BYTES"),
     "max_tokens": (np.int32, "INT32"),
     "stream": (np.bool_, "BOOL"),
@@ -97,7 +97,7 @@ def _batched(client, address: str, model: str, server_exception) -> bool:
 def _inputs(grpcclient, request: GenerateRequest, batched: bool) -> list:
     inputs = []
     for name, value in request.inputs().items():
-        dtype, datatype = DATATYPES[name]
+        dtype, datatype = INPUT_TYPES[name]
         array = np.array([value.encode("utf-8") if isinstance(value, str) else value], dtype=dtype)
         if batched:
             array = array.reshape(1, 1)

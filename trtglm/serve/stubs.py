@@ -27,7 +27,7 @@ from pathlib import Path
 
 import psutil
 
-from trtglm.serve.tritonserver import STUB
+from trtglm.backend.contract import STUB
 
 CHILDREN_FILES = Path(f"/proc/self/task/{threading.get_native_id()}/children").exists()  # Linux, CONFIG_PROC_CHILDREN
 ZOMBIE_S = 0.3  # a stub or engine process unreaped this long died (Triton and the stubs reap theirs at once)

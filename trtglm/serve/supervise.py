@@ -55,7 +55,6 @@ import sys
 import threading
 import time
 import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +62,7 @@ import psutil
 from tqdm import tqdm
 
 from trtglm.backend.cpus import engine_cpus_env
+from trtglm.client import NO_PROXY
 from trtglm.errors import TrtglmError
 from trtglm.files import PHASE_FILE, read_phase
 from trtglm.processes import alive
@@ -81,7 +81,6 @@ GRACE_S = 10.0  # after SIGTERM, before SIGKILL
 DEATH_GRACE_S = 0.5  # the same once a process of the launch died: requests the death stranded end with the server
 POLL_S = 0.2
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback must not go through a proxy
 
 
 @dataclass
@@ -403,7 +402,7 @@ def show_phase(bar: tqdm, phase_file: Path, started: float) -> None:
 
 def answers_ok(url: str) -> bool:
     try:
-        with _NO_PROXY.open(url, timeout=1) as reply:
+        with NO_PROXY.open(url, timeout=1) as reply:
             return reply.status == 200
     except (urllib.error.URLError, OSError):
         return False

@@ -26,6 +26,7 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
+from trtglm.backend.contract import STUB
 from trtglm.errors import DependencyError
 from trtglm.files import PHASE_FILE
 from trtglm.serve.command import mpi_major
@@ -33,7 +34,6 @@ from trtglm.serve.preload import PRELOAD_VARS
 
 CONTAINER_BINARY = Path("/opt/tritonserver/bin/tritonserver")
 BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
-STUB = "triton_python_backend_stub"
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 EXPORTED_VARS = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
                  "NCCL_NVLS_ENABLE", "TRTGLM_RUNTIME", "TRTGLM_ENGINE_CPUS", "TRTGLM_KERNEL_CACHE", "TRTGLM_RETUNE",
