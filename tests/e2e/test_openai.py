@@ -138,6 +138,16 @@ def test_max_tokens_ends_the_answer_by_length(client, sp):
     assert newer.choices[0].message.content == answer.choices[0].message.content
 
 
+def test_min_tokens_holds_the_end_off(client):
+    """min_tokens (vLLM's extension, sent in the openai SDK's extra_body, as genai-perf sends it): the answer goes on
+    past the fixture's end to exactly max_tokens tokens, and begins as the fixture's answer."""
+    answer = ask(client, SKY, max_tokens=40, extra_body={"min_tokens": 40})
+    assert (answer.usage.completion_tokens, answer.choices[0].finish_reason) == (40, "length")
+    assert answer.choices[0].message.content.startswith(SKY_ANSWER)
+    with pytest.raises(openai.BadRequestError, match="min_tokens 41 is more than the answer may take"):
+        ask(client, SKY, max_tokens=40, extra_body={"min_tokens": 41})
+
+
 def test_sampling_options_are_taken(client):
     seeded = [ask(client, SKY, seed=7, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5).choices[0]
               for _ in range(2)]

@@ -94,6 +94,7 @@ def test_what_it_can_do_passes():
     ({"max_tokens": -1}, "max_tokens"), ({"temperature": 3}, "temperature"), ({"n": 0}, "n"),
     ({"top_p": 0}, "top_p"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"), ({"seed": -1}, "seed"),
+    ({"min_tokens": -1}, "min_tokens"),
 ])
 def test_out_of_range_fields_are_400s_naming_the_field(fields, param):
     with pytest.raises(ValidationError) as caught:
@@ -162,6 +163,9 @@ def test_a_request_is_one_sampling_config_sent_as_the_ensembles_inputs():
     assert arrays["random_seed"].dtype.name == "uint64" and arrays["top_k"].dtype.name == "int32"
     greedy = triton_inputs(Ask([], 4, chat(temperature=0).sampling_config(), OutputConfig(True), (), True))
     assert set(greedy) == {"text_input", "max_tokens", "stream", "return_log_probs"}  # greedy: TensorRT-LLM's default
+    # min_tokens (vLLM's extension, which genai-perf sends) is the ensemble's min_length
+    held = triton_inputs(Ask([], 16, chat(temperature=0, min_tokens=16).sampling_config(), OutputConfig(), (), False))
+    assert held["min_length"].tolist() == [[16]] and held["min_length"].dtype.name == "int32"
 
 
 @pytest.fixture(scope="module")
@@ -232,6 +236,15 @@ def test_prompts_and_stop_strings_are_bounded(fields, param):
     with pytest.raises(ValidationError) as caught:
         CompletionRequest(model="tiny", **{"prompt": "hi", **fields})
     assert validation_error(caught.value.errors()).param == param
+
+
+def test_min_tokens_above_the_answers_limit_is_a_400(rendered, fixture_dir):
+    api = Api(served_model(rendered["chatglm3"]), triton=None, tokenizer=ChatGLMTokenizer(fixture_dir))
+    messages = [{"role": "user", "content": "hi"}]
+    assert len(api.asks(chat(min_tokens=8), messages, limit=8)) == 1
+    with pytest.raises(ApiError, match="min_tokens 9 is more than the answer may take \\(8 tokens") as caught:
+        api.asks(chat(min_tokens=9), messages, limit=8)
+    assert (caught.value.status, caught.value.param) == (400, "min_tokens")
 
 
 def test_stop_strings_are_bounded_in_bytes(rendered, fixture_dir):

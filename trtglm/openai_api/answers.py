@@ -66,6 +66,9 @@ class Api:
         return token_limit(self.served.limits, requested, prompt_tokens)
 
     def asks(self, request: ChatRequest | CompletionRequest, messages: list[dict], limit: int) -> list[Ask]:
+        if request.min_tokens > limit:
+            raise ApiError(400, f"min_tokens {request.min_tokens} is more than the answer may take ({limit} tokens: "
+                                "max_tokens, or what max_seq_len leaves after the prompt)", "min_tokens", "invalid_value")
         output = OutputConfig(return_log_probs=wants_log_probs(request) or not self.served.trtglm_engine)
         return [Ask(messages, limit, request.sampling_config(i), output, tuple(request.stop_words()), request.stream)
                 for i in range(request.n)]

@@ -99,6 +99,8 @@ class Sampling(Lenient):
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
+    # vLLM's and trtllm-serve's extension (genai-perf sends it for fixed output lengths): no end before this many
+    min_tokens: Annotated[int, Field(ge=0)] = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -119,7 +121,7 @@ class Sampling(Lenient):
     def sampling_config(self, choice: int = 0) -> SamplingConfig:
         """The settings of choice `choice` of `n` (seed + choice when a seed is given)."""
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, presence_penalty=self.presence_penalty,
-                              frequency_penalty=self.frequency_penalty,
+                              frequency_penalty=self.frequency_penalty, min_tokens=self.min_tokens,
                               seed=None if self.seed is None else (self.seed + choice) % 2**63)
 
 
