@@ -14,6 +14,7 @@ from support.tokenizer import tok  # noqa: F401 (fixture)
 from trtglm.errors import UsageError
 from trtglm.request_config import OutputConfig, SamplingConfig, early_stopping_mode
 from trtglm.runtime.generate import beam_search
+from trtglm.runtime.request import KvBlocks
 
 NEW = 20
 SEARCHES = [(1.0, True), (0.0, False), (2.0, "never"), (-1.0, False)]  # (length_penalty, early_stopping)
@@ -291,6 +292,11 @@ def test_a_beam_search_reserves_kv_cache_room_for_every_beam(tp1_model, four_pro
     run_all(executor)
     assert [b.tokens for b in beams[-1].beams] == without_end(beam_search(tp1_model, prompt, 2, NEW, end_id=end_id),
                                                               end_id)
+    # its perf metrics count each beam's blocks: the prompt and every step the search ran
+    steps = executor.stats().generated_tokens - sum(len(output.tokens) for output in plain)
+    assert steps >= max(len(b.tokens) for b in beams[-1].beams)
+    assert beams[-1].kv_blocks == KvBlocks(2 * -(-(len(prompt) + steps) // 16), 0)
+    assert -(-(len(prompt) + steps) // 16) > -(-len(prompt) // 16)  # the steps took blocks of their own
     longer = Request(prompt, NEW + 16, end_id=end_id)
     executor.check(longer)
     with pytest.raises(UsageError, match=r"needs \d+ KV-cache positions \(prompt and output, for each beam\)"):

@@ -43,7 +43,7 @@ class SequenceState:
         """The blocks its positions take so far (None before it has a slot)."""
         if self.reused_blocks is None:
             return None
-        positions = self.prefilled + self.generated
+        positions = self.prefilled + (self.generated if self.beams is None else self.beams.generated)
         return KvBlocks(self.request.sampling.beam_width * -(-positions // tokens_per_block), self.reused_blocks)
 
     @property
