@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
+from trtglm.conventions import FREE_GPU_MEM_FRACTION, TOKENS_PER_BLOCK
 from trtglm.engine.manifest import read_manifest
 from trtglm.errors import TrtglmError, UsageError
 from trtglm.files import report_phase
-from trtglm.conventions import FREE_GPU_MEM_FRACTION, TOKENS_PER_BLOCK
 from trtglm.runtime.distributed import (Collectives, Distributed, LeaderSlotModel, RankInfo, StepChannel, follow,
                                         join, rank_info)
 from trtglm.runtime.executor import Executor, Output, Request

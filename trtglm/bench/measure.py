@@ -47,7 +47,7 @@ class BatchTiming:
 def synth_tensors(preset: str, layers: int | None, dtype: str, seed: int, device: torch.device):
     """(ChatGLMConfig, HF tensors) of a random-weight preset, generated on the GPU (synth's distribution)."""
     from trtglm.chatglm.config import ChatGLMConfig
-    from trtglm.convert.writer import DTYPES as SYNTH_DTYPES
+    from trtglm.convert.writer import DTYPES as TORCH_DTYPES
     from trtglm.convert.synth import (
         INV_FREQ,
         NORM_STD,
@@ -62,7 +62,7 @@ def synth_tensors(preset: str, layers: int | None, dtype: str, seed: int, device
     for name, shape in tensor_specs(cfg):
         if name == INV_FREQ:
             continue
-        values = torch.randn(shape, device=device, dtype=SYNTH_DTYPES[dtype], generator=generator)
+        values = torch.randn(shape, device=device, dtype=TORCH_DTYPES[dtype], generator=generator)
         tensors[name] = values.mul_(NORM_STD).add_(1.0) if name.endswith("layernorm.weight") else \
             values.mul_(WEIGHT_STD)
     log.info("synthesized %s (%d layers) on %s: %.2f GB", preset, cfg.num_layers, device,

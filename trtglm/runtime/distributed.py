@@ -208,8 +208,9 @@ class StepChannel:
     def send(self, step: Step) -> None:
         tokens = 0 if step.tokens is None else len(step.tokens)
         numbers = [step.op, len(step.slots), len(step.data), tokens] + step.slots + step.data
+        head = numbers[:self.message]
         first = torch.zeros(self.message, dtype=torch.int64)
-        first[:min(self.message, len(numbers))] = torch.tensor(numbers[:self.message], dtype=torch.int64)
+        first[:len(head)] = torch.tensor(head, dtype=torch.int64)
         self._exchange(first, self.control)
         if len(numbers) > self.message:
             self._exchange(torch.tensor(numbers[self.message:], dtype=torch.int64), self.control)

@@ -30,6 +30,7 @@ class SequenceState:
         self.bad_words = BadWords(request.bad_words)
         self.kv_blocks = 0  # KV-cache blocks reserved for it while it holds a slot
         self.reused_blocks: int | None = None  # prompt blocks found in the prefix cache, once it has a slot
+        self._taken: KvBlocks | None = None  # the last blocks_taken (kept while a block holds more positions)
         self.held: list[int] = []  # a beam search's slots besides `slot`
         sampling = request.sampling
         self.beams = BeamSearch(sampling.beam_width, request.max_new_tokens, sampling.length_penalty,
@@ -44,7 +45,10 @@ class SequenceState:
         if self.reused_blocks is None:
             return None
         positions = self.prefilled + (self.generated if self.beams is None else self.beams.generated)
-        return KvBlocks(self.request.sampling.beam_width * -(-positions // tokens_per_block), self.reused_blocks)
+        total = self.request.sampling.beam_width * -(-positions // tokens_per_block)
+        if self._taken is None or self._taken.total != total:  # every output asks: a new object per block only
+            self._taken = KvBlocks(total, self.reused_blocks)
+        return self._taken
 
     @property
     def unprefilled(self) -> int:
