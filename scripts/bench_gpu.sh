@@ -44,9 +44,10 @@
 # off, on random 6B weights: tp 2 and 4 logits and 128 greedy steps of three prompts against tp 1's, the
 # batch-1 step and batch-64 tokens/s, one step's all-reduces alone, and the batch-1 step over tp 1's
 # against the targets (≤ 0.6 at tp 2, ≤ 0.35 at tp 4); results DEST/tp/tp.json and DEST/tp.txt; then, in a
-# run of its own, PyTorch's one-shot all-reduce over symmetric memory beside NCCL's
-# (DEST/tp-symmetric-memory*). Knobs: TP_SIZES (default 1,2,4), TP_FLAGS (more `bench tp` flags, e.g.
-# "--weight-only int4" or "--no-tune").
+# collectives at batches TP_BATCHES (default 1,16,64,256): as the model runs them (the one-shot kernel over symmetric
+# memory up to 64 rows), NCCL's and the one-shot kernel's apart with its sums against NCCL's; then the all-reduce and
+# tensor-parallel tests on these GPUs (DEST/tp-tests.txt). Knobs: TP_SIZES (default 1,2,4), TP_FLAGS (more
+# `bench tp` flags, e.g. "--weight-only int4" or "--no-tune").
 # `sampling` (not in the default set): what sampled and log-prob requests cost next to greedy ones, served:
 # synth-model 6b (fp16) → build-engine configs/chatglm3-6b-fp16-tp1.yaml (torch engine) → for this tree, then
 # for BASELINE_TREE when set (a copy of an earlier commit's trtglm/, configs/ and triton_model_repo/, e.g.
@@ -85,6 +86,8 @@
 # Knobs: WS_WORK, WS_SIZES (default "1 2 4"), WS_MODEL, WS_CONFIG (one profile for every size, its tp and world
 # size set to each), WS_LOAD, WS_LOAD_WIDE, WS_ROUNDS (default 2); a dry run on a CPU: WS_MODEL=$PWD/tests/fixtures/
 # tiny-chatglm3 WS_CONFIG=configs/tiny.yaml TOKENIZER_DIR=$PWD/tests/fixtures/tiny-chatglm3 WS_SIZES="1 2" small loads.
+# WS_STAGE=synth (the random weights only, on the CPU: e.g. beside another part) or build (and the engines), for a
+# later worldsizes run in WS_WORK to go on from (an engine built from the same inputs is kept).
 # `firstlaunch` (not in the default set): the README's GPU block as written (the model's place aside) on a machine
 # whose caches are empty, each command timed: synth-model 6b (bf16) → build-engine configs/chatglm3-6b-bf16-tp1.yaml
 # (build.engine auto; on a GPU it compiles and tunes the kernels into the engine's kernels/ folder) → patch-repo →
@@ -119,17 +122,24 @@ start_part() {  # NAME WORK: a served part's folder and caches; its `phase` line
     export TRTGLM_STATE_DIR=$work/state TRITON_CACHE_DIR=$work/triton-cache XDG_CACHE_HOME=$work/cache
 }
 phase() { echo "[$part $((SECONDS - started)) s] $*" | tee -a "$DEST/$part.txt"; }
-engine_6b() {  # WORK CONFIG [MODEL [ENGINE [FLAGS…]]]: random 6B fp16 weights (or the HF folder MODEL) built into
-    # ENGINE (default WORK/engine) with the torch engine; FLAGS go to build-engine
-    local work=$1 config=$2 model=${3:-$1/model} engine=${4:-$1/engine} tokenizer
+synth_6b() {  # WORK: random 6B fp16 weights in WORK/model (kept once made)
+    local model=$1/model tokenizer
     tokenizer=$(realpath "$(tokenizer_65k)")
-    if [ -z "${3:-}" ] && [ ! -f "$model/.trtglm-synth-done" ]; then
+    if [ ! -f "$model/.trtglm-synth-done" ]; then
         python3 -m trtglm synth-model --preset 6b --dtype float16 --out "$model" --force
         cp "$tokenizer/tokenizer.model" "$tokenizer/tokenizer_config.json" "$model/"
         touch "$model/.trtglm-synth-done"
     fi
+}
+engine_6b() {  # WORK CONFIG [MODEL [ENGINE [FLAGS…]]]: random 6B fp16 weights (or the HF folder MODEL) built into
+    # ENGINE (default WORK/engine) with the torch engine; FLAGS go to build-engine
+    local work=$1 config=$2 model=${3:-$1/model} engine=${4:-$1/engine}
+    [ -n "${3:-}" ] || synth_6b "$work"
+    local built="$config $model ${*:5}"  # an engine this script built from the same inputs is kept (WS_STAGE)
+    if [ "$(cat "$engine/.bench-built" 2>/dev/null)" == "$built" ]; then return; fi
     python3 -m trtglm build-engine --config "$config" --model-dir "$model" --output-dir "$engine" \
         --set build.engine=torch --force "${@:5}"
+    echo "$built" > "$engine/.bench-built"
 }
 in_tree() {  # TREE ARGS…: trtglm of that tree (this one, or a baseline's copy) with the wheels' site
     local tree=$1 site
@@ -226,13 +236,10 @@ from trtglm.bench.measure import gemv_probe; gemv_probe()" > "$DEST/ncu.txt" 2>&
 fi
 if [[ " $PARTS " == *" tp "* ]]; then
     # shellcheck disable=SC2086  # TP_FLAGS is a word list
-    NCCL_NVLS_ENABLE=0 python3 -m trtglm bench tp --tp "${TP_SIZES:-1,2,4}" --out "$DEST/tp" ${TP_FLAGS:-} 2>&1 \
-        | tee "$DEST/tp.txt"
-    # PyTorch's one-shot all-reduce over symmetric memory next to NCCL's (an alpha API: its own run, bounded,
-    # without tuning; its step times are not the ones to quote).
-    NCCL_NVLS_ENABLE=0 timeout 300 python3 -m trtglm bench tp --tp 2,4 --steps 1 --no-tune --symmetric-memory \
-        --out "$DEST/tp-symmetric-memory" 2>&1 | tee "$DEST/tp-symmetric-memory.txt" \
-        || echo "tp: the symmetric-memory run failed"
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python3 -m trtglm bench tp --tp "${TP_SIZES:-1,2,4}" \
+        --batches "${TP_BATCHES:-1,16,64,256}" --out "$DEST/tp" ${TP_FLAGS:-} 2>&1 | tee "$DEST/tp.txt"
+    python3 -m pytest -q -p no:cacheprovider tests/runtime/test_all_reduce.py tests/runtime/test_fast_tp.py \
+        -k "gpus or cuda" 2>&1 | tail -n 15 | tee "$DEST/tp-tests.txt"
 fi
 if [[ " $PARTS " == *" serving "* ]]; then
     SERVING_SOURCE=${SERVING_SOURCE:---synth 6b}
@@ -336,15 +343,21 @@ if [[ " $PARTS " == *" worldsizes "* ]]; then
     for ws in ${WS_SIZES:-1 2 4}; do  # those above the GPU count skipped (none on a CPU: a dry run)
         if ((gpus == 0 || ws <= gpus)); then sizes+=("$ws"); else phase "world size $ws: skipped ($gpus GPUs)"; fi
     done
+    largest=$(printf '%s\n' "${sizes[@]}" | sort -n | tail -n 1)
+    if [ "${WS_STAGE:-all}" == synth ]; then
+        [ -n "${WS_MODEL:-}" ] || synth_6b "$work"
+        sizes=()
+    fi
     for ws in "${sizes[@]}"; do
         config=${WS_CONFIG:-configs/chatglm3-6b-fp16-tp$ws.yaml}
         phase "world size $ws: build-engine $config ${WS_MODEL:-(random 6B fp16 weights)}"
         # shellcheck disable=SC2046  # a word list
         engine_6b "$work" "$config" "${WS_MODEL:-}" "$work/engine-ws$ws" \
             $([ -z "${WS_CONFIG:-}" ] || printf -- '--set convert.tp_size=%s --set serve.world_size=%s' "$ws" "$ws")
+        [ "${WS_STAGE:-all}" == all ] || continue
         launch_tree "$root" "ws$ws" "$work" "$work/engine-ws$ws" || continue
         loads=("$load")
-        [ "$ws" != "${sizes[-1]}" ] || loads+=("${WS_LOAD_WIDE:---requests 1024 --concurrency 256 --prompt-len 128 --new-tokens 128}")
+        [ "$ws" != "$largest" ] || loads+=("${WS_LOAD_WIDE:---requests 1024 --concurrency 256 --prompt-len 128 --new-tokens 128}")
         for each in "${loads[@]}"; do
             in_flight=$(grep -o -- '--concurrency [0-9]*' <<< "$each" | cut -d' ' -f2)
             phase "world size $ws: served greedy and top-p, $each"
@@ -356,7 +369,7 @@ if [[ " $PARTS " == *" worldsizes "* ]]; then
         done
         in_tree "$root" stop --repo "$work/repo-ws$ws" || true
     done
-    python3 -m trtglm.bench.world_sizes "$DEST" 2>&1 | tee -a "$DEST/worldsizes.txt" || true
+    [ "${WS_STAGE:-all}" != all ] || python3 -m trtglm.bench.world_sizes "$DEST" 2>&1 | tee -a "$DEST/worldsizes.txt" || true
     phase done
 fi
 if [[ " $PARTS " == *" firstlaunch "* ]]; then

@@ -22,7 +22,7 @@ FP32_TOL = 1e-4
 @pytest.mark.slow
 def test_tp_runs_compare_with_tp1_and_time_the_steps_and_collectives(tmp_path):
     proc = run_cli("bench", "tp", "--device", "cpu", "--preset", "tiny", "--dtype", "float32", "--tp", "1,2",
-                   "--steps", 6, "--batches", "1,3", "--prompt-len", 8, "--new-tokens", 4, "--symmetric-memory",
+                   "--steps", 6, "--batches", "1,3", "--prompt-len", 8, "--new-tokens", 4,
                    "--out", tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     results = json.loads((tmp_path / "tp.json").read_text())
@@ -36,14 +36,16 @@ def test_tp_runs_compare_with_tp1_and_time_the_steps_and_collectives(tmp_path):
     assert runs["1"]["collectives"] == []
     collectives = runs["2"]["collectives"]
     assert [c["batch"] for c in collectives] == [1, 3] and collectives[0]["all_reduces_per_step"] == 2 * 3  # layers
-    assert collectives[0]["one_shot_all_reduce_us"] == "not on the CPU"  # symmetric memory is CUDA's
+    assert all(c["group_all_reduce_us"] > 0 and c["all_reduce_us"] > 0 for c in collectives)
+    assert collectives[0]["one_shot_all_reduce_us"] is None and collectives[0]["one_shot_sums"] is None  # CUDA's
     assert all(c["step_message_us"] > 0 for c in collectives) and ", step message " in proc.stdout
     assert results["step_ratios"]["2"] == pytest.approx(runs["2"]["timings"][0]["step_ms"]
                                                         / runs["1"]["timings"][0]["step_ms"])
     assert "tp 2 vs tp 1: prefill max |Δlogit|" in proc.stdout
     assert "greedy tokens equal over 6 steps for 3 of 3 prompts" in proc.stdout
     assert "batch-1 step" in proc.stdout and "(target ≤ 0.6: " in proc.stdout
-    assert "tp 2: model ready" in proc.stdout and ", one-shot not on the CPU" in proc.stdout
+    assert "tp 2: model ready" in proc.stdout and ", no one-shot kernel here" in proc.stdout
+    assert "one-shot all-reduce of up to" not in proc.stdout and results["one_shot_us"] == {}
 
 
 def test_the_comparison_finds_where_greedy_tokens_part():

@@ -164,14 +164,13 @@ def tp(tp: str = "1,2,4", preset: Literal["tiny", "6b", "6b-32k"] = "6b", layers
        dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16",
        weight_only: Literal["none", "int8", "int4"] = "none", device: Literal["cuda", "cpu"] = "cuda",
        steps: PosInt = 128, batches: str = "1,64", prompt_len: PosInt = 128, new_tokens: PosInt = 128,
-       max_seq_len: PosInt = 512, seed: CountInt = 0, tune: bool = True, symmetric_memory: bool = False,
-       out: str = "out/bench-tp"):
+       max_seq_len: PosInt = 512, seed: CountInt = 0, tune: bool = True, out: str = "out/bench-tp"):
     """The fast runtime tensor-parallel over the GPUs here (one process each) against tp 1, on random weights.
 
     --tp 1,2,4: the sizes (those above the GPU count are skipped); the logits and --steps greedy tokens of a few
     prompts compared with tp 1's; the decode step and tokens/s at each of --batches (--prompt-len/--new-tokens);
-    one step's all-reduces and logits gather alone (--symmetric-memory: also PyTorch's one-shot all-reduce over
-    symmetric memory); --no-tune skips timing the matmuls' block shapes at start-up.
+    one step's all-reduces (as the model runs them; torch.distributed's and the one-shot kernel's apart) and logits
+    gather alone; --no-tune skips timing the matmuls' block shapes at start-up.
     --device cpu: gloo and the torch ops (e.g. --preset tiny --dtype float32). Writes OUT/tp.json.
     """
     flags = dict(locals())

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from trtglm.conventions import MULTICAST_OFF
 from trtglm.errors import UsageError
 from trtglm.runtime.slots import SlotModel, prefill_starts
 
@@ -46,7 +47,6 @@ log = logging.getLogger(__name__)
 
 COMPUTE_TIMEOUT = timedelta(minutes=30)  # a collective whose partner never comes (torch's default)
 CONTROL_TIMEOUT = timedelta(days=365)  # a follower waits for rank 0's next step for as long as the server runs
-NCCL_NVLS = "0"  # NVLink multicast (NVLS) off: the GPU hosts this runs on do not allow it
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,8 @@ def join(info: RankInfo, device: torch.device, init_method: str | None = None,
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        os.environ.setdefault("NCCL_NVLS_ENABLE", NCCL_NVLS)  # read when NCCL first starts, below
+        for name, value in MULTICAST_OFF.items():  # read when NCCL first starts, below
+            os.environ.setdefault(name, value)
     init_method = init_method or rendezvous()
     log.info("rank %d of %d joining (%s, %s)", info.rank, info.world_size, backend, init_method)
     dist.init_process_group(backend, init_method=init_method, rank=info.rank, world_size=info.world_size,

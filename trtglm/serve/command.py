@@ -21,7 +21,8 @@ What differs from NVIDIA's command, for a CPU machine and for supervision:
 - mpirun talks to its ranks over loopback (MPI_LOOPBACK: Open MPI 4's and 5's flags differ; its listeners
   are held to loopback by preload.py), as do the ranks' torch.distributed sockets (GLOO_SOCKET_IFNAME,
   NCCL_SOCKET_IFNAME); NCCL runs with
-  NVLink multicast off (NCCL_NVLS_ENABLE=0) unless the environment says otherwise;
+  NVLink multicast off (conventions.MULTICAST_OFF: NCCL's and PyTorch's symmetric memory's) unless the
+  environment says otherwise;
 - mpirun runs with `--noprefix` (Open MPI started by absolute path would otherwise put its
   own bin/ first on the ranks' PATH, so the python stubs would find the system python3),
   `--bind-to none` (Open MPI would pin each rank to one core, starving a CPU engine),

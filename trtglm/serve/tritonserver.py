@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 from trtglm.backend.contract import STUB
+from trtglm.conventions import MULTICAST_OFF
 from trtglm.errors import DependencyError
 from trtglm.files import PHASE_FILE
 from trtglm.serve.command import mpi_major
@@ -36,7 +37,7 @@ CONTAINER_BINARY = Path("/opt/tritonserver/bin/tritonserver")
 BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 EXPORTED_VARS = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
-                 "NCCL_NVLS_ENABLE", "TRTGLM_RUNTIME", "TRTGLM_ENGINE_CPUS", "TRTGLM_KERNEL_CACHE", "TRTGLM_RETUNE",
+                 *MULTICAST_OFF, "TRTGLM_RUNTIME", "TRTGLM_ENGINE_CPUS", "TRTGLM_KERNEL_CACHE", "TRTGLM_RETUNE",
                  PHASE_FILE, *PRELOAD_VARS)
 # ^ what mpirun passes to every rank
 
@@ -181,7 +182,8 @@ def server_env(base: dict[str, str], launch_id: str, python_bin: str | None = No
     env["TRTGLM_LAUNCH_ID"] = launch_id
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # the ranks share one host: talk over loopback
         env.setdefault(name, "lo")
-    env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off: the GPU hosts this runs on do not allow it
+    for name, value in MULTICAST_OFF.items():
+        env.setdefault(name, value)
     return env
 
 

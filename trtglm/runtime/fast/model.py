@@ -77,7 +77,7 @@ class FastModel(ForwardPasses, GraphCapture):
         self.config, self.dtype = cfg, resolve_dtype(dtype, cfg)
         self.quant_algo = resolve_weight_only(weight_only, cfg)
         check_shape_options(cfg, max_batch, max_seq_len, self.device)
-        self.ranks = _rank_group(cfg, process_group)
+        self.ranks = _rank_group(cfg, process_group, self.device, self.dtype)
         self.heads = cfg.heads_per_rank
         self.max_batch, self.max_seq_len, self.vocab_size = max_batch, max_seq_len, cfg.vocab_size
         self.ops = select_ops(self.device, kernels)
@@ -363,14 +363,15 @@ def load_fast_model(path: str | Path, rank: int | None = None, **options) -> Fas
     return FastModel(ckpt.config, ckpt.ranks[0], **options)
 
 
-def _rank_group(cfg: CheckpointConfig, process_group: torch.distributed.ProcessGroup | None) -> RankGroup | None:
+def _rank_group(cfg: CheckpointConfig, process_group: torch.distributed.ProcessGroup | None, device: torch.device,
+                dtype: torch.dtype) -> RankGroup | None:
     """The collectives of a tp-N model (None at tp 1: no collectives, no extra work)."""
     if process_group is None:
         if cfg.tp_size != 1:
             raise UsageError(f"a tp_size {cfg.tp_size} checkpoint runs one rank per process: each needs its rank "
                              f"and the process group of all {cfg.tp_size} (trtglm launch --world-size {cfg.tp_size})")
         return None
-    ranks = RankGroup(process_group)
+    ranks = RankGroup(process_group, device, dtype)
     if ranks.world_size != cfg.tp_size:
         raise UsageError(f"a tp_size {cfg.tp_size} checkpoint needs {cfg.tp_size} ranks, not {ranks.world_size}")
     return ranks if ranks.world_size > 1 else None
