@@ -150,7 +150,7 @@ def model(checkpoint) -> FastModel:
     return load_fast_model(checkpoint, device="cpu", **PAGED)
 
 
-GPU_TOL = 5e-2  # float32 on a GPU: its matmuls round inputs to tf32
+GPU_TOL = 1e-3  # float32 on a GPU (IEEE dot products, not tf32): other summation orders than the CPU's
 
 
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -246,8 +246,8 @@ def test_padded_prefill_of_one_prompt_matches_reference(model, reference, hf_cfg
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_prefill_graphs_give_the_eager_prefill(checkpoint, reference, hf_cfg):
     """On a GPU a one-prompt prefill replays the graph of the smallest width that holds it; its logits, and those of
-    the decode steps after it, are the eager prefill's (to what tf32 allows: a one-row prompt padded to 16 rows runs
-    on tensor cores, which round float32 inputs to tf32, instead of the one-row kernel)."""
+    the decode steps after it, are the eager prefill's (to float32's rounding: a one-row prompt padded to 16 rows
+    takes the many-row matmul kernel instead of the one-row kernel, summing in another order)."""
     gpu = load_fast_model(checkpoint, device="cuda", max_batch=2, max_seq_len=64)
     assert sorted(gpu._prefill_graphs) == [16, 32, 64]
     seq = sequences(hf_cfg.vocab_size, [30], seed=31)[0]
@@ -260,7 +260,7 @@ def test_prefill_graphs_give_the_eager_prefill(checkpoint, reference, hf_cfg):
                 rows.append(gpu.decode([slot], [seq[position]])[0])
             logits[use_graph] = torch.stack(rows).cpu()
             gpu.release(slot)
-        assert max_diff(logits[True], logits[False]) <= 5e-2, prompt_len
+        assert max_diff(logits[True], logits[False]) <= GPU_TOL, prompt_len
         assert torch.equal(logits[True].argmax(-1), expected[prompt_len - 1:prompt_len + 3].argmax(-1)), prompt_len
 
 
@@ -674,8 +674,8 @@ def test_triton_matmuls_match_dequantized_products(triton_ops, algo):
 @NEEDS_TRITON
 def test_fast_model_with_triton_kernels_matches_reference(triton_ops, checkpoint, reference, hf_cfg):
     if KERNEL_DEVICE == "cuda":
-        pytest.skip("float32 to 1e-4 holds in the interpreter; on a GPU tl.dot rounds float32 inputs to tf32 "
-                    "(bench runtime checks the GPU model against transformers)")
+        pytest.skip("on a GPU machine Triton compiles its kernels for the GPU, not the CPU tensors here (the cuda "
+                    "variants of the model tests check the GPU model against the reference)")
     model = load_fast_model(checkpoint, device="cpu", max_batch=2, max_seq_len=32, kernels="triton")
     tokens = sequences(hf_cfg.vocab_size, [12], seed=17)[0]
     expected = ref_logits(reference(None), tokens)

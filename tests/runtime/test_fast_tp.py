@@ -27,7 +27,7 @@ from trtglm.chatglm.weights import HFWeights
 from trtglm.errors import UsageError
 from trtglm.runtime.fast import load_fast_model
 
-TOL = {"cpu": 1e-4, "cpu-triton": 1e-4, "cuda": 5e-2}  # float32; on GPUs its matmuls round inputs to tf32
+TOL = {"cpu": 1e-4, "cpu-triton": 1e-4, "cuda": 1e-3}  # float32; on GPUs IEEE dot products in other orders
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 STEPS = 6
 MAX_BATCH, MAX_SEQ_LEN = 4, 64

@@ -19,7 +19,9 @@ the new key and value into the cache, and loads the older keys before it waits f
 launch fewer on the path through a layer and 32 programs instead of 2, which pays where the
 step is a chain of latencies (batch 1) and not where many sequences fill the GPU. Its dot
 products also run on tensor cores (the one query padded to 16 rows): on CUDA cores the float32
-products of a 256-position tile spilled registers and the step took 0.012 ms longer.
+products of a 256-position tile spilled registers and the step took 0.012 ms longer. Every dot product takes
+float32 inputs as they are (`input_precision="ieee"`, not tf32's 10-bit mantissas): a float32 model (the tests')
+computes in float32 throughout; 16-bit inputs are unaffected.
 
 The matmuls: for decoding one sequence, a one-row kernel for float weights (products summed
 elementwise and reduced once; memory-bound) and one for int8/int4 weights stored as planar
@@ -223,13 +225,13 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, pos_ptr, 
             valid = idx < end
             cached = _paged_rows(table, idx, valid, block_stride, kv_head * head_stride, BS, D)[:, None] + d[None, :]
             k = tl.load(k_ptr + cached, mask=valid[:, None], other=0.0)
-            scores = tl.where(valid[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+            scores = tl.where(valid[None, :], tl.dot(q, tl.trans(k), input_precision="ieee") * scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             p = tl.exp(scores - m_new[:, None])
             alpha = tl.exp(m - m_new)
             total = total * alpha + tl.sum(p, axis=1)
             v = tl.load(v_ptr + cached, mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             m = m_new
         out = out_ptr + heads[:, None] * D + d[None, :]
         if used == 1:
@@ -362,11 +364,12 @@ def _rope_attention_kernel(qkv_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, 
         v = tl.where(newest, v_new[None, :], v)
         # The dot products on tensor cores, this head's query as row 0 of a 16-row tile (the others zero).
         first = tl.arange(0, 16) == 0
-        scores = tl.dot(tl.where(first[:, None], q.to(k.dtype)[None, :], 0.0), tl.trans(k)) * scale
+        query = tl.where(first[:, None], q.to(k.dtype)[None, :], 0.0)
+        scores = tl.dot(query, tl.trans(k), input_precision="ieee") * scale
         scores = tl.where((idx <= pos)[None, :], scores, float("-inf"))
         top = tl.max(scores, axis=1)
         p = tl.exp(scores - top[:, None])
-        acc = tl.sum(tl.where(first[:, None], tl.dot(p.to(v.dtype), v), 0.0), axis=0)
+        acc = tl.sum(tl.where(first[:, None], tl.dot(p.to(v.dtype), v, input_precision="ieee"), 0.0), axis=0)
         total = tl.sum(tl.where(first, tl.sum(p, axis=1), 0.0), axis=0)
         top = tl.sum(tl.where(first, top, 0.0), axis=0)
         head = b * H + h
@@ -487,7 +490,7 @@ def _matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, HAS_BIAS: 
         k_ok = kk < K
         x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w))
+        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
     _store_tile(acc, rm, rn, m_ok, n_ok, bias_ptr, y_ptr, N, HAS_BIAS)
 
 
@@ -521,7 +524,7 @@ def _matmul_words_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, WORDS, 
         f_ok = rf < 2 * (WORDS - c0)
         for p in tl.static_range(PLANES):
             x = tl.load(x_rows + (2 * (p * WORDS + c0) + rf)[None, :], mask=m_ok[:, None] & f_ok[None, :], other=0.0)
-            acc += tl.dot(x, tl.trans(_plane_pairs(w, p, WEIGHT, BLOCK_N, BLOCK_W).to(x.dtype)))
+            acc += tl.dot(x, tl.trans(_plane_pairs(w, p, WEIGHT, BLOCK_N, BLOCK_W).to(x.dtype)), input_precision="ieee")
     acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
     _store_tile(acc, rm, rn, m_ok, n_ok, bias_ptr, y_ptr, N, HAS_BIAS)
 
