@@ -45,8 +45,9 @@
 # batch-1 step and batch-64 tokens/s, one step's all-reduces alone, and the batch-1 step over tp 1's
 # against the targets (≤ 0.6 at tp 2, ≤ 0.35 at tp 4); results DEST/tp/tp.json and DEST/tp.txt; then, in a
 # collectives at batches TP_BATCHES (default 1,16,64,256): as the model runs them (the one-shot kernel over symmetric
-# memory up to 64 rows), NCCL's and the one-shot kernel's apart with its sums against NCCL's; then the all-reduce and
-# tensor-parallel tests on these GPUs (DEST/tp-tests.txt). Knobs: TP_SIZES (default 1,2,4), TP_FLAGS (more
+# memory up to 256 rows), NCCL's and the one-shot kernel's apart with its sums against NCCL's; then the sizes above 1
+# again with NCCL for every all-reduce (TRTGLM_ONE_SHOT_ALL_REDUCE=0: the baseline, DEST/tp-nccl/ and DEST/tp-nccl.txt);
+# then the all-reduce and tensor-parallel tests on these GPUs (DEST/tp-tests.txt). Knobs: TP_SIZES (default 1,2,4), TP_FLAGS (more
 # `bench tp` flags, e.g. "--weight-only int4" or "--no-tune").
 # `sampling` (not in the default set): what sampled and log-prob requests cost next to greedy ones, served:
 # synth-model 6b (fp16) → build-engine configs/chatglm3-6b-fp16-tp1.yaml (torch engine) → for this tree, then
@@ -238,6 +239,11 @@ if [[ " $PARTS " == *" tp "* ]]; then
     # shellcheck disable=SC2086  # TP_FLAGS is a word list
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python3 -m trtglm bench tp --tp "${TP_SIZES:-1,2,4}" \
         --batches "${TP_BATCHES:-1,16,64,256}" --out "$DEST/tp" ${TP_FLAGS:-} 2>&1 | tee "$DEST/tp.txt"
+    above_1=$(tr ',' '\n' <<< "${TP_SIZES:-1,2,4}" | grep -vx 1 | paste -sd, -)
+    # shellcheck disable=SC2086  # TP_FLAGS is a word list
+    [ -z "$above_1" ] || TRTGLM_ONE_SHOT_ALL_REDUCE=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+        python3 -m trtglm bench tp --tp "$above_1" --batches "${TP_BATCHES:-1,16,64,256}" --out "$DEST/tp-nccl" \
+        ${TP_FLAGS:-} 2>&1 | tee "$DEST/tp-nccl.txt"
     python3 -m pytest -q -p no:cacheprovider tests/runtime/test_all_reduce.py tests/runtime/test_fast_tp.py \
         -k "gpus or cuda" 2>&1 | tail -n 15 | tee "$DEST/tp-tests.txt"
 fi

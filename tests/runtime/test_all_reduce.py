@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import REPO
 
-ROWS = (1, 64)  # decode-sized messages at the 6B's width
+ROWS = (1, 64, 256)  # decode-sized messages at the 6B's width
 WIDTH = 4096
 
 # One rank: join the others, set up the model's collectives, and check the sums; rank 0 writes what it found.
@@ -93,7 +93,7 @@ def gpus(world: int):
 def test_on_the_cpu_every_rank_sums_through_the_process_group(tmp_path):
     found = run_ranks(tmp_path, 2, "cpu")
     assert len(found) == 3 * (len(ROWS) + 1)
-    assert sum(case["fits"] for case in found.values()) == 3 + 2  # every size but the last fits (float32's 64 rows not)
+    assert sum(case["fits"] for case in found.values()) == 3 + 3 + 2  # 16-bit: 1, 64 and 256 rows; float32: 1 and 64
     for name, case in found.items():
         assert not case["one_shot"], name
         assert case["eager_equal"] and case["replayed_equal"] and case["exact"], name

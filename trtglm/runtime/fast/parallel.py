@@ -33,8 +33,11 @@ from trtglm.conventions import MULTICAST_OFF
 
 log = logging.getLogger(__name__)
 
-ONE_SHOT_MAX_BYTES = 512 * 1024  # one `[64, 4096]` 16-bit message: decode steps up to batch 64 at the 6B's width
+# One `[256, 4096]` 16-bit message: decode steps up to batch 256 at the 6B's width (at tp 2 on H200s the one-shot kernel
+# took 21.5 µs for it, NCCL 37.5 µs; docs/benchmarks.md)
+ONE_SHOT_MAX_BYTES = 2 * 1024 * 1024
 ONE_SHOT_DTYPES = (torch.bfloat16, torch.float32)  # PyTorch's kernel's; float16 is summed in a float32 buffer
+ONE_SHOT_SWITCH = "TRTGLM_ONE_SHOT_ALL_REDUCE"  # "0": NCCL for every message (on every rank: mpirun passes it on)
 
 
 class RankGroup:
@@ -46,7 +49,8 @@ class RankGroup:
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.one_shot = None
-        if device is not None and device.type == "cuda" and dtype is not None and self.world_size > 1:
+        wanted = os.environ.get(ONE_SHOT_SWITCH, "1") != "0"
+        if wanted and device is not None and device.type == "cuda" and dtype is not None and self.world_size > 1:
             self.one_shot = one_shot_all_reduce(group, device, dtype, ONE_SHOT_MAX_BYTES // dtype.itemsize)
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
