@@ -45,7 +45,7 @@
 # batch-1 step and batch-64 tokens/s, one step's all-reduces alone, and the batch-1 step over tp 1's
 # against the targets (≤ 0.6 at tp 2, ≤ 0.35 at tp 4); results DEST/tp/tp.json and DEST/tp.txt; then, in a
 # collectives at batches TP_BATCHES (default 1,16,64,256): as the model runs them (the one-shot kernel over symmetric
-# memory up to 256 rows), NCCL's and the one-shot kernel's apart with its sums against NCCL's; then the sizes above 1
+# memory up to 1 MiB summed), NCCL's and the one-shot kernel's apart with its sums against NCCL's; then the sizes above 1
 # again with NCCL for every all-reduce (TRTGLM_ONE_SHOT_ALL_REDUCE=0: the baseline, DEST/tp-nccl/ and DEST/tp-nccl.txt);
 # then the all-reduce and tensor-parallel tests on these GPUs (DEST/tp-tests.txt). Knobs: TP_SIZES (default 1,2,4), TP_FLAGS (more
 # `bench tp` flags, e.g. "--weight-only int4" or "--no-tune").

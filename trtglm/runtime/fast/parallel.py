@@ -33,9 +33,11 @@ from trtglm.conventions import MULTICAST_OFF
 
 log = logging.getLogger(__name__)
 
-# One `[256, 4096]` 16-bit message: decode steps up to batch 256 at the 6B's width (at tp 2 on H200s the one-shot kernel
-# took 21.5 µs for it, NCCL 37.5 µs; docs/benchmarks.md)
-ONE_SHOT_MAX_BYTES = 2 * 1024 * 1024
+# The most the one-shot kernel sums per rank (in its buffer's dtype): a `[128, 4096]` bfloat16 or `[64, 4096]` float16
+# message (summed in float32). Measured on two H200s (docs/benchmarks.md): bfloat16 at 1 to 256 rows 6.7-21.5 µs
+# against NCCL's 16-37.5; served float16 at batch 128 through the float32 buffer (2 MiB, its copies in and out) was
+# slower than NCCL (18,398 tokens/s against 19,461).
+ONE_SHOT_MAX_BYTES = 1024 * 1024
 ONE_SHOT_DTYPES = (torch.bfloat16, torch.float32)  # PyTorch's kernel's; float16 is summed in a float32 buffer
 ONE_SHOT_SWITCH = "TRTGLM_ONE_SHOT_ALL_REDUCE"  # "0": NCCL for every message (on every rank: mpirun passes it on)
 
@@ -51,7 +53,7 @@ class RankGroup:
         self.one_shot = None
         wanted = os.environ.get(ONE_SHOT_SWITCH, "1") != "0"
         if wanted and device is not None and device.type == "cuda" and dtype is not None and self.world_size > 1:
-            self.one_shot = one_shot_all_reduce(group, device, dtype, ONE_SHOT_MAX_BYTES // dtype.itemsize)
+            self.one_shot = one_shot_all_reduce(group, device, dtype, ONE_SHOT_MAX_BYTES // summed_in(dtype).itemsize)
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks of `partial` (in place)."""
@@ -92,10 +94,9 @@ class OneShotAllReduce:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 enable(self.group_name)
-        summed_in = dtype if dtype in ONE_SHOT_DTYPES else torch.float32
-        self.buffer = symm_mem.empty(numel, dtype=summed_in, device=device)
+        self.buffer = symm_mem.empty(numel, dtype=summed_in(dtype), device=device)
         symm_mem.rendezvous(self.buffer, group)
-        self.sums = None if summed_in == dtype else torch.empty_like(self.buffer)
+        self.sums = None if self.buffer.dtype == dtype else torch.empty_like(self.buffer)
         self._op = torch.ops.symm_mem
 
     def takes(self, partial: torch.Tensor) -> bool:
@@ -115,6 +116,11 @@ class OneShotAllReduce:
             self._op.one_shot_all_reduce_out(shared, "sum", self.group_name, sums)
             flat.copy_(sums)
         return partial
+
+
+def summed_in(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the one-shot kernel sums partial sums of `dtype` in."""
+    return dtype if dtype in ONE_SHOT_DTYPES else torch.float32
 
 
 def one_shot_all_reduce(group: dist.ProcessGroup | None, device: torch.device, dtype: torch.dtype, numel: int
