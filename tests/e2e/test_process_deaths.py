@@ -248,6 +248,8 @@ def remaining(pids: set[int]) -> list[tuple[int, str, str]]:
 @dataclass
 class Killed:
     killed: float
+    what: str
+    in_flight: int  # streams not yet ended at the kill
     streams: dict[str, list[Outcome]]
     health: HealthWatch
     gone: float | None  # when no process of the launch was left
@@ -314,7 +316,7 @@ def kill_under_streams(engine: Path, root: Path, world: int, what: str, rank: in
         print(f"\nws{world} {what} rank {rank} killed at {time.time() - (time.monotonic() - killed):.3f}, "
               f"{in_flight} streams in flight:", {path: [(o.how, o.ended and round(o.ended - killed, 2), o.detail[:80])
                                                           for o in found] for path, found in outcomes.items()})
-        return Killed(killed, outcomes, health, gone, launch_pids, server, root / "state")
+        return Killed(killed, what, in_flight, outcomes, health, gone, launch_pids, server, root / "state")
     finally:
         server.kill_leftovers()
 
@@ -330,8 +332,10 @@ def test_every_stream_in_flight_ends_within_the_bound(killed):
                    if o.how is None or o.ended - killed.killed > BOUND_S]
             for path, outcomes in killed.streams.items()}
     assert {path: found for path, found in late.items() if found} == {}
+    assert killed.in_flight >= 1
     errors = sum(o.how in ("error", "closed") for outcomes in killed.streams.values() for o in outcomes)
-    assert errors >= 1  # the kill touched what was in flight
+    if killed.what != "stub:preprocessing":  # every other victim is on the path of streams in flight: it strands them
+        assert errors >= 1
     assert [o for outcomes in killed.streams.values() for o in outcomes if o.how in ("wrong", "client")] == []
 
 
