@@ -9,3 +9,9 @@ FREE_GPU_MEM_FRACTION = 0.9  # kv_cache_free_gpu_mem_fraction: of the GPU memory
 # NVLink multicast off, in NCCL and in PyTorch's symmetric memory (set where not set): the GPU hosts this runs on
 # do not allow it, and nothing here needs it
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+def keep_multicast_off(environ) -> None:
+    """MULTICAST_OFF into `environ` (os.environ before NCCL or symmetric memory starts, or a child's), where unset."""
+    for name, value in MULTICAST_OFF.items():
+        environ.setdefault(name, value)

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trtglm.conventions import MULTICAST_OFF
+from trtglm.conventions import keep_multicast_off
 from trtglm.errors import UsageError
 from trtglm.runtime.slots import SlotModel, prefill_starts
 
@@ -149,8 +149,7 @@ def join(info: RankInfo, device: torch.device, init_method: str | None = None,
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        for name, value in MULTICAST_OFF.items():  # read when NCCL first starts, below
-            os.environ.setdefault(name, value)
+        keep_multicast_off(os.environ)  # read when NCCL first starts, below
     init_method = init_method or rendezvous()
     log.info("rank %d of %d joining (%s, %s)", info.rank, info.world_size, backend, init_method)
     dist.init_process_group(backend, init_method=init_method, rank=info.rank, world_size=info.world_size,

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from trtglm.backend.contract import STUB
-from trtglm.conventions import MULTICAST_OFF
+from trtglm.conventions import MULTICAST_OFF, keep_multicast_off
 from trtglm.errors import DependencyError
 from trtglm.files import PHASE_FILE
 from trtglm.serve.command import mpi_major
@@ -183,8 +183,7 @@ def server_env(base: dict[str, str], launch_id: str, python_bin: str | None = No
     env["TRTGLM_LAUNCH_ID"] = launch_id
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # the ranks share one host: talk over loopback
         env.setdefault(name, "lo")
-    for name, value in MULTICAST_OFF.items():
-        env.setdefault(name, value)
+    keep_multicast_off(env)
     return env
 
 

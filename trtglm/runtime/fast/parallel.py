@@ -29,7 +29,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from trtglm.conventions import MULTICAST_OFF
+from trtglm.conventions import keep_multicast_off
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +46,12 @@ class RankGroup:
     """This process's rank among `world_size` ranks of `group`; on GPUs with `dtype` (the partial sums') the
     one-shot all-reduce for messages up to ONE_SHOT_MAX_BYTES, where every rank can have it."""
 
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None):
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device, dtype: torch.dtype):
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.one_shot = None
         wanted = os.environ.get(ONE_SHOT_SWITCH, "1") != "0"
-        if wanted and device is not None and device.type == "cuda" and dtype is not None and self.world_size > 1:
+        if wanted and device.type == "cuda" and self.world_size > 1:
             self.one_shot = one_shot_all_reduce(group, device, dtype, ONE_SHOT_MAX_BYTES // summed_in(dtype).itemsize)
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
@@ -85,8 +84,7 @@ class OneShotAllReduce:
     def __init__(self, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, numel: int):
         import torch.distributed._symmetric_memory as symm_mem
 
-        for name, value in MULTICAST_OFF.items():  # read when symmetric memory is first set up, below
-            os.environ.setdefault(name, value)
+        keep_multicast_off(os.environ)  # read when symmetric memory is first set up, below
         group = group or dist.group.WORLD
         self.dtype, self.group_name = dtype, group.group_name
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)  # older PyTorch needs it before a rendezvous
