@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from trtglm.files import PHASE_FILE, read_phase, report_phase
 from trtglm.processes import alive
+from trtglm.serve.rank_logs import FatalSignals
 from trtglm.serve.supervise import show_phase
 
 pytestmark = pytest.mark.slow
@@ -293,6 +294,53 @@ def test_a_killed_rank_stops_every_rank_and_shows_its_log(env2):
     assert err.rstrip().splitlines()[-2].rstrip() == last_logged  # the log's tail, then the error line
     assert "rank 1 with PID 0 on node" in err and "exited on signal 9 (Killed)" in err  # mpirun's account
     env2.assert_clean(shm_base)
+
+
+def the_tritonserver(env: Env) -> psutil.Process:
+    found = [p for p in repo_processes(env.repo) if p.name() == "tritonserver"]
+    assert len(found) == 1, found
+    return found[0]
+
+
+@pytest.mark.reliability
+def test_a_tritonserver_that_aborts_reports_its_signal_as_the_watch_reads_it(env1):
+    """tritonserver's own crash handler on a real SIGABRT: its line in the rank's stderr is the one the
+    supervisor watches for (rank_logs.FATAL_SIGNAL), and the launch stops."""
+    proc = env1.start()
+    env1.wait_ready(proc)
+    shm_base = env1.state()["shm_base"]
+    log_dir = Path(env1.state()["log_dir"])
+    the_tritonserver(env1).send_signal(signal.SIGABRT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert err.strip().splitlines()[-1] in (
+        f"trtglm: error: rank 0's tritonserver crashed (SIGABRT); stopped all ranks (logs: {log_dir})",
+        f"trtglm: error: rank 0 of 1 died; stopped all ranks (logs: {log_dir})")  # the handler died first
+    assert FatalSignals(log_dir).first() == (0, signal.SIGABRT)
+    env1.assert_clean(shm_base)
+
+
+@pytest.mark.reliability
+def test_a_tritonserver_hung_in_its_crash_handler_stops_the_launch(env1):
+    """A tritonserver that wrote its crash handler's first line and then hangs (a corrupted heap can hang its
+    stack trace for good): stopped, with the others, as a dead rank is. The hang is a SIGSTOP, the line written
+    as the handler writes it."""
+    proc = env1.start()
+    env1.wait_ready(proc)
+    shm_base = env1.state()["shm_base"]
+    log_dir = Path(env1.state()["log_dir"])
+    server = the_tritonserver(env1)
+    server.send_signal(signal.SIGSTOP)
+    with open(log_dir / "ranks" / "rank.0" / "stderr", "ab") as stderr:
+        stderr.write(b"double free or corruption (out)\nSignal (6) received.\n")
+    hung_at = time.monotonic()
+    _, err = proc.communicate(timeout=30)
+    assert time.monotonic() - hung_at < 5
+    assert proc.returncode == 1
+    assert err.strip().splitlines()[-1] == (f"trtglm: error: rank 0's tritonserver crashed (SIGABRT); stopped all "
+                                            f"ranks (logs: {log_dir})")
+    assert not alive(server)
+    env1.assert_clean(shm_base)
 
 
 # --- detached --------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The ranks' log files: where each rank's stdout and stderr lie, the lines worth showing when a launch
-fails (the last error lines, then the tail), and the last error a rank logged."""
+fails (the last error lines, then the tail), the last error a rank logged, and whether a rank's tritonserver
+reported a fatal signal."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from pathlib import Path
 
 TAIL_LINES = 30
 ERROR_LINE = re.compile(r"^(E\d{4} |error: |Traceback |\w+(Error|Exception): )")
+# What tritonserver's handler of SIGSEGV and SIGABRT writes to stderr before a stack trace, after which it dies of
+# the signal. With a corrupted heap the stack trace can hang it for good (seen: "double free or corruption", then
+# this line alone, the server never answering again). Its SIGTERM and SIGINT handler writes to stdout.
+FATAL_SIGNAL = re.compile(rb"^Signal \((\d+)\) received\.$", re.MULTILINE)
 
 
 def rank_logs(log_dir: Path, rank: int) -> list[Path]:
@@ -60,3 +65,27 @@ def print_excerpt(path: Path, title: str = "") -> None:
     lines = log_excerpt(read_log(path))
     if lines:
         print(f"---- {title}{path} ----", *lines, sep="\n", file=sys.stderr)
+
+
+class FatalSignals:
+    """The ranks' stderr files, read as they grow, for FATAL_SIGNAL lines."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = Path(log_dir)
+        self.read_to: dict[Path, int] = {}  # each file's bytes read up to its last complete line
+
+    def first(self) -> tuple[int, int] | None:
+        """(rank, signal number) of the first fatal signal reported since the last call, if any."""
+        for path in sorted(self.log_dir.glob("ranks/**/rank.*/stderr")):
+            try:
+                with open(path, "rb") as log:
+                    log.seek(self.read_to.get(path, 0))
+                    new = log.read()
+            except OSError:
+                continue
+            complete = new[:new.rfind(b"\n") + 1]
+            self.read_to[path] = self.read_to.get(path, 0) + len(complete)
+            found = FATAL_SIGNAL.search(complete)
+            if found:
+                return int(path.parent.name.removeprefix("rank.")), int(found.group(1))
+        return None

@@ -10,7 +10,8 @@ reaches only the supervisor.
 Watching: every 0.2 s the supervisor lists the command's process tree (ranks are told apart
 by the shm prefix in their command line; python stubs are their children, engine processes the
 `tensorrt_llm` stubs'). If mpirun exits, any rank disappears, or a python stub or engine process of
-any rank dies (stubs.py: Triton 2.51 neither notices nor heals that), everything is stopped at once,
+any rank dies (stubs.py: Triton 2.51 neither notices nor heals that), or a rank's tritonserver reports a
+fatal signal (it can hang in its crash handler: rank_logs.FATAL_SIGNAL), everything is stopped at once,
 the tail of that rank's log is printed and the launch fails: the ranks first, given DEATH_GRACE_S after
 their SIGTERM, so that every request in flight has its error (or its closed connection) within a
 few seconds and health stops answering 200, then the OpenAI API, which passes those errors on to its
@@ -68,7 +69,7 @@ from trtglm.files import PHASE_FILE, read_phase
 from trtglm.processes import alive
 from trtglm.serve.launch_spec import LaunchSpec
 from trtglm.serve.openai_process import OpenAIProcess
-from trtglm.serve.rank_logs import last_error_line, print_excerpt, print_tails, read_log
+from trtglm.serve.rank_logs import FatalSignals, last_error_line, print_excerpt, print_tails, read_log
 from trtglm.serve.first_requests import first_requests
 from trtglm.serve.reaping import become_subreaper, reap_orphans
 from trtglm.serve.state import LaunchDir, kill, processes_with, remove_shm, shm_files
@@ -236,9 +237,10 @@ class Supervisor:
     # --- watching ---------------------------------------------------------------------------------
 
     def watch(self) -> Failure | None:
-        deaths = DeathWatch()
+        deaths, signals = DeathWatch(), FatalSignals(self.log_dir)
         while self.stop_signal is None:
-            failure = self.check_ranks() or self.check_openai() or self.check_deaths(deaths)
+            failure = (self.check_ranks() or self.check_crashes(signals) or self.check_openai()
+                       or self.check_deaths(deaths))
             if failure is not None:
                 return failure
             reap_orphans(self._own_children())
@@ -260,6 +262,17 @@ class Supervisor:
         rank, what = dead
         log.error("%s died; stopping the launch", what)
         return Failure(f"{what} died; stopped all ranks (logs: {self.log_dir})", [rank])
+
+    def check_crashes(self, signals: FatalSignals) -> Failure | None:
+        """A Failure once a rank's tritonserver reported a fatal signal: it is dying, or hung in its crash
+        handler (rank_logs.FATAL_SIGNAL), and must not be left holding its clients."""
+        crashed = signals.first()
+        if crashed is None:
+            return None
+        rank, signum = crashed
+        log.error("rank %d's tritonserver received %s; stopping the launch", rank, signal.Signals(signum).name)
+        return Failure(f"rank {rank}'s tritonserver crashed ({signal.Signals(signum).name}); stopped all ranks "
+                       f"(logs: {self.log_dir})", [rank])
 
     def check_ranks(self) -> Failure | None:
         self.refresh()
