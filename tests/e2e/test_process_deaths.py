@@ -5,7 +5,8 @@ of rank 0 and of rank 1, a whole rank's tritonserver, the OpenAI API's process.
 Every such death stops the whole launch (serve/stubs.py says why none is healed), so each kill has a launch
 of its own. In flight at the kill: long streams on every client path (ensemble HTTP SSE, tensorrt_llm_bls gRPC
 streaming, OpenAI chat streaming): the long ones fill the engine's slots and its queue, and the OpenAI ones
-wait in the queue too; the kill comes once each long path has streamed a piece.
+wait in the queue too, sent once each long path has streamed a piece; the kill comes QUEUED_S after every
+stream was sent (at once if a long stream is halfway through its answer by then: a slow machine).
 Asserted, timed from the kill: every stream has ended within BOUND_S, with an error event, an error response
 or a closed connection (or, one that the death did not touch, with its whole answer); Triton's
 /v2/health/ready, the ensemble's readiness and the OpenAI API's /health stop answering 200 within BOUND_S and
@@ -151,13 +152,28 @@ class Stream(threading.Thread):
                          else "closed")
 
 
-def any_started(streams: list[Stream], limit_s: float) -> bool:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if any(stream.started.is_set() for stream in streams):
-            return True
+def wait_for_the_kill_moment(long_ones: list[Stream], queued: list[Stream], halfway: int, limit_s: float = 60):
+    """Once each long path has streamed a piece, start the queued streams (they wait in the engine's queue
+    behind the long ones); return when every stream was sent, QUEUED_S later, or as soon as every stream was
+    sent once a long stream has `halfway` characters of its answer: on a slow machine the set-up must not
+    outlast the streams it is for."""
+    deadline, all_sent = time.monotonic() + limit_s, None
+    while True:
+        past_halfway = any(answered(stream) >= halfway for stream in long_ones)
+        if queued[0].ident is None and (past_halfway or all(any(s.started.is_set() for s in long_ones if s.path == path)
+                                                            for path in ("ensemble-sse", "bls-grpc"))):
+            for stream in queued:
+                stream.start()
+        if all_sent is None and all(stream.sent.is_set() for stream in long_ones + queued):
+            all_sent = time.monotonic()
+        if all_sent is not None and (past_halfway or time.monotonic() >= all_sent + QUEUED_S):
+            return
+        assert time.monotonic() < deadline, [(s.name, s.sent.is_set(), s.started.is_set()) for s in long_ones + queued]
         time.sleep(0.02)
-    return False
+
+
+def answered(stream: Stream) -> int:
+    return sum(map(len, list(stream.outcome.pieces)))
 
 
 def grpc_inputs(grpc) -> list:
@@ -288,18 +304,13 @@ def kill_under_streams(engine: Path, root: Path, world: int, what: str, rank: in
         long_ones, queued = [s for s in streams if s.path != "openai"], [s for s in streams if s.path == "openai"]
         for stream in long_ones:
             stream.start()
-        for path in ("ensemble-sse", "bls-grpc"):  # those beyond the slots wait for one, in flight as well
-            assert any_started([s for s in long_ones if s.path == path], 60), f"no {path} stream answered"
-        for stream in queued:  # they wait in the engine's queue behind the long streams
-            stream.start()
-        for stream in streams:
-            assert stream.sent.wait(60), f"{stream.name}: not sent within 60 s"
-        time.sleep(QUEUED_S)
+        wait_for_the_kill_moment(long_ones, queued, len(server.long_answer) // 2)
         health = HealthWatch(server)
         health.start()
         killed = time.monotonic()
         os.kill(target.pid, signal.SIGKILL)
         in_flight = sum(stream.outcome.how is None for stream in streams)
+        chars_at_kill = [answered(stream) for stream in long_ones]
         for stream in streams:
             stream.join(max(0.0, killed + BOUND_S + 5 - time.monotonic()))
         gone = None
@@ -314,7 +325,7 @@ def kill_under_streams(engine: Path, root: Path, world: int, what: str, rank: in
         for stream in streams:
             outcomes.setdefault(stream.path, []).append(stream.outcome)
         print(f"\nws{world} {what} rank {rank} killed at {time.time() - (time.monotonic() - killed):.3f}, "
-              f"{in_flight} streams in flight:", {path: [(o.how, o.ended and round(o.ended - killed, 2), o.detail[:80])
+              f"{in_flight} streams in flight, the long ones at {chars_at_kill} characters:", {path: [(o.how, o.ended and round(o.ended - killed, 2), o.detail[:80])
                                                           for o in found] for path, found in outcomes.items()})
         return Killed(killed, what, in_flight, outcomes, health, gone, launch_pids, server, root / "state")
     finally:
