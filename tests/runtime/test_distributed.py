@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,9 +20,9 @@ from support.engines import MAX_NEW, build_tiny_engine, chat_prompts, unsplit_an
 from trtglm.backend.engine import ServedEngine
 from trtglm.errors import UsageError
 from trtglm.runtime.distributed import (COPY, DECODE, DECODE_TOKEN, MIXED, PREFILL, RELEASE, REUSE, STOP,
-                                        MESSAGE, LeaderSlotModel, RankInfo, Step, StepChannel, follow, rank_info,
-                                        rendezvous)
+                                        LeaderSlotModel, RankInfo, Step, StepChannel, follow, rank_info, rendezvous)
 from trtglm.runtime.model import load_model
+from trtglm.runtime.step_link import StepLink
 
 # One rank's program: a ServedEngine from the OMPI environment; rank 0 answers the prompts (all submitted
 # at once, so they are batched) and writes the tokens (mode "beams:W": every beam of a beam search W wide);
@@ -273,41 +274,75 @@ def test_a_follower_makes_rank_0s_mixed_steps_prefix_copies_and_prefills_keeping
                             ("prefill_all", 0, [8, 9], 3), ("step", [2, 1], [None, [4, 5]], [6, 4], [7])]
 
 
-class Loopback(StepChannel):
-    """A StepChannel whose broadcasts go into a list (rank 0's end) and come out of it (a follower's), in order,
-    each with the group it went over."""
-
-    def __init__(self, message: int):
-        super().__init__("control", "compute", torch.device("cpu"), message=message)
-        self.wire: list[tuple[str, torch.Tensor]] = []
-
-    def _exchange(self, tensor, group):
-        if self.sending:
-            self.wire.append((group, tensor.clone()))
-        else:
-            sent_over, sent = self.wire.pop(0)
-            assert sent_over == group and sent.shape == tensor.shape, (group, sent_over, sent.shape, tensor.shape)
-            tensor.copy_(sent)
-        return tensor
+STEPS = [Step(DECODE, [0, 3, 1], [], torch.tensor([7, 8, 9])),
+         Step.prefill([2, 0, 1], [None, [5, 6, 7], [9] * 5000], starts=[4, 0, 2], op=MIXED, tokens=torch.tensor([3])),
+         Step(RELEASE, [1], [8]), Step(STOP, [], [])]
 
 
-@pytest.mark.parametrize("message", [MESSAGE, 9], ids=["one_message", "two_messages"])
-def test_steps_cross_the_channel_whole(message):
-    """Header, slots and numbers over the control group (in one message when they fit), the decode tokens' ids
-    over the compute group; what a follower receives is what rank 0 sent."""
-    steps = [Step(DECODE, [0, 3, 1], [], torch.tensor([7, 8, 9])),
-             Step.prefill([2, 0, 1], [None, [5, 6, 7], [9] * 20], starts=[4, 0, 2], op=MIXED, tokens=torch.tensor([3])),
-             Step(RELEASE, [1], [8]), Step(STOP, [], [])]
-    channel = Loopback(message)
-    channel.sending = True
-    for step in steps:
-        channel.send(step)
-    assert [group for group, _ in channel.wire].count("compute") == 2
-    assert len(channel.wire) == len(steps) + 2 + (message < MESSAGE)  # the long mixed step's second message
-    channel.sending = False
-    received = [channel.receive() for _ in steps]
-    assert received == steps and channel.wire == []
-    assert [None if s.tokens is None else s.tokens.tolist() for s in received] == [[7, 8, 9], [3], None, None]
+def tokens_of(steps: list[Step]) -> list[list[int] | None]:
+    return [None if s.tokens is None else s.tokens.tolist() for s in steps]
+
+
+def test_steps_cross_the_link_whole_one_message_each():
+    """On the CPU a step's header, slots, numbers and decode tokens go as one message over a real socket;
+    what a follower receives is what rank 0 sent."""
+    import socket
+    import threading
+
+    leader_end, follower_end = socket.socketpair()
+    sent_messages = []
+    leader = StepChannel(StepLink([leader_end]), None, torch.device("cpu"))
+    follower = StepChannel(StepLink([follower_end]), None, torch.device("cpu"))
+    send = leader.link.send
+    leader.link.send = lambda numbers: (sent_messages.append(len(numbers)), send(numbers))
+    sending = threading.Thread(target=lambda: [leader.send(step) for step in STEPS])  # a long one fills the buffer
+    sending.start()
+    received = [follower.receive() for _ in STEPS]
+    sending.join()
+    assert received == STEPS and tokens_of(received) == tokens_of(STEPS)
+    assert len(sent_messages) == len(STEPS)
+    leader_end.close()
+    with pytest.raises(RuntimeError, match="rank 0 closed the step link"):
+        follower.receive()
+    follower_end.close()
+
+
+LINK_PROGRAM = '''
+import json, sys, torch
+from trtglm.runtime.distributed import RankInfo, Step, join
+rank, world, meeting, steps_file, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+joined = join(RankInfo(rank, world, rank, world), torch.device("cpu"), init_method=meeting)
+channel = joined.steps(torch.device("cpu"))
+channel.tokens_in_message = False  # as on a GPU: the tokens over the compute group
+if rank == 0:
+    for op, slots, data, tokens in json.load(open(steps_file)):
+        channel.send(Step(op, slots, data, None if tokens is None else torch.tensor(tokens)))
+else:
+    received = [channel.receive() for _ in json.load(open(steps_file))]
+    json.dump([[s.op, s.slots, s.data, None if s.tokens is None else s.tokens.tolist()] for s in received],
+              open(out, "w"))
+joined.close()
+'''
+
+
+@pytest.mark.slow
+def test_ranks_meet_on_the_step_link_and_each_follower_gets_every_step(tmp_path):
+    """Three processes join the groups and the step link (its folder gone once they have); each follower
+    receives rank 0's steps whole, the decode tokens over the compute group as on a GPU."""
+    program, steps_file = tmp_path / "link.py", tmp_path / "steps.json"
+    program.write_text(LINK_PROGRAM)
+    steps = [[s.op, s.slots, s.data, tokens] for s, tokens in zip(STEPS, tokens_of(STEPS))]
+    steps_file.write_text(json.dumps(steps))
+    meeting, env = (tmp_path / "meeting").as_uri(), {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    before = set(Path(tempfile.gettempdir()).glob("trtglm-steps-*"))
+    ranks = [subprocess.Popen([sys.executable, str(program), str(rank), "3", meeting, str(steps_file),
+                               str(tmp_path / f"{rank}.json")], env=env, stderr=subprocess.PIPE, text=True)
+             for rank in range(3)]
+    errors = [rank.communicate(timeout=120)[1] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0, 0], errors
+    for follower in (1, 2):
+        assert json.loads((tmp_path / f"{follower}.json").read_text()) == steps
+    assert set(Path(tempfile.gettempdir()).glob("trtglm-steps-*")) == before
 
 
 def test_the_leader_tells_a_decode_step_without_waiting_for_its_tokens():

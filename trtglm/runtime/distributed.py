@@ -8,15 +8,17 @@ process groups:
 - compute (NCCL on GPUs, gloo on CPU): the all-reduce after `dense` and `proj` and the
   all-gather of the lm_head chunks in every forward (`Collectives`, the `Group` that
   `ShardedModel` combines its partial results with);
-- control (gloo, CPU tensors): rank 0, which takes the requests, broadcasts each call it makes
-  on its `SlotModel` (prefill, prefill_all and mixed step: slots, starts and pieces; decode: slots;
-  reuse: slot, source and length; copy: source and target slots; release: a slot; stop) before
-  making it (`LeaderSlotModel`); the other ranks make the same calls (`follow`), so every
-  collective meets its partners. Followers wait for the next message without a deadline (an idle
-  server is fine) and stop when rank 0 says so or goes away (gloo reports the closed connection
-  at once). The ids of a step's decode tokens are the token choice's output, on the device: rank 0
-  broadcasts them over the compute group, queued behind that choice, so it never waits for the
-  device to tell the followers a step (the executor prepares the next step while the GPU runs).
+- control (gloo, CPU tensors): the meeting of the step link (step_link.py) and the leaving together.
+
+Rank 0, which takes the requests, tells each call it makes on its `SlotModel` (prefill, prefill_all
+and mixed step: slots, starts and pieces; decode: slots; reuse: slot, source and length; copy: source
+and target slots; release: a slot; stop) over the step link before making it (`LeaderSlotModel`),
+without waiting for the followers; they make the same calls (`follow`), so every collective meets its
+partners. Followers wait for the next message without a deadline (an idle server is fine) and stop
+when rank 0 says so or goes away (its end of the link closes). The ids of a step's decode tokens are
+the token choice's output, on the device: rank 0 broadcasts them over the compute group, queued
+behind that choice, so it never waits for the device to tell the followers a step (the executor
+prepares the next step while the GPU runs); on the CPU they go in the step's message.
 
 The ranks meet through `MASTER_ADDR` / `MASTER_PORT` (env://) when both are set, otherwise
 through a file in the temporary folder named after the launch (`TRTGLM_LAUNCH_ID`, which
@@ -36,12 +38,14 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from trtglm.conventions import keep_multicast_off
 from trtglm.errors import UsageError
 from trtglm.runtime.slots import SlotModel, prefill_starts
+from trtglm.runtime.step_link import StepLink, connect
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +124,14 @@ class Distributed:
     collectives: Collectives
     control: dist.ProcessGroup
     init_method: str = ""
+    link: StepLink | None = None
 
     def steps(self, device: torch.device) -> StepChannel:
-        """The channel of rank 0's steps (the decode tokens' ids on `device`, this rank's)."""
-        return StepChannel(self.control, self.collectives.group, device)
+        """The channel of rank 0's steps (the decode tokens' ids on `device`, this rank's). The first call is
+        collective: every rank makes it, and the step link is made then."""
+        if self.link is None:
+            self.link = connect(self.info.rank, self.info.world_size, self.control)
+        return StepChannel(self.link, self.collectives.group, device)
 
     def close(self) -> None:
         """Leave the groups together: a rank tearing gloo down while a peer still talks to it can abort."""
@@ -131,6 +139,8 @@ class Distributed:
             return
         try:
             dist.barrier(group=self.control)
+            if self.link is not None:  # every rank past its last step
+                self.link.close()
         except RuntimeError as e:  # a peer is gone already: nothing to wait for
             log.debug("leaving without the others: %s", str(e).splitlines()[0])
         if dist.get_backend(self.collectives.group) != "nccl":
@@ -162,7 +172,6 @@ def join(info: RankInfo, device: torch.device, init_method: str | None = None,
 
 PREFILL, DECODE, RELEASE, STOP, MIXED, REUSE, COPY, PREFILL_ALL = 1, 2, 3, 4, 5, 6, 7, 8
 DECODE_TOKEN = -1  # a mixed step's piece length for a decode token (its id is in `Step.tokens`)
-MESSAGE = 4 + 1024  # numbers in a step's first message: the header and a decode step of up to 1,024 slots
 
 
 @dataclass(frozen=True)
@@ -197,40 +206,35 @@ class Step:
 
 
 class StepChannel:
-    """Rank 0 broadcasts `Step`s: over the control group a message of MESSAGE numbers, the header [op, slots,
-    data, tokens] and the first of the step's numbers (a decode step's slots fit: one round trip), the rest in a
-    second one; the decode tokens' ids over the compute group (`compute`, whose collectives run on `device`)."""
+    """Rank 0 tells `Step`s: the numbers [op, slots, data, tokens] + slots + data over the step link, in one
+    message; the decode tokens' ids over the compute group (`compute`, whose collectives run on `device`), or,
+    on the CPU, in the same message."""
 
-    def __init__(self, control: dist.ProcessGroup, compute: dist.ProcessGroup, device: torch.device,
-                 source: int = 0, message: int = MESSAGE):
-        self.control, self.compute, self.device, self.source, self.message = control, compute, device, source, message
+    def __init__(self, link: StepLink, compute: dist.ProcessGroup, device: torch.device, source: int = 0):
+        self.link, self.compute, self.device, self.source = link, compute, device, source
+        self.tokens_in_message = device.type == "cpu"  # host ids: no device to wait for, and one send fewer
 
     def send(self, step: Step) -> None:
         tokens = 0 if step.tokens is None else len(step.tokens)
         numbers = [step.op, len(step.slots), len(step.data), tokens] + step.slots + step.data
-        head = numbers[:self.message]
-        first = torch.zeros(self.message, dtype=torch.int64)
-        first[:len(head)] = torch.tensor(head, dtype=torch.int64)
-        self._exchange(first, self.control)
-        if len(numbers) > self.message:
-            self._exchange(torch.tensor(numbers[self.message:], dtype=torch.int64), self.control)
-        if tokens:  # queued on the device behind the choice that wrote them: nothing here waits for it
-            self._exchange(step.tokens.to(self.device, torch.int64), self.compute)
+        if tokens and self.tokens_in_message:
+            numbers += step.tokens.tolist()
+        self.link.send(np.array(numbers, dtype=np.int64))
+        if tokens and not self.tokens_in_message:  # queued on the device behind the choice that wrote them
+            dist.broadcast(step.tokens.to(self.device, torch.int64), self.source, group=self.compute)
 
     def receive(self) -> Step:
-        numbers = self._exchange(torch.zeros(self.message, dtype=torch.int64), self.control).tolist()
+        numbers = self.link.receive().tolist()
         op, n_slots, n_data, n_tokens = numbers[:4]
-        rest = 4 + n_slots + n_data - self.message
-        if rest > 0:
-            numbers += self._exchange(torch.zeros(rest, dtype=torch.int64), self.control).tolist()
         body = numbers[4:4 + n_slots + n_data]
-        tokens = self._exchange(torch.empty(n_tokens, dtype=torch.int64, device=self.device), self.compute) \
-            if n_tokens else None
+        if not n_tokens:
+            tokens = None
+        elif self.tokens_in_message:
+            tokens = torch.tensor(numbers[4 + n_slots + n_data:], dtype=torch.int64)
+        else:
+            tokens = torch.empty(n_tokens, dtype=torch.int64, device=self.device)
+            dist.broadcast(tokens, self.source, group=self.compute)
         return Step(op, body[:n_slots], body[n_slots:], tokens)
-
-    def _exchange(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        dist.broadcast(tensor, self.source, group=group)
-        return tensor
 
 
 class LeaderSlotModel:
