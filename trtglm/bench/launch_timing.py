@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from trtglm.client import NO_PROXY
+from trtglm.serve.rank_logs import LogTail
 
 POLL_S = 0.05
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,48 +45,24 @@ MARKERS = (
 LOGGED = re.compile(r"trtglm INFO [\w.]+: (.* in \d+\.\d+ s.*)$")
 
 
-class LogTail:
-    """New lines of the files under a folder, each stamped with the seconds since `start` when it was read."""
-
-    def __init__(self, folder: Path, pattern: str, start: float):
-        self.folder, self.pattern, self.start = folder, pattern, start
-        self.offsets: dict[Path, int] = {}
-        self.partial: dict[Path, bytes] = {}
-        self.lines: list[tuple[float, str]] = []
-
-    def poll(self) -> None:
-        now = time.monotonic() - self.start
-        for path in sorted(self.folder.glob(self.pattern)):
-            try:
-                with open(path, "rb") as f:
-                    f.seek(self.offsets.get(path, 0))
-                    data = f.read()
-            except OSError:
-                continue
-            if not data:
-                continue
-            self.offsets[path] = self.offsets.get(path, 0) + len(data)
-            data = self.partial.pop(path, b"") + data
-            *complete, rest = data.split(b"\n")
-            if rest:
-                self.partial[path] = rest
-            self.lines += [(now, line.decode("utf-8", errors="replace")) for line in complete]
-
-
 def timed_launch(label: str, repo: Path, ports: dict[str, int], log_dir: Path, env: dict[str, str],
                  timeout: float) -> dict:
     """Launch `repo` detached; the launch's timings (see the module docstring) and output."""
     argv = [sys.executable, "-m", "trtglm", "launch", "--repo", str(repo), "--detach", "--no-openai",
             "--timeout", f"{timeout:g}", "--log-dir", str(log_dir), *(f"--{name}-port={port}" for name, port in ports.items())]
     start = time.monotonic()
-    tail = LogTail(log_dir, "ranks/**/rank.0/std*", start)
+    tail, lines = LogTail(log_dir, "ranks/**/rank.0/std*"), []  # lines: (seconds since start, line)
     ready: list[float] = []
     done = threading.Event()
+
+    def read_log() -> None:
+        now = time.monotonic() - start
+        lines.extend((now, line) for _, line in tail.new_lines())
 
     def watch() -> None:
         url = f"http://127.0.0.1:{ports['http']}/v2/health/ready"
         while not done.is_set():
-            tail.poll()
+            read_log()
             if not ready:
                 try:
                     with NO_PROXY.open(url, timeout=1) as reply:
@@ -105,11 +82,11 @@ def timed_launch(label: str, repo: Path, ports: dict[str, int], log_dir: Path, e
     launch_s = time.monotonic() - start
     done.set()
     watcher.join()
-    tail.poll()
+    read_log()
     result = {"label": label, "command": " ".join(argv[1:]), "launch_s": round(launch_s, 2),
               "ready_s": round(ready[0], 2) if ready else None, "returncode": returncode,
               "output": output[-4000:]}
-    result.update(phases(tail.lines, result["ready_s"], launch_s))
+    result.update(phases(lines, result["ready_s"], launch_s))
     return result
 
 

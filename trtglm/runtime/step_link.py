@@ -42,25 +42,26 @@ class StepLink:
             sock.sendall(message)
 
     def receive(self) -> np.ndarray:
-        (count,) = COUNT.unpack(self._exactly(COUNT.size))
-        return np.frombuffer(self._exactly(8 * count), dtype="<i8")
-
-    def _exactly(self, size: int) -> bytearray:
-        data = bytearray(size)
-        view, got = memoryview(data), 0
-        while got < size:
-            try:
-                read = self.sockets[0].recv_into(view[got:])
-            except OSError as e:
-                raise RuntimeError(f"the step link broke: {e}") from None
-            if read == 0:
-                raise RuntimeError("rank 0 closed the step link")  # as gloo reports a peer gone
-            got += read
-        return data
+        (count,) = COUNT.unpack(read_exactly(self.sockets[0], COUNT.size))
+        return np.frombuffer(read_exactly(self.sockets[0], 8 * count), dtype="<i8")
 
     def close(self) -> None:
         for sock in self.sockets:
             sock.close()
+
+
+def read_exactly(sock: socket.socket, size: int) -> bytearray:
+    data = bytearray(size)
+    view, got = memoryview(data), 0
+    while got < size:
+        try:
+            read = sock.recv_into(view[got:])
+        except OSError as e:
+            raise RuntimeError(f"the step link broke: {e}") from None
+        if read == 0:
+            raise RuntimeError("rank 0 closed the step link")  # as gloo reports a peer gone
+        got += read
+    return data
 
 
 def connect(rank: int, world_size: int, control: dist.ProcessGroup) -> StepLink:
@@ -94,7 +95,7 @@ def _accept(server: socket.socket, world_size: int) -> list[socket.socket]:
         sock, _ = server.accept()
         sock.settimeout(None)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
-        (rank,) = COUNT.unpack(StepLink([sock])._exactly(COUNT.size))
+        (rank,) = COUNT.unpack(read_exactly(sock, COUNT.size))
         if not 0 < rank < world_size or rank in by_rank:
             raise RuntimeError(f"the step link was joined as rank {rank} (expected 1 to {world_size - 1}, once each)")
         by_rank[rank] = sock

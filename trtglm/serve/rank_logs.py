@@ -13,7 +13,7 @@ ERROR_LINE = re.compile(r"^(E\d{4} |error: |Traceback |\w+(Error|Exception): )")
 # What tritonserver's handler of SIGSEGV and SIGABRT writes to stderr before a stack trace, after which it dies of
 # the signal. With a corrupted heap the stack trace can hang it for good (seen: "double free or corruption", then
 # this line alone, the server never answering again). Its SIGTERM and SIGINT handler writes to stdout.
-FATAL_SIGNAL = re.compile(rb"^Signal \((\d+)\) received\.$", re.MULTILINE)
+FATAL_SIGNAL = re.compile(r"Signal \((\d+)\) received\.")
 
 
 def rank_logs(log_dir: Path, rank: int) -> list[Path]:
@@ -67,25 +67,43 @@ def print_excerpt(path: Path, title: str = "") -> None:
         print(f"---- {title}{path} ----", *lines, sep="\n", file=sys.stderr)
 
 
+class LogTail:
+    """The new complete lines of the files under `folder` that match `pattern`, read as the files grow."""
+
+    def __init__(self, folder: Path, pattern: str):
+        self.folder, self.pattern = Path(folder), pattern
+        self.offsets: dict[Path, int] = {}
+        self.partial: dict[Path, bytes] = {}  # a file's last line, not yet ended
+
+    def new_lines(self) -> list[tuple[Path, str]]:
+        lines = []
+        for path in sorted(self.folder.glob(self.pattern)):
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self.offsets.get(path, 0))
+                    data = f.read()
+            except OSError:
+                continue
+            if not data:
+                continue
+            self.offsets[path] = self.offsets.get(path, 0) + len(data)
+            *complete, rest = (self.partial.pop(path, b"") + data).split(b"\n")
+            if rest:
+                self.partial[path] = rest
+            lines += [(path, line.decode("utf-8", errors="replace")) for line in complete]
+        return lines
+
+
 class FatalSignals:
     """The ranks' stderr files, read as they grow, for FATAL_SIGNAL lines."""
 
     def __init__(self, log_dir: Path):
-        self.log_dir = Path(log_dir)
-        self.read_to: dict[Path, int] = {}  # each file's bytes read up to its last complete line
+        self.tail = LogTail(log_dir, "ranks/**/rank.*/stderr")
 
     def first(self) -> tuple[int, int] | None:
         """(rank, signal number) of the first fatal signal reported since the last call, if any."""
-        for path in sorted(self.log_dir.glob("ranks/**/rank.*/stderr")):
-            try:
-                with open(path, "rb") as log:
-                    log.seek(self.read_to.get(path, 0))
-                    new = log.read()
-            except OSError:
-                continue
-            complete = new[:new.rfind(b"\n") + 1]
-            self.read_to[path] = self.read_to.get(path, 0) + len(complete)
-            found = FATAL_SIGNAL.search(complete)
+        for path, line in self.tail.new_lines():
+            found = FATAL_SIGNAL.fullmatch(line)
             if found:
                 return int(path.parent.name.removeprefix("rank.")), int(found.group(1))
         return None

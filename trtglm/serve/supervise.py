@@ -269,10 +269,9 @@ class Supervisor:
         crashed = signals.first()
         if crashed is None:
             return None
-        rank, signum = crashed
-        log.error("rank %d's tritonserver received %s; stopping the launch", rank, signal.Signals(signum).name)
-        return Failure(f"rank {rank}'s tritonserver crashed ({signal.Signals(signum).name}); stopped all ranks "
-                       f"(logs: {self.log_dir})", [rank])
+        rank, name = crashed[0], signal.Signals(crashed[1]).name
+        log.error("rank %d's tritonserver received %s; stopping the launch", rank, name)
+        return Failure(f"rank {rank}'s tritonserver crashed ({name}); stopped all ranks (logs: {self.log_dir})", [rank])
 
     def check_ranks(self) -> Failure | None:
         self.refresh()
