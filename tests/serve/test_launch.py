@@ -30,6 +30,7 @@ from tqdm import tqdm
 from trtglm.files import PHASE_FILE, read_phase, report_phase
 from trtglm.processes import alive
 from trtglm.serve.rank_logs import FatalSignals
+from trtglm.serve.stubs import is_stub, stub_model
 from trtglm.serve.supervise import show_phase
 
 pytestmark = pytest.mark.slow
@@ -341,6 +342,30 @@ def test_a_tritonserver_hung_in_its_crash_handler_stops_the_launch(env1):
                                             f"ranks (logs: {log_dir})")
     assert not alive(server)
     env1.assert_clean(shm_base)
+
+
+@pytest.mark.reliability
+def test_a_crash_after_a_stubs_death_names_the_stub(env1):
+    """Triton 2.51's python backend can abort just after one of its stubs is killed; the error names the stub
+    that died first. The abort is the handler's line written while the server is stopped (so it reaps nothing)."""
+    proc = env1.start()
+    env1.wait_ready(proc)
+    log_dir = Path(env1.state()["log_dir"])
+    server = the_tritonserver(env1)
+    stub = next(p for p in server.children() if is_stub(p.cmdline()) and stub_model(p.cmdline()) == "echo")
+    server.send_signal(signal.SIGSTOP)
+    stub.kill()
+    deadline = time.monotonic() + 5
+    while stub.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with open(log_dir / "ranks" / "rank.0" / "stderr", "ab") as stderr:
+        stderr.write(b"Signal (6) received.\n")
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert err.strip().splitlines()[-1] == (f"trtglm: error: rank 0's tritonserver crashed (SIGABRT) after rank 0's "
+                                            f"echo's python stub (echo_0_0) (pid {stub.pid}) died; stopped all "
+                                            f"ranks (logs: {log_dir})")
+    assert not alive(server)
 
 
 # --- detached --------------------------------------------------------------------------------------

@@ -98,8 +98,8 @@ class DeathWatch:
         self.roles: dict[int, tuple[int, str]] = {}  # pid → (rank, role): a zombie's command line cannot be read
         self.zombie_since: dict[int, float] = {}
 
-    def died(self, ranks: dict[int, psutil.Process]) -> tuple[int, str] | None:
-        """(rank, "rank R's ROLE (pid P)") of a process that has been a zombie for ZOMBIE_S, or None."""
+    def died(self, ranks: dict[int, psutil.Process], after_s: float = ZOMBIE_S) -> tuple[int, str] | None:
+        """(rank, "rank R's ROLE (pid P)") of a process that has been a zombie for after_s, or None."""
         now, seen, zombies = time.monotonic(), set(), set()
         for rank, server in ranks.items():
             for pid in descendants(server.pid):
@@ -111,7 +111,7 @@ class DeathWatch:
                     self.roles[pid] = (rank, describe(pid))
         self.roles = {pid: what for pid, what in self.roles.items() if pid in seen}  # pids are reused
         self.zombie_since = {pid: self.zombie_since.get(pid, now) for pid in zombies}
-        dead = sorted(pid for pid, since in self.zombie_since.items() if now - since >= ZOMBIE_S)
+        dead = sorted(pid for pid, since in self.zombie_since.items() if now - since >= after_s)
         if not dead:
             return None
         rank, what = self.roles[dead[0]]

@@ -239,7 +239,7 @@ class Supervisor:
     def watch(self) -> Failure | None:
         deaths, signals = DeathWatch(), FatalSignals(self.log_dir)
         while self.stop_signal is None:
-            failure = (self.check_ranks() or self.check_crashes(signals) or self.check_openai()
+            failure = (self.check_ranks() or self.check_crashes(signals, deaths) or self.check_openai()
                        or self.check_deaths(deaths))
             if failure is not None:
                 return failure
@@ -263,15 +263,19 @@ class Supervisor:
         log.error("%s died; stopping the launch", what)
         return Failure(f"{what} died; stopped all ranks (logs: {self.log_dir})", [rank])
 
-    def check_crashes(self, signals: FatalSignals) -> Failure | None:
+    def check_crashes(self, signals: FatalSignals, deaths: DeathWatch) -> Failure | None:
         """A Failure once a rank's tritonserver reported a fatal signal: it is dying, or hung in its crash
-        handler (rank_logs.FATAL_SIGNAL), and must not be left holding its clients."""
+        handler (rank_logs.FATAL_SIGNAL), and must not be left holding its clients. A stub or engine process
+        already dead is named as the cause: Triton 2.51's python backend can abort on a stub's death."""
         crashed = signals.first()
         if crashed is None:
             return None
         rank, name = crashed[0], signal.Signals(crashed[1]).name
-        log.error("rank %d's tritonserver received %s; stopping the launch", rank, name)
-        return Failure(f"rank {rank}'s tritonserver crashed ({name}); stopped all ranks (logs: {self.log_dir})", [rank])
+        dead = deaths.died(self.ranks, after_s=0)
+        after = f" after {dead[1]} died" if dead else ""
+        log.error("rank %d's tritonserver received %s%s; stopping the launch", rank, name, after)
+        return Failure(f"rank {rank}'s tritonserver crashed ({name}){after}; stopped all ranks "
+                       f"(logs: {self.log_dir})", [rank])
 
     def check_ranks(self) -> Failure | None:
         self.refresh()
