@@ -8,7 +8,7 @@
 #   [PARTS="runtime kernels"] scripts/bench_gpu.sh [DEST] [extra `bench runtime` flags]
 #   PARTS=inflight scripts/bench_gpu.sh [DEST]
 #   PARTS=serving scripts/bench_gpu.sh [DEST]
-#   PARTS=tp scripts/bench_gpu.sh [DEST]
+#   PARTS=tp [BASELINE_TREE=.baseline] scripts/bench_gpu.sh [DEST]
 #   PARTS=sampling [BASELINE_TREE=.baseline] scripts/bench_gpu.sh [DEST]
 #   PARTS=firstlaunch scripts/bench_gpu.sh [DEST]
 #   PARTS="overlap inflight" [BASELINE_TREE=.baseline] scripts/bench_gpu.sh [DEST]
@@ -47,8 +47,9 @@
 # collectives at batches TP_BATCHES (default 1,16,64,256): as the model runs them (the one-shot kernel over symmetric
 # memory up to 1 MiB summed), NCCL's and the one-shot kernel's apart with its sums against NCCL's; then the sizes above 1
 # again with NCCL for every all-reduce (TRTGLM_ONE_SHOT_ALL_REDUCE=0: the baseline, DEST/tp-nccl/ and DEST/tp-nccl.txt);
-# then the all-reduce and tensor-parallel tests on these GPUs (DEST/tp-tests.txt). Knobs: TP_SIZES (default 1,2,4), TP_FLAGS (more
-# `bench tp` flags, e.g. "--weight-only int4" or "--no-tune").
+# then, with BASELINE_TREE, the sizes above 1 from that tree (DEST/tp-baseline/, DEST/tp-baseline.txt: its step message
+# and steps beside this tree's); then the all-reduce and tensor-parallel tests on these GPUs (DEST/tp-tests.txt).
+# Knobs: TP_SIZES (default 1,2,4), TP_FLAGS (more `bench tp` flags, e.g. "--weight-only int4" or "--no-tune").
 # `sampling` (not in the default set): what sampled and log-prob requests cost next to greedy ones, served:
 # synth-model 6b (fp16) → build-engine configs/chatglm3-6b-fp16-tp1.yaml (torch engine) → for this tree, then
 # for BASELINE_TREE when set (a copy of an earlier commit's trtglm/, configs/ and triton_model_repo/, e.g.
@@ -244,6 +245,12 @@ if [[ " $PARTS " == *" tp "* ]]; then
     [ -z "$above_1" ] || TRTGLM_ONE_SHOT_ALL_REDUCE=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
         python3 -m trtglm bench tp --tp "$above_1" --batches "${TP_BATCHES:-1,16,64,256}" --out "$DEST/tp-nccl" \
         ${TP_FLAGS:-} 2>&1 | tee "$DEST/tp-nccl.txt"
+    if [ -n "$above_1" ] && [ -n "${BASELINE_TREE:-}" ]; then  # the baseline tree's steps (its step message) beside
+        # shellcheck disable=SC2086  # TP_FLAGS is a word list
+        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 in_tree "$(realpath "$BASELINE_TREE")" bench tp \
+            --tp "$above_1" --batches "${TP_BATCHES:-1,16,64,256}" --out "$(realpath "$DEST")/tp-baseline" \
+            ${TP_FLAGS:-} 2>&1 | tee "$DEST/tp-baseline.txt"
+    fi
     python3 -m pytest -q -p no:cacheprovider tests/runtime/test_all_reduce.py tests/runtime/test_fast_tp.py \
         -k "gpus or cuda" 2>&1 | tail -n 15 | tee "$DEST/tp-tests.txt"
 fi
