@@ -139,10 +139,10 @@ class Distributed:
             return
         try:
             dist.barrier(group=self.control)
-            if self.link is not None:  # every rank past its last step
-                self.link.close()
         except RuntimeError as e:  # a peer is gone already: nothing to wait for
             log.debug("leaving without the others: %s", str(e).splitlines()[0])
+        if self.link is not None:  # every rank past its last step, or gone
+            self.link.close()
         if dist.get_backend(self.collectives.group) != "nccl":
             # NCCL's communicators stay: their teardown can wait without end on collectives that captured CUDA graphs
             # still hold, and every caller ends its process next (os._exit: no teardown at exit either).
