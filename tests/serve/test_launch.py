@@ -316,7 +316,8 @@ def test_a_tritonserver_that_aborts_reports_its_signal_as_the_watch_reads_it(env
     assert proc.returncode == 1
     assert err.strip().splitlines()[-1] in (
         f"trtglm: error: rank 0's tritonserver crashed (SIGABRT); stopped all ranks (logs: {log_dir})",
-        f"trtglm: error: rank 0 of 1 died; stopped all ranks (logs: {log_dir})")  # the handler died first
+        f"trtglm: error: rank 0 of 1 died (tritonserver received SIGABRT); stopped all ranks (logs: {log_dir})")
+    # ^ the handler died first
     assert FatalSignals(log_dir).first() == (0, signal.SIGABRT)
     env1.assert_clean(shm_base)
 

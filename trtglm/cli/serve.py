@@ -5,11 +5,13 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from trtglm.cli.flags import CountInt, Env, Passthrough, PosFloat, PosInt
+from trtglm.errors import UsageError
 from trtglm.ports import LOCAL_URL, OPENAI_PORT
 
 
-def launch(repo: str, world_size: PosInt | None = None, tritonserver: str | None = None, host: str = "127.0.0.1",
-           http_port: Annotated[PosInt | None, Env("HTTP_PORT")] = None,
+def launch(repo: str, world_size: PosInt | None = None, replicas: PosInt = 1, gpus: str | None = None,
+           front: bool | None = None, replica_ports: PosInt | None = None, tritonserver: str | None = None,
+           host: str = "127.0.0.1", http_port: Annotated[PosInt | None, Env("HTTP_PORT")] = None,
            grpc_port: Annotated[PosInt | None, Env("GRPC_PORT")] = None,
            metrics_port: Annotated[PosInt | None, Env("METRICS_PORT")] = None, log_dir: str | None = None,
            detach: bool = False, timeout: PosFloat = 300.0,
@@ -21,13 +23,26 @@ def launch(repo: str, world_size: PosInt | None = None, tritonserver: str | None
     engine profile's serve.*_port (Triton's 8000, 8001, 8002 when it names none); --host binds rank 0's endpoints
     and the OpenAI API (loopback by default); --detach returns once ready (stop with `trtglm stop`); --timeout:
     seconds to wait for readiness; --openai-port: the OpenAI-compatible API's port (--no-openai:
-    none). Words after `--` are passed on to every rank's tritonserver.
+    none). --replicas N runs N copies of the model, each on --world-size GPUs of its own (--gpus 0,1,…: which,
+    in order; default the visible ones), behind a proxy (Envoy) on those ports; --front puts the proxy in front of
+    one replica too. Each replica's own ports are the block --replica-ports + 4·i (default --http-port + 100).
+    Words after `--` are passed on to every rank's tritonserver.
     """
     from trtglm.serve.launch import launch as run
 
     run(repo, world_size=world_size, tritonserver=tritonserver, host=host, http_port=http_port,
         grpc_port=grpc_port, metrics_port=metrics_port, log_dir=log_dir, detach=detach, timeout=timeout,
-        server_flags=list(server_flags), openai_port=openai_port, openai=openai)
+        server_flags=list(server_flags), openai_port=openai_port, openai=openai, replicas=replicas, front=front,
+        gpus=_gpu_list(gpus), replica_ports=replica_ports)
+
+
+def _gpu_list(gpus: str | None) -> list[str] | None:
+    if gpus is None:
+        return None
+    entries = [entry.strip() for entry in str(gpus).split(",")]
+    if not all(entries):
+        raise UsageError(f"--gpus must be GPU ids separated by commas (0,1,2,3), not {gpus!r}")
+    return entries
 
 
 def stop(repo: str | None = None):
@@ -37,23 +52,39 @@ def stop(repo: str | None = None):
     run(repo)
 
 
-def status():
-    """Launched servers: repository, state, supervisor pid, ports, and whether it answers ready."""
+def status(json: bool = False):
+    """Launched servers: repository, state, supervisor pid, ports, whether it answers ready, and each replica
+    (GPUs, state, ports, restarts); --json prints the same as a JSON list."""
     from trtglm.serve.status import launch_rows
 
     rows = launch_rows()
+    if json:
+        import json as json_text
+
+        print(json_text.dumps(rows, indent=2))
+        return
     if not rows:
         print("no launches")
     for row in rows:
-        ports = " ".join(f"{name}={port}" for name, port in row["ports"].items())
-        print(f"{row['repo']}\t{row['state']}\tpid {row['pid']}\t{ports}\t{'ready' if row['ready'] else 'not ready'}")
+        print(f"{row['repo']}\t{row['state']}\tpid {row['pid']}\t{_ports(row['ports'])}\t"
+              f"{'ready' if row['ready'] else 'not ready'}")
+        for replica in row["replicas"] if len(row["replicas"]) > 1 or row.get("front") else ():
+            gpus = ",".join(replica["gpus"]) if replica["gpus"] is not None else "-"
+            reason = f"\t{replica['reason']}" if replica.get("reason") and replica["state"] != "ready" else ""
+            print(f"  replica {replica['index']}\tgpus {gpus}\t{replica['state']}\t{_ports(replica['ports'])}\t"
+                  f"restarts {replica['restarts']}{reason}")
 
 
-def logs(repo: str | None = None, rank: CountInt = 0, lines: PosInt = 40):
-    """The last --lines lines of a launched server's logs (one rank's stdout and stderr, the supervisor's)."""
+def _ports(ports: dict[str, int]) -> str:
+    return " ".join(f"{name}={port}" for name, port in ports.items())
+
+
+def logs(repo: str | None = None, replica: CountInt | None = None, rank: CountInt = 0, lines: PosInt = 40):
+    """The last --lines lines of a launched server's logs: one rank's stdout and stderr (of one --replica of a
+    launch of several), the supervisor's, the OpenAI API's, the front's."""
     from trtglm.serve.status import log_tails, recorded_launch
 
-    for path, tail in log_tails(recorded_launch(repo), rank, lines):
+    for path, tail in log_tails(recorded_launch(repo), rank, lines, replica):
         print(f"==> {path} <==", *tail, sep="\n")
 
 

@@ -34,18 +34,19 @@ def resolve_world_size(repo: Path, requested: int | None) -> int:
     return requested
 
 
-def check_ports(endpoints: Endpoints) -> None:
-    """Refuse bad, repeated or busy ports (busy: another socket listens on host:port)."""
+def check_ports(endpoints: Endpoints, flag=lambda name: f"--{name}-port") -> None:
+    """Refuse bad, repeated or busy ports (busy: another socket listens on host:port); `flag` names a port in
+    the error, by its key in `endpoints.ports()`."""
     ports = endpoints.ports()
     for name, port in ports.items():
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-            raise UsageError(f"--{name}-port must be a port number (1-65535), not {port!r}")
+            raise UsageError(f"{flag(name)} must be a port number (1-65535), not {port!r}")
     if len(set(ports.values())) < len(ports):
-        raise UsageError(f"{', '.join(f'--{name}-port' for name in ports)} must differ (got {ports})")
+        raise UsageError(f"{', '.join(map(flag, ports))} must differ (got {ports})")
     for name, port in ports.items():
-        if not port_is_free(endpoints.host, port):
-            raise UsageError(f"--{name}-port {port} on {endpoints.host} is in use (pick another port or stop "
-                             "what uses it)")
+        host = endpoints.bind_host(name)
+        if not port_is_free(host, port):
+            raise UsageError(f"{flag(name)} {port} on {host} is in use (pick another port or stop what uses it)")
 
 
 def port_is_free(host: str, port: int) -> bool:

@@ -56,23 +56,29 @@ RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
 
 @dataclass(frozen=True)
 class Endpoints:
-    """Where rank 0 listens, and the OpenAI-compatible API (None: not served)."""
+    """Where rank 0 listens, and the OpenAI-compatible API (None: not served). The metrics port binds to
+    `metrics_host` where one is given: a replica behind the front keeps its other ports on loopback."""
 
     host: str
     http_port: int
     grpc_port: int
     metrics_port: int
     openai_port: int | None = None
+    metrics_host: str | None = None
 
     def ports(self) -> dict[str, int]:
         ports = {"http": self.http_port, "grpc": self.grpc_port, "metrics": self.metrics_port}
         return ports if self.openai_port is None else {**ports, "openai": self.openai_port}
 
+    def bind_host(self, port_name: str) -> str:
+        """The address the port named `port_name` (a key of `ports()`) binds to."""
+        return self.metrics_host if port_name == "metrics" and self.metrics_host is not None else self.host
+
     def urls(self) -> dict[str, str]:
         """Client addresses; a wildcard bind address is reached through loopback."""
         host = client_host(self.host)
         urls = {"http": f"http://{host}:{self.http_port}", "grpc": f"{host}:{self.grpc_port}",
-                "metrics": f"http://{host}:{self.metrics_port}/metrics"}
+                "metrics": f"http://{client_host(self.bind_host('metrics'))}:{self.metrics_port}/metrics"}
         return urls if self.openai_port is None else {**urls, "openai": f"http://{host}:{self.openai_port}/v1"}
 
 
@@ -98,7 +104,7 @@ def server_args(tritonserver: str | Path, repo: str | Path, rank: int, endpoints
     if rank == 0:
         args += [f"--http-address={endpoints.host}", f"--http-port={endpoints.http_port}",
                  f"--grpc-address={endpoints.host}", f"--grpc-port={endpoints.grpc_port}",
-                 f"--metrics-address={endpoints.host}", f"--metrics-port={endpoints.metrics_port}",
+                 f"--metrics-address={endpoints.bind_host('metrics')}", f"--metrics-port={endpoints.metrics_port}",
                  "--allow-cpu-metrics=true", "--allow-gpu-metrics=false",
                  "--model-control-mode=explicit", "--load-model=*"]
     else:

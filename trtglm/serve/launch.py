@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -32,9 +31,13 @@ from trtglm.model_repository import profile_ports
 from trtglm.ports import TRITON_PORTS
 from trtglm.serve.checks import check_ports, repo_folder, resolve_world_size
 from trtglm.serve.command import EXIT_TIMEOUT_S, Endpoints
-from trtglm.serve.launch_spec import LaunchSpec
+from trtglm.serve.fleet import MAX_START_FAILURES, Fleet, FleetSpec, plan_fleet, wants_front
+from trtglm.serve.front import find_envoy
+from trtglm.serve.launch_spec import LaunchSpec, fresh_ids
+from trtglm.serve.replicas import place_replicas
 from trtglm.serve.state import LaunchDir, all_launch_dirs, clean_stale, only_launch
 from trtglm.serve.preload import preload_library
+from trtglm.serve.rank_logs import SUPERVISOR_ERROR, read_log, supervisor_error
 from trtglm.serve.supervise import GRACE_S, Supervisor, announce, show_phase
 from trtglm.serve.tritonserver import (backend_directory, find_mpirun, find_tritonserver, mpirun_version,
                                        preload_cache_dir, server_env, stubs_python_folder)
@@ -46,10 +49,13 @@ STOP_WAIT_S = GRACE_S + EXIT_TIMEOUT_S + 10  # how long `stop` waits for a super
 
 def launch(repo: str | Path, *, world_size: int | None, tritonserver: str | None, host: str, http_port: int | None,
            grpc_port: int | None, metrics_port: int | None, log_dir: str | Path | None, detach: bool, timeout: float,
-           server_flags: list[str], openai_port: int, openai: bool) -> None:
+           server_flags: list[str], openai_port: int, openai: bool, replicas: int = 1, front: bool | None = None,
+           gpus: list[str] | None = None, replica_ports: int | None = None) -> None:
     """Serve `repo` with `world_size` ranks until stopped (or, with `detach`, until ready); `server_flags`
     go on every rank's tritonserver command line after trtglm's own; with `openai`, the OpenAI-compatible
-    API on `openai_port` too. A port left out is the engine profile's (`serve.*_port`), else Triton's default."""
+    API on `openai_port` too. A port left out is the engine profile's (`serve.*_port`), else Triton's default.
+    With `replicas` above 1 (or `front`), that many copies behind the front (fleet.py), on `gpus` (default: the
+    visible ones in order) and the port block at `replica_ports`."""
     repo_path = repo_folder(repo)
     size = resolve_world_size(repo_path, world_size)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
@@ -58,12 +64,10 @@ def launch(repo: str | Path, *, world_size: int | None, tritonserver: str | None
     ports = {**TRITON_PORTS, **profile_ports(repo_path), **{name: port for name, port in given.items() if port}}
     endpoints = Endpoints(str(host), ports["http"], ports["grpc"], ports["metrics"],
                           openai_port if openai and _serves_openai(repo_path) else None)
-    binary = find_tritonserver(tritonserver)
-    mpirun = find_mpirun() if size > 1 else None
-    mpi_version = mpirun_version(mpirun) if mpirun else None
-    preload = preload_library(preload_cache_dir())
-    backend_dir = backend_directory(binary)
-    python_bin = stubs_python_folder(binary)
+    places = (place_replicas(replicas, size, endpoints, replica_ports, gpus, dict(os.environ))
+              if wants_front(replicas, front) else None)
+    envoy = find_envoy() if places else None
+    server = _server_fields(repo_path, size, tritonserver, float(timeout), server_flags)
     launch_dir = LaunchDir.for_repo(repo_path)
     lock = launch_dir.try_lock()
     if lock is None:
@@ -73,21 +77,34 @@ def launch(repo: str | Path, *, world_size: int | None, tritonserver: str | None
             log.info("removing the state of a launch of %s that is no longer running", repo_path)
             clean_stale(launch_dir)
         check_ports(endpoints)
-        spec = LaunchSpec(repo=str(repo_path), world_size=size, endpoints=endpoints, tritonserver=str(binary),
-                          backend_dir=str(backend_dir) if backend_dir else None,
-                          mpirun=str(mpirun) if mpirun else None, mpi_version=mpi_version, preload=str(preload),
-                          python_bin=str(python_bin) if python_bin else None,
-                          launch_dir=str(launch_dir.path),
-                          log_dir=str(Path(log_dir).expanduser().resolve() if log_dir else launch_dir.default_log_dir),
-                          launch_id=secrets.token_hex(4), timeout_s=float(timeout), detached=detach,
-                          api_key=secrets.token_urlsafe(24), server_flags=tuple(server_flags))
-        log.info("starting %d rank(s) of %s (%s)", size, binary, repo_path)
+        logs = Path(log_dir).expanduser().resolve() if log_dir else launch_dir.default_log_dir
+        if places:
+            spec = plan_fleet(server, places, endpoints, envoy, launch_dir, logs, detach)
+            log.info("starting %d replica(s) of %d rank(s) of %s behind the front", len(places), size, repo_path)
+        else:
+            spec = LaunchSpec(**server, endpoints=endpoints, launch_dir=str(launch_dir.path), log_dir=str(logs),
+                              detached=detach, **fresh_ids())
+            log.info("starting %d rank(s) of %s (%s)", size, server["tritonserver"], repo_path)
         if detach:
             _run_detached(spec, lock.fileno())
         else:
-            Supervisor(spec).run()
+            (Fleet if places else Supervisor)(spec).run()
     finally:
         lock.close()
+
+
+def _server_fields(repo: Path, size: int, tritonserver: str | None, timeout_s: float,
+                   server_flags: list[str]) -> dict:
+    """What every replica's LaunchSpec shares: the repository, the binaries and their set-up, the flags."""
+    binary = find_tritonserver(tritonserver)
+    mpirun = find_mpirun() if size > 1 else None
+    backend_dir = backend_directory(binary)
+    python_bin = stubs_python_folder(binary)
+    return {"repo": str(repo), "world_size": size, "tritonserver": str(binary),
+            "backend_dir": str(backend_dir) if backend_dir else None, "mpirun": str(mpirun) if mpirun else None,
+            "mpi_version": mpirun_version(mpirun) if mpirun else None,
+            "preload": str(preload_library(preload_cache_dir())), "python_bin": str(python_bin) if python_bin else None,
+            "timeout_s": timeout_s, "server_flags": tuple(server_flags)}
 
 
 def _serves_openai(repo: Path) -> bool:
@@ -114,20 +131,26 @@ def _already_running(launch_dir: LaunchDir, repo: Path) -> str:
 # --- detached ----------------------------------------------------------------------------------------
 
 
-def _run_detached(spec: LaunchSpec, lock_fd: int) -> None:
-    """Start the supervisor as a daemon holding the lock; return once it reports the server ready."""
+def _run_detached(spec: LaunchSpec | FleetSpec, lock_fd: int) -> None:
+    """Start the supervisor (or the fleet of replicas) as a daemon holding the lock; return once it reports the
+    server ready."""
     launch_dir = LaunchDir(Path(spec.launch_dir))
     spec_path = launch_dir.path / "spec.json"
     spec.save(spec_path)
     log_path = Path(spec.log_dir) / "supervisor.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = server_env(dict(os.environ), spec.launch_id, spec.python_bin)
+    if isinstance(spec, FleetSpec):  # its replicas' supervisors set up their own servers' environment
+        module, env, tries = "trtglm.serve.fleet", dict(os.environ), MAX_START_FAILURES
+        phase_file = LaunchDir(Path(spec.replicas[0].launch_dir)).phase_file
+    else:
+        module, env, tries = "trtglm.serve.supervise", server_env(dict(os.environ), spec.launch_id, spec.python_bin), 1
+        phase_file = launch_dir.phase_file
     with open(log_path, "wb") as out:
-        child = subprocess.Popen([sys.executable, "-m", "trtglm.serve.supervise", str(spec_path)], env=env,
+        child = subprocess.Popen([sys.executable, "-m", module, str(spec_path)], env=env,
                                  stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                  start_new_session=True, pass_fds=(lock_fd,))
     try:
-        state = _wait_detached(child, launch_dir, log_path, spec.timeout_s + STOP_WAIT_S)
+        state = _wait_detached(child, launch_dir, phase_file, log_path, spec.timeout_s * tries + STOP_WAIT_S)
     except BaseException:
         if child.poll() is None:  # interrupted or timed out: the supervisor cleans up on SIGTERM
             child.terminate()
@@ -137,7 +160,8 @@ def _run_detached(spec: LaunchSpec, lock_fd: int) -> None:
     print(f"  stop     trtglm stop --repo {spec.repo}", flush=True)
 
 
-def _wait_detached(child: subprocess.Popen, launch_dir: LaunchDir, log_path: Path, limit_s: float) -> dict:
+def _wait_detached(child: subprocess.Popen, launch_dir: LaunchDir, phase_file: Path, log_path: Path,
+                   limit_s: float) -> dict:
     started = time.monotonic()
     with tqdm(desc="starting tritonserver", unit="s", disable=None, bar_format="{desc}: {elapsed}") as bar:
         while time.monotonic() - started < limit_s:
@@ -148,19 +172,17 @@ def _wait_detached(child: subprocess.Popen, launch_dir: LaunchDir, log_path: Pat
             if code is not None:
                 raise _supervisor_failed(log_path, code)
             time.sleep(0.2)
-            show_phase(bar, launch_dir.phase_file, started)
+            show_phase(bar, phase_file, started)
     raise TrtglmError(f"the detached supervisor did not report within {limit_s:g} s (log: {log_path})")
 
 
 def _supervisor_failed(log_path: Path, code: int) -> TrtglmError:
     """The supervisor's own error line as the error; the rest of its log's tail on stderr."""
-    lines = log_path.read_text(encoding="utf-8", errors="replace").splitlines()
-    errors = [line for line in lines if line.startswith("trtglm: error: ")]
-    shown = [line for line in lines[-80:] if line not in errors]
+    lines = read_log(log_path).splitlines()
+    shown = [line for line in lines[-80:] if not line.startswith(SUPERVISOR_ERROR)]
     if shown:
         print(*shown, sep="\n", file=sys.stderr)
-    message = errors[-1][len("trtglm: error: "):] if errors else f"the server stopped (status {code}; log: {log_path})"
-    error = TrtglmError(message)
+    error = TrtglmError(supervisor_error(log_path) or f"the server stopped (status {code}; log: {log_path})")
     error.exit_code = code or 1
     return error
 

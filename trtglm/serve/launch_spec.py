@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+import secrets
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from trtglm.serve.command import Endpoints, launch_args, restricted_args
 from trtglm.serve.preload import preload_env
 from trtglm.serve.tritonserver import EXPORTED_VARS
+
+
+def fresh_ids() -> dict[str, str]:
+    """A new launch's id (its shared-memory prefix, its processes' mark) and its restricted APIs' secret."""
+    return {"launch_id": secrets.token_hex(4), "api_key": secrets.token_urlsafe(24)}
 
 
 @dataclass
@@ -33,6 +39,8 @@ class LaunchSpec:
     server_flags: tuple[str, ...] = ()  # more tritonserver flags, from `trtglm launch … -- FLAGS`
     mpi_version: int | None = None  # Open MPI's major version, for several ranks
     preload: str | None = None  # the library preloaded into the server processes (preload.py)
+    environment: dict[str, str] = field(default_factory=dict)  # set for the servers: a replica's GPUs
+    cpus: tuple[int, ...] | None = None  # the CPUs the launch's processes may use (a replica's share); None: all
 
     @property
     def shm_base(self) -> str:
@@ -62,7 +70,12 @@ class LaunchSpec:
 
     @classmethod
     def load(cls, path: Path) -> LaunchSpec:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        return cls.from_dict(json.loads(path.read_text(encoding="utf-8")))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> LaunchSpec:
+        data = dict(data)
         data["endpoints"] = Endpoints(**data["endpoints"])
         data["server_flags"] = tuple(data.get("server_flags", ()))
+        data["cpus"] = tuple(data["cpus"]) if data.get("cpus") is not None else None
         return cls(**data)

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from trtglm.processes import stop_child
 from trtglm.serve.command import Endpoints, client_host
 from trtglm.serve.rank_logs import ERROR_LINE, read_log
 
@@ -53,14 +54,7 @@ class OpenAIProcess:
         return self.popen is not None and self.popen.poll() is not None
 
     def stop(self, grace_s: float) -> None:
-        if self.popen is None or self.popen.poll() is not None:
-            return
-        self.popen.terminate()
-        try:
-            self.popen.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait()
+        stop_child(self.popen, grace_s)
 
     def _cause(self) -> str:
         errors = [line.strip().removeprefix("trtglm: ") for line in read_log(self.log_path).splitlines()

@@ -5,6 +5,7 @@ reported a fatal signal."""
 from __future__ import annotations
 
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -13,6 +14,8 @@ ERROR_LINE = re.compile(r"^(E\d{4} |error: |Traceback |\w+(Error|Exception): )")
 # What tritonserver's handler of SIGSEGV and SIGABRT writes to stderr before a stack trace, after which it dies of
 # the signal. With a corrupted heap the stack trace can hang it for good (seen: "double free or corruption", then
 # this line alone, the server never answering again). Its SIGTERM and SIGINT handler writes to stdout.
+UNCAUGHT = re.compile(r"terminate called after throwing an instance of '([^']+)'")  # the C++ runtime's words
+SUPERVISOR_ERROR = "trtglm: error: "  # how a detached supervisor's log gives the error it ended with
 FATAL_SIGNAL = re.compile(r"Signal \((\d+)\) received\.")
 
 
@@ -40,6 +43,33 @@ def last_error_line(log_dir: Path, rank: int) -> str | None:
             if ERROR_LINE.match(text):
                 found = text
     return found
+
+
+def supervisor_error(log_path: Path) -> str | None:
+    """The error a detached supervisor ended with (its last `trtglm: error: ` line), without that prefix."""
+    errors = [line for line in read_log(log_path).splitlines() if line.startswith(SUPERVISOR_ERROR)]
+    return errors[-1][len(SUPERVISOR_ERROR):] if errors else None
+
+
+def first_abort(log_dir: Path, rank: int) -> str | None:
+    """How a rank's tritonserver first said it was aborting (an uncaught C++ exception, a fatal signal), if it
+    did: the first cause, not the errors its stubs logged as it went down."""
+    for path in rank_logs(log_dir, rank):
+        for line in read_log(path).splitlines():
+            thrown = UNCAUGHT.search(line)
+            if thrown:
+                return f"tritonserver aborted: uncaught {thrown.group(1)}"
+            signalled = FATAL_SIGNAL.fullmatch(line.strip())
+            if signalled:
+                return f"tritonserver received {signal_name(int(signalled.group(1)))}"
+    return None
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def read_log(path: Path) -> str:

@@ -125,15 +125,27 @@ def only_launch(launches: list[LaunchDir], what: str) -> LaunchDir:
 
 
 def clean_stale(launch: LaunchDir) -> None:
-    """Remove what a dead launch left (the caller holds its lock): processes, shm regions, state file."""
-    state = launch.read()
-    if state is not None and SHM_BASE.fullmatch(str(state.get("shm_base"))):
-        leftovers = processes_with(state["shm_base"])
-        if leftovers:
-            log.warning("stopping %d leftover process(es) of a dead launch of %s", len(leftovers), state.get("repo"))
-            terminate(leftovers, grace_s=5)
+    """Remove what a dead launch left (the caller holds its lock): processes, shm regions, state file; for a
+    launch of replicas, its front's process and what each replica left."""
+    state = launch.read() or {}
+    if state.get("front_marker"):
+        _stop_leftovers(processes_with(state["front_marker"]), state)
+    for replica in state.get("replicas", ()):
+        folder = LaunchDir(Path(replica["launch_dir"]))
+        lock = folder.try_lock()
+        if lock is not None:
+            with lock:
+                clean_stale(folder)
+    if SHM_BASE.fullmatch(str(state.get("shm_base"))):
+        _stop_leftovers(processes_with(state["shm_base"]), state)
         remove_shm(state["shm_base"])
     launch.state_file.unlink(missing_ok=True)
+
+
+def _stop_leftovers(leftovers: list[psutil.Process], state: dict) -> None:
+    if leftovers:
+        log.warning("stopping %d leftover process(es) of a dead launch of %s", len(leftovers), state.get("repo"))
+        terminate(leftovers, grace_s=5)
 
 
 def processes_with(marker: str) -> list[psutil.Process]:

@@ -9,6 +9,7 @@ from collections import deque
 from pathlib import Path
 
 from trtglm.errors import UsageError
+from trtglm.serve.front import LOG_NAME as FRONT_LOG
 from trtglm.serve.openai_process import LOG_NAME
 from trtglm.serve.rank_logs import rank_logs
 from trtglm.serve.state import LaunchDir, all_launch_dirs, only_launch
@@ -17,16 +18,33 @@ READY_TIMEOUT_S = 2.0
 
 
 def launch_rows() -> list[dict]:
-    """One row per recorded launch: repo, state (starting | ready | dead), pid, ports, ready (rank 0 and, when
-    served, the OpenAI API answer)."""
+    """One row per recorded launch: repo, state (starting | ready | stopping | dead), pid, ports, ready (its
+    HTTP endpoint and, when served, the OpenAI API answer), front (whether a proxy serves those ports), replicas
+    (each: index, gpus, state, ports, restarts, reason; a launch without a front is its own one replica)."""
     rows = []
     for launch_dir in all_launch_dirs():
         state = launch_dir.read() or {}
         running = launch_dir.is_running()
-        rows.append({"repo": state.get("repo", str(launch_dir.path)), "pid": state.get("pid"),
-                     "state": state.get("status", "?") if running else "dead", "ports": state.get("ports", {}),
-                     "ready": running and is_ready(state.get("urls", {}).get("http")) and openai_answers(state)})
+        status = state.get("status", "?") if running else "dead"
+        replicas = [_replica_row(replica, running) for replica in state.get("replicas", ())] or [
+            {"index": 0, "gpus": _own_gpus(state), "state": status, "ports": state.get("ports", {}), "restarts": 0,
+             "reason": None}]
+        rows.append({"repo": state.get("repo", str(launch_dir.path)), "pid": state.get("pid"), "state": status,
+                     "ports": state.get("ports", {}), "front": bool(state.get("replicas")),
+                     "ready": running and is_ready(state.get("urls", {}).get("http")) and openai_answers(state),
+                     "replicas": replicas})
     return rows
+
+
+def _replica_row(replica: dict, running: bool) -> dict:
+    return {"index": replica["index"], "gpus": replica.get("gpus"),
+            "state": replica.get("status", "?") if running else "dead", "ports": replica.get("ports", {}),
+            "restarts": replica.get("restarts", 0), "reason": replica.get("reason")}
+
+
+def _own_gpus(state: dict) -> list[str] | None:
+    value = state.get("cuda_visible_devices")
+    return None if value is None else [gpu for gpu in value.split(",") if gpu]
 
 
 def is_ready(http_url: str | None) -> bool:
@@ -57,10 +75,27 @@ def recorded_launch(repo: str | None) -> LaunchDir:
     return only_launch(all_launch_dirs(), "recorded")
 
 
-def log_tails(launch_dir: LaunchDir, rank: int, lines: int) -> list[tuple[Path, list[str]]]:
-    """(file, its last `lines` lines) for the rank's stdout and stderr, the supervisor's log and the OpenAI API's."""
-    log_dir = Path((launch_dir.read() or {}).get("log_dir") or launch_dir.default_log_dir)
-    files = [*rank_logs(log_dir, rank), log_dir / "supervisor.log", log_dir / "mpirun.log", log_dir / LOG_NAME]
+def log_tails(launch_dir: LaunchDir, rank: int, lines: int, replica: int | None = None) \
+        -> list[tuple[Path, list[str]]]:
+    """(file, its last `lines` lines) for the rank's stdout and stderr, the supervisor's log and the OpenAI API's;
+    of a launch of replicas, those of `replica` (required) and the front's."""
+    state = launch_dir.read() or {}
+    log_dir = Path(state.get("log_dir") or launch_dir.default_log_dir)
+    replicas = state.get("replicas", [])
+    files = []
+    if replicas:
+        if replica is None or not 0 <= replica < len(replicas):
+            raise UsageError(f"{state.get('repo')} runs {len(replicas)} replicas: pass --replica 0 to "
+                             f"{len(replicas) - 1}")
+        files = [log_dir / "supervisor.log", log_dir / FRONT_LOG]
+        log_dir = Path(replicas[replica]["log_dir"])
+    elif replica not in (None, 0):
+        raise UsageError(f"{state.get('repo')} runs one replica: --replica can only be 0")
+    world_size = (replicas[replica] if replicas else state).get("world_size", state.get("world_size"))
+    if world_size is not None and rank >= world_size:
+        raise UsageError(f"--rank {rank}: the launch has {world_size} rank(s) (0 to {world_size - 1})")
+    files = [*rank_logs(log_dir, rank), log_dir / "supervisor.log", log_dir / "mpirun.log", log_dir / LOG_NAME,
+             *files]
     return [(path, _tail(path, lines)) for path in files if path.is_file()]
 
 

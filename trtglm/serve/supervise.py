@@ -53,7 +53,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 from dataclasses import dataclass
@@ -69,7 +68,8 @@ from trtglm.files import PHASE_FILE, read_phase
 from trtglm.processes import alive
 from trtglm.serve.launch_spec import LaunchSpec
 from trtglm.serve.openai_process import OpenAIProcess
-from trtglm.serve.rank_logs import FatalSignals, last_error_line, print_excerpt, print_tails, read_log
+from trtglm.serve.rank_logs import FatalSignals, first_abort, last_error_line, print_excerpt, print_tails, read_log
+from trtglm.serve.signals import SignalFlags
 from trtglm.serve.first_requests import first_requests
 from trtglm.serve.reaping import become_subreaper, reap_orphans
 from trtglm.serve.state import LaunchDir, kill, processes_with, remove_shm, shm_files
@@ -81,7 +81,6 @@ log = logging.getLogger(__name__)
 GRACE_S = 10.0  # after SIGTERM, before SIGKILL
 DEATH_GRACE_S = 0.5  # the same once a process of the launch died: requests the death stranded end with the server
 POLL_S = 0.2
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass
@@ -100,8 +99,7 @@ class Supervisor:
         self.root: psutil.Process | None = None
         self.tracked: dict[int, psutil.Process] = {}
         self.ranks: dict[int, psutil.Process] = {}
-        self.stop_signal: int | None = None
-        self.hurry = False
+        self.signals = SignalFlags()
         self.openai = (OpenAIProcess(spec.repo, spec.endpoints, spec.shm_base, self.log_dir)
                        if spec.endpoints.openai_port is not None else None)
 
@@ -109,42 +107,47 @@ class Supervisor:
 
     def run(self) -> None:
         """Serve until stopped by a signal (returns) or until a rank dies or never gets ready (TrtglmError)."""
-        previous = self._install_handlers()
+        previous = self.signals.install()
         become_subreaper()
         failure = None
         try:
             failure = self._serve()
         finally:
+            self.mark_stopping()
             self.shutdown(failed=failure is not None)
             self.launch.state_file.unlink(missing_ok=True)
-            self._restore_handlers(previous)
+            self.signals.restore(previous)
         if failure is not None:
             print_tails(self.log_dir, failure.ranks)
             for path in failure.logs:
                 print_excerpt(path)
             raise TrtglmError(failure.message)
-        if self.stop_signal is not None:
-            log.info("%s: stopped (%s)", self.spec.repo, signal.Signals(self.stop_signal).name)
+        if self.signals.stop is not None:
+            log.info("%s: stopped (%s)", self.spec.repo, signal.Signals(self.signals.stop).name)
 
     def _serve(self) -> Failure | None:
         self.start()
         failure = self.wait_ready()
-        if failure is None and self.stop_signal is None:
+        if failure is None and self.signals.stop is None:
             failure = self.check_answers()
-        if failure is None and self.stop_signal is None:
+        if failure is None and self.signals.stop is None:
             failure = self.start_openai()
-        if failure is not None or self.stop_signal is not None:
+        if failure is not None or self.signals.stop is not None:
             return failure
+        deaths = DeathWatch()
+        deaths.died(self.ranks)  # every stub and engine process known by its role before anyone can kill one
         self.write_state("ready")
         if not self.spec.detached:
             announce(self.launch.read() or {})
-        return self.watch()
+        return self.watch(deaths)
 
     # --- starting ---------------------------------------------------------------------------------
 
     def start(self) -> None:
         self._reset_logs()
-        env = server_env(dict(os.environ), self.spec.launch_id, self.spec.python_bin)
+        env = server_env({**os.environ, **self.spec.environment}, self.spec.launch_id, self.spec.python_bin)
+        if self.spec.cpus is not None:
+            os.sched_setaffinity(0, self.spec.cpus)
         self.launch.phase_file.unlink(missing_ok=True)
         env[PHASE_FILE] = str(self.launch.phase_file)
         engine_env, server_cpus = engine_cpus_env(self.spec.world_size, env)
@@ -181,8 +184,15 @@ class Supervisor:
             "repo": self.spec.repo, "pid": os.getpid(), "server_pid": self.popen.pid, "launch_id": self.spec.launch_id,
             "shm_base": self.spec.shm_base, "world_size": self.spec.world_size, "host": self.spec.endpoints.host,
             "ports": self.spec.endpoints.ports(), "urls": self.spec.endpoints.urls(), "log_dir": str(self.log_dir),
-            "detached": self.spec.detached, "started": time.time(), "api_key": self.spec.api_key}
+            "detached": self.spec.detached, "started": time.time(), "api_key": self.spec.api_key,
+            "cuda_visible_devices": {**os.environ, **self.spec.environment}.get("CUDA_VISIBLE_DEVICES")}
         self.launch.write({**state, **extra, "status": status})
+
+    def mark_stopping(self) -> None:
+        """Say so in the state before stopping: a front takes the launch out of its rotation at once."""
+        state = self.launch.read()
+        if state is not None:
+            self.launch.write({**state, "status": "stopping"})
 
     def wait_ready(self) -> Failure | None:
         """None once rank 0 answers ready and every rank runs; a Failure on death or timeout."""
@@ -191,7 +201,7 @@ class Supervisor:
         with tqdm(total=round(self.spec.timeout_s), desc="starting tritonserver", unit="s", disable=None,
                   bar_format="{desc}: {elapsed}") as bar:
             while time.monotonic() - started < self.spec.timeout_s:
-                if self.stop_signal is not None:
+                if self.signals.stop is not None:
                     return None
                 failure = self.check_ranks()
                 if failure is not None:
@@ -215,7 +225,7 @@ class Supervisor:
             try:
                 ask(url)
             except ServerError as e:
-                cause = last_error_line(self.log_dir, 0)
+                cause = first_abort(self.log_dir, 0) or last_error_line(self.log_dir, 0)
                 return Failure(f"{model} failed its first request at launch ({e})"
                                f"{f'; rank 0 logged: {cause}' if cause else ''}; stopped all ranks "
                                f"(logs: {self.log_dir})", [0])
@@ -228,7 +238,7 @@ class Supervisor:
             return None
         self.openai.start(dict(os.environ))
         self.launch.write({**(self.launch.read() or {}), "openai_pid": self.openai.popen.pid})
-        problem = self.openai.wait_ready(lambda: self.stop_signal is not None or self.check_ranks() is not None,
+        problem = self.openai.wait_ready(lambda: self.signals.stop is not None or self.check_ranks() is not None,
                                          answers_ok)
         if problem is None:
             return self.check_ranks()
@@ -236,9 +246,9 @@ class Supervisor:
 
     # --- watching ---------------------------------------------------------------------------------
 
-    def watch(self) -> Failure | None:
-        deaths, signals = DeathWatch(), FatalSignals(self.log_dir)
-        while self.stop_signal is None:
+    def watch(self, deaths: DeathWatch) -> Failure | None:
+        signals = FatalSignals(self.log_dir)
+        while self.signals.stop is None:
             failure = (self.check_ranks() or self.check_crashes(signals, deaths) or self.check_openai()
                        or self.check_deaths(deaths))
             if failure is not None:
@@ -282,8 +292,9 @@ class Supervisor:
         rank = self._dead()
         if rank is None:
             return None
-        return Failure(f"rank {rank} of {self.spec.world_size} died; stopped all ranks (logs: {self.log_dir})",
-                       [rank])
+        abort = first_abort(self.log_dir, rank)
+        return Failure(f"rank {rank} of {self.spec.world_size} died{f' ({abort})' if abort else ''}; stopped all "
+                       f"ranks (logs: {self.log_dir})", [rank])
 
     def refresh(self) -> None:
         """Track the command's process tree; learn each rank's process."""
@@ -339,8 +350,8 @@ class Supervisor:
         gives GRACE_S and stops the API first (its requests end while the ranks still serve them); after a
         failure (a death) the ranks go first, given DEATH_GRACE_S, and the API passes their requests' errors on
         before it goes; a second signal gives no grace at all."""
-        orderly = not (failed or self.hurry)
-        grace_s = GRACE_S if orderly else 0.0 if self.hurry else DEATH_GRACE_S
+        orderly = not (failed or self.signals.hurry)
+        grace_s = GRACE_S if orderly else 0.0 if self.signals.hurry else DEATH_GRACE_S
         if self.openai is not None and orderly:
             self.openai.stop(grace_s)
         self._stop_ranks(grace_s, orderly)
@@ -365,7 +376,7 @@ class Supervisor:
         leftovers = [p for p in [*ranks, *self.tracked.values()] if alive(p)]
         if leftovers:
             log.warning("killing %d process(es) %s", len(leftovers),
-                        "(second signal)" if self.hurry else f"that did not stop within {grace_s:g} s")
+                        "(second signal)" if self.signals.hurry else f"that did not stop within {grace_s:g} s")
         kill(leftovers)
         if self.popen.poll() is None:
             self.popen.kill()
@@ -379,26 +390,8 @@ class Supervisor:
 
     def _wait(self, busy, limit_s: float) -> None:
         deadline = time.monotonic() + limit_s
-        while busy() and time.monotonic() < deadline and not self.hurry:
+        while busy() and time.monotonic() < deadline and not self.signals.hurry:
             time.sleep(0.1)
-
-    # --- signals ------------------------------------------------------------------------------------
-
-    def _install_handlers(self) -> dict:
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-        return {signum: signal.signal(signum, self._on_signal) for signum in STOP_SIGNALS}
-
-    @staticmethod
-    def _restore_handlers(previous: dict) -> None:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-    def _on_signal(self, signum: int, _frame) -> None:
-        if self.stop_signal is not None:
-            self.hurry = True
-        else:
-            self.stop_signal = signum
 
 
 def _terminate(proc: psutil.Process) -> None:
@@ -428,22 +421,25 @@ def announce(state: dict) -> None:
     """Print where the server answers."""
     urls = state.get("urls", {})
     openai = f"  OpenAI   {urls['openai']}\n" if urls.get("openai") else ""
-    print(f"serving {state.get('repo')} with {state.get('world_size')} rank(s)\n"
+    replicas = len(state.get("replicas", ()))
+    what = f"{replicas} replica(s) of " if replicas else ""
+    print(f"serving {state.get('repo')} with {what}{state.get('world_size')} rank(s)\n"
           f"  HTTP     {urls.get('http')}\n  gRPC     {urls.get('grpc')}\n  metrics  {urls.get('metrics')}\n"
           f"{openai}  logs     {state.get('log_dir')}", flush=True)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of a detached supervisor: `python -m trtglm.serve.supervise SPEC.json`."""
+def run_detached(load, runner, argv: list[str] | None = None) -> None:
+    """A detached supervisor's (or fleet's) life: `python -m MODULE SPEC.json`, its spec read by `load`, run by
+    `runner`, its error the last line of its log."""
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    spec = LaunchSpec.load(Path(argv[0]))
+    spec = load(Path(argv[0]))
     try:
-        Supervisor(spec).run()
+        runner(spec).run()
     except TrtglmError as e:
         print(f"trtglm: error: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
 
 
 if __name__ == "__main__":
-    main()
+    run_detached(LaunchSpec.load, Supervisor)

@@ -36,9 +36,9 @@ from trtglm.serve.preload import PRELOAD_VARS
 CONTAINER_BINARY = Path("/opt/tritonserver/bin/tritonserver")
 BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-EXPORTED_VARS = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
-                 *MULTICAST_OFF, "TRTGLM_RUNTIME", "TRTGLM_ENGINE_CPUS", "TRTGLM_KERNEL_CACHE", "TRTGLM_RETUNE",
-                 "TRTGLM_ONE_SHOT_ALL_REDUCE",
+EXPORTED_VARS = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME",
+                 "NCCL_SOCKET_IFNAME", *MULTICAST_OFF, "TRTGLM_RUNTIME", "TRTGLM_ENGINE_CPUS", "TRTGLM_KERNEL_CACHE",
+                 "TRTGLM_RETUNE", "TRTGLM_ONE_SHOT_ALL_REDUCE",
                  PHASE_FILE, *PRELOAD_VARS)
 # ^ what mpirun passes to every rank
 
