@@ -93,6 +93,11 @@ def test_an_output_folder_that_cannot_be_made_is_one_line(tmp_path, fixture_dir)
     (("models", "reload", "x"), "--action must be one of load, unload, list, not 'reload'"),
     (("stop", "--repo", "r", "extra"), "stop: unexpected argument 'extra'"),
     (("convert", "--model-dir", "m", "--output-dir", "o", "--", "--x"), "convert takes no arguments after --"),
+    (("generate", "--url", "http://[::1", "--prompt", "hi"), "--url http://[::1: expected http://HOST:PORT"),
+    (("chat", "--openai", "http://[::1", "--prompt", "hi"), "--openai http://[::1: expected http://HOST:PORT/v1"),
+    (("generate", "--prompt", "\udcff\udcfe hi"), "--prompt must be UTF-8 text"),  # bytes ff fe in argv
+    (("generate", "--prompt", "hi", "--max-tokens", str(2**40)),
+     "--max-tokens must be a whole number from 1 to 2147483647 (Triton's INT32), not 1099511627776"),
 ])
 def test_a_missing_or_malformed_flag_is_one_line_exit_2(args, message):
     proc = run_cli(*args)

@@ -200,17 +200,18 @@ def test_answers_that_are_not_what_triton_sends_are_errors(canned):
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"max_tokens": -1}, "--max-tokens must be a whole number of at least 1, not -1"),
-    ({"max_tokens": 0}, "--max-tokens must be a whole number of at least 1, not 0"),
-    ({"max_tokens": 2.5}, "--max-tokens must be a whole number of at least 1, not 2.5"),
+    ({"max_tokens": -1}, "--max-tokens must be a whole number from 1 to 2147483647 (Triton's INT32), not -1"),
+    ({"max_tokens": 0}, "--max-tokens must be a whole number from 1 to 2147483647 (Triton's INT32), not 0"),
+    ({"max_tokens": 2.5}, "--max-tokens must be a whole number from 1 to 2147483647 (Triton's INT32), not 2.5"),
     ({"text": ""}, "--prompt must be non-empty text"),
     ({"temperature": -0.1}, "--temperature must be a number ≥ 0"),
-    ({"top_k": -1}, "--top-k must be a whole number ≥ 0"),
+    ({"top_k": -1}, "--top-k must be a whole number from 0 to 2147483647"),
+    ({"max_tokens": 2**31}, "--max-tokens must be a whole number from 1 to 2147483647"),
     ({"top_p": 0}, "--top-p must be a number in (0, 1]"),
     ({"top_p": 1.5}, "--top-p must be a number in (0, 1]"),
     ({"seed": 2**64}, "--seed must be a whole number in [0, 2^64)"),
     ({"seed": True}, "--seed must be a whole number"),
-    ({"beam_width": 0}, "--beam-width must be a whole number of at least 1, not 0"),
+    ({"beam_width": 0}, "--beam-width must be a whole number from 1 to 2147483647, not 0"),
 ])
 def test_bad_requests_are_refused_before_sending(options, message):
     with pytest.raises(UsageError) as refused:

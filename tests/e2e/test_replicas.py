@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -33,11 +34,11 @@ NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 QUESTIONS = list(fixture_answers())[:6]
 
 
-def free_block(size: int) -> int:
-    """The first port of `size` consecutive ports free a moment ago."""
+def free_block(size: int, avoid: set[int] = frozenset()) -> int:
+    """The first port of `size` consecutive ports free a moment ago, none of them in `avoid`."""
     for base in free_ports(20):
         ports = range(base, base + size)
-        if all(_free(port) for port in ports):
+        if all(_free(port) and port not in avoid for port in ports):
             return base
     raise RuntimeError(f"no {size} consecutive free ports")
 
@@ -55,10 +56,10 @@ class Fleet(Launched):
     """A detached launch of `replicas` replicas of the fixture's engine behind the front."""
 
     def __init__(self, root: Path, replicas: int, build_flags: tuple[str, ...] = (), world_size: int = 1):
-        self.block = free_block(4 * replicas)
-        super().__init__(root, build_flags=build_flags,
-                         launch_flags=("--replicas", str(replicas), "--replica-ports", str(self.block),
-                                       "--world-size", str(world_size)))
+        super().__init__(root, build_flags=build_flags)
+        self.block = free_block(4 * replicas, avoid=set(self.ports.values()))
+        self.launch_flags = ("--replicas", str(replicas), "--replica-ports", str(self.block),
+                             "--world-size", str(world_size))
 
     def status(self) -> dict:
         done = self.run("status", "--json")
@@ -268,3 +269,53 @@ def test_a_busy_front_or_replica_port_is_one_line(tmp_path, fleet):
                               capture_output=True, text=True, timeout=60, env=fleet.env)
         assert done.returncode == 2 and f"{busy} on 127.0.0.1 is in use" in done.stderr, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+TRITON_POSTS = ["/v2/models/ensemble/infer", "/v2/models/ensemble/versions/1/infer", "/v2/models/ensemble/generate",
+                "/v2/models/tensorrt_llm_bls/generate_stream", "/v2/repository/index",
+                "/v2/repository/models/ensemble/load", "/v2/repository/models/ensemble/unload",
+                "/v2/systemsharedmemory/region/r/register", "/v2/cudasharedmemory/region/r/register",
+                "/v2/trace/setting", "/v2/models/ensemble/trace/setting", "/v2/logging"]
+
+
+@pytest.mark.reliability
+def test_deeply_nested_json_on_every_triton_http_endpoint_is_refused_and_the_launch_serves_on(fleet):
+    """120k levels (240 KB) kill Triton 2.51's HTTP frontend, 1M under another key (2 MB) its ensemble's; through the
+    front each is a 400 on every endpoint that reads a body, and nothing restarts."""
+    deep = b'{"inputs":' + b"[" * 120_000 + b"]" * 120_000 + b"}"
+    keyed = b'{"id":"[\\"[","parameters":{"x":' + b"[" * 1_000_000 + b"]" * 1_000_000 + b"}}"
+    restarts = [r["restarts"] for r in fleet.status()["replicas"]]
+    for path in TRITON_POSTS:
+        for body in (deep, keyed):
+            request = urllib.request.Request(f"{fleet.url}{path}", data=body, method="POST")
+            try:
+                NO_PROXY.open(request, timeout=60).close()
+                status = 200
+            except urllib.error.HTTPError as e:
+                status, answer = e.code, e.read().decode()
+            assert status == 400 and "nests deeper than 64 levels" in answer, (path, status)
+    ask_everything(fleet)
+    replicas = fleet.status()["replicas"]
+    assert [r["restarts"] for r in replicas] == restarts and all(r["state"] == "ready" for r in replicas)
+
+
+def test_triton_binary_tensors_pass_the_guard(fleet, fixture_dir):
+    """tritonclient's HTTP infer with binary tensors (a JSON header, then raw bytes: here a stop word of 200 '['):
+    the guard reads only the header, and preprocessing's prompt ids are the chat format's."""
+    import numpy as np
+    import tritonclient.http as triton_http
+
+    from trtglm.chatglm.chat import chat_ids
+    from trtglm.chatglm.tokenizer import ChatGLMTokenizer
+
+    question = QUESTIONS[2]
+    values = {"QUERY": np.array([[question.encode()]], dtype=object),
+              "REQUEST_OUTPUT_LEN": np.array([[64]], np.int32), "STOP_WORDS_DICT": np.array([[b"[" * 200]], dtype=object)}
+    inputs = []
+    for name, value in values.items():
+        inputs.append(triton_http.InferInput(name, list(value.shape), "BYTES" if value.dtype == object else "INT32"))
+        inputs[-1].set_data_from_numpy(value, binary_data=True)
+    client = triton_http.InferenceServerClient(fleet.url.removeprefix("http://"))
+    result = client.infer("preprocessing", inputs, outputs=[triton_http.InferRequestedOutput("INPUT_ID")])
+    expected = chat_ids(ChatGLMTokenizer(fixture_dir), [{"role": "user", "content": question}])
+    assert result.as_numpy("INPUT_ID").ravel().tolist() == list(expected)

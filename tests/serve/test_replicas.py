@@ -82,9 +82,13 @@ def test_cpu_shares_are_whole_cores_apart(tmp_path):
 
 
 def test_replicas_need_the_front_and_at_least_one_replica():
-    assert wants_front(1, None) is False and wants_front(2, None) is True and wants_front(1, True) is True
+    assert wants_front(1, None, "127.0.0.1") is False and wants_front(1, True, "127.0.0.1") is True
+    assert wants_front(2, None, "127.0.0.1") is True
+    for exposed in ("0.0.0.0", "::", "10.1.2.3", "myhost"):  # reachable from elsewhere: guarded by the front
+        assert wants_front(1, None, exposed) is True and wants_front(1, False, exposed) is False
+    assert wants_front(1, None, "::1") is False and wants_front(1, None, "localhost") is False
     with pytest.raises(UsageError, match="leave out --no-front"):
-        wants_front(2, False)
+        wants_front(2, False, "127.0.0.1")
     with pytest.raises(UsageError, match="--replicas must be a whole number ≥ 1, not 0"):
         placing.place_replicas(0, 1, FRONT, None, None, {})
 

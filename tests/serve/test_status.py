@@ -49,3 +49,19 @@ def test_logs_show_the_tail_of_rank_0_and_the_supervisor(launched):
     missing = launched.run("logs", "--repo", str(launched.root / "elsewhere"))
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1
     assert "no launch of" in missing.stderr and "is recorded" in missing.stderr
+
+
+def test_logs_of_a_rank_or_replica_the_launch_lacks_are_one_line(launched):
+    for flags, words in ((("--rank", "99"), "--rank 99: the launch has 1 rank(s) (0 to 0)"),
+                         (("--replica", "1"), "runs one replica: --replica can only be 0")):
+        done = launched.run("logs", *flags)
+        assert done.returncode == 2 and words in done.stderr and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_status_json_lists_the_launch_as_one_replica(launched):
+    done = launched.run("status", "--json")
+    assert done.returncode == 0, done.stderr
+    [row] = json.loads(done.stdout)
+    assert (row["repo"], row["state"], row["ready"], row["front"]) == (str(launched.repo), "ready", True, False)
+    assert row["replicas"] == [{"index": 0, "gpus": None, "state": "ready", "ports": launched.ports, "restarts": 0,
+                                "reason": None}]

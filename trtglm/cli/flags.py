@@ -63,6 +63,9 @@ class Flag:
             return json.loads(text)  # check_argv's encoding of the repeated or passed-through words
         if self.choices:
             return self._choice(ALIASES.get(text, text) if ALIASES.get(text) in self.choices else text)
+        if self.kind is str and not _is_utf8(text):
+            raise UsageError(f"{self.flag} must be UTF-8 text, and {text!r} holds bytes that are not (check the "
+                             "terminal's or the file's encoding)")
         try:
             value = BOOLS[text.lower()] if self.kind is bool else self.kind(text)
         except (KeyError, ValueError):
@@ -91,6 +94,15 @@ class Flag:
         if self.choices:
             return "|".join(map(str, self.choices))
         return {int: "N", float: "X", bool: "", Path: "PATH"}.get(self.kind, self.name.upper())
+
+
+def _is_utf8(text: str) -> bool:
+    """Whether a command-line word was valid UTF-8 (Python keeps invalid bytes as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _within(value: float, bound: str | None) -> bool:

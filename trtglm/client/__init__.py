@@ -12,11 +12,13 @@ from __future__ import annotations
 import re
 import urllib.request
 from dataclasses import dataclass
+from urllib.parse import SplitResult, urlsplit
 
 from trtglm.errors import TrtglmError, UsageError
 
 MODELS = ("ensemble", "tensorrt_llm_bls")  # the client-facing models of the repository
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # for loopback: never through a proxy
+INT32_MAX = 2**31 - 1  # the wire's type of max_tokens, top_k and beam_width (over HTTP JSON Triton wraps above)
 ANSWER_TIMEOUT_S = 600.0  # how long a client waits for the server's answer (a long generation on a busy server)
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
@@ -40,18 +42,18 @@ class GenerateRequest:
 
     def __post_init__(self) -> None:
         _check(isinstance(self.text, str) and self.text != "", f"--prompt must be non-empty text, not {self.text!r}")
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
-               f"--max-tokens must be a whole number of at least 1, not {self.max_tokens!r}")
+        _check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= INT32_MAX,
+               f"--max-tokens must be a whole number from 1 to {INT32_MAX} (Triton's INT32), not {self.max_tokens!r}")
         _check(self.temperature is None or (_is_number(self.temperature) and self.temperature >= 0),
                f"--temperature must be a number ≥ 0, not {self.temperature!r}")
-        _check(self.top_k is None or (_is_int(self.top_k) and self.top_k >= 0),
-               f"--top-k must be a whole number ≥ 0, not {self.top_k!r}")
+        _check(self.top_k is None or (_is_int(self.top_k) and 0 <= self.top_k <= INT32_MAX),
+               f"--top-k must be a whole number from 0 to {INT32_MAX}, not {self.top_k!r}")
         _check(self.top_p is None or (_is_number(self.top_p) and 0 < self.top_p <= 1),
                f"--top-p must be a number in (0, 1], not {self.top_p!r}")
         _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**64),
                f"--seed must be a whole number in [0, 2^64), not {self.seed!r}")
-        _check(self.beam_width is None or (_is_int(self.beam_width) and self.beam_width >= 1),
-               f"--beam-width must be a whole number of at least 1, not {self.beam_width!r}")
+        _check(self.beam_width is None or (_is_int(self.beam_width) and 1 <= self.beam_width <= INT32_MAX),
+               f"--beam-width must be a whole number from 1 to {INT32_MAX}, not {self.beam_width!r}")
 
     def inputs(self) -> dict[str, str | int | float | bool]:
         """The model inputs by name (Triton's names), leaving out options that are not set."""
@@ -66,6 +68,16 @@ def check_model(model: str) -> str:
     if not isinstance(model, str) or not _MODEL_NAME.match(model):
         raise UsageError(f"--model must be a model name such as {' or '.join(MODELS)}, not {model!r}")
     return model
+
+
+def split_url(url: str, flag: str, expected: str) -> SplitResult:
+    """`url`'s parts (http:// added to a bare HOST:PORT); a UsageError naming `flag` for one that cannot be read."""
+    try:
+        parts = urlsplit(url if "://" in url else f"http://{url}")
+        parts.port  # noqa: B018: reading it checks it
+    except ValueError:
+        raise UsageError(f"{flag} {url}: expected {expected}") from None
+    return parts
 
 
 def one_line(message) -> str:

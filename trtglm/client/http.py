@@ -15,9 +15,8 @@ import socket
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable, Iterator
-from urllib.parse import urlsplit
 
-from trtglm.client import ANSWER_TIMEOUT_S, GenerateRequest, ServerError, check_model, one_line
+from trtglm.client import ANSWER_TIMEOUT_S, GenerateRequest, ServerError, check_model, one_line, split_url
 from trtglm.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -38,12 +37,9 @@ class Server:
     def parse(cls, url: str, flag: str = "--url", what: str = "Triton") -> "Server":
         if not isinstance(url, str) or not url:
             raise UsageError(f"{flag} must be http://HOST:PORT, not {url!r}")
-        parts = urlsplit(url if "://" in url else f"http://{url}")
-        try:
-            port = parts.port
-        except ValueError:
-            port = -1
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") or port == -1:
+        parts = split_url(url, flag, "http://HOST:PORT")
+        port = parts.port
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
             raise UsageError(f"{flag} {url}: expected http://HOST:PORT")
         tls = parts.scheme == "https"
         return cls(url.rstrip("/"), parts.hostname, port or (443 if tls else 80), tls, what)

@@ -13,9 +13,8 @@ import json
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
-from trtglm.client import ServerError, one_line
+from trtglm.client import ServerError, one_line, split_url
 from trtglm.client.http import Server, event_lines, json_object, read_body, sse_data
 from trtglm.errors import UsageError
 
@@ -34,7 +33,7 @@ class Endpoint:
     def parse(cls, url: str) -> "Endpoint":
         if not isinstance(url, str) or not url:
             raise UsageError(f"{FLAG} must be http://HOST:PORT/v1, not {url!r}")
-        parts = urlsplit(url if "://" in url else f"http://{url}")
+        parts = split_url(url, FLAG, "http://HOST:PORT/v1")
         try:
             server = Server.parse(f"{parts.scheme}://{parts.netloc}", FLAG, WHAT)
         except UsageError:

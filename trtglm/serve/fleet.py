@@ -22,6 +22,7 @@ the front. A replica's supervisor and Envoy are told to stop (SIGTERM) if this p
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import json
 import logging
 import os
@@ -83,11 +84,21 @@ class FleetSpec:
         return cls(**data)
 
 
-def wants_front(replicas: int, front: bool | None) -> bool:
-    """Whether the launch runs behind the front: always with several replicas, with one when asked for."""
+def wants_front(replicas: int, front: bool | None, host: str) -> bool:
+    """Whether the launch runs behind the front: with several replicas, or (unless --no-front) whenever its ports
+    are reachable beyond this machine, or when asked for."""
     if front is False and isinstance(replicas, int) and replicas > 1:
         raise UsageError("--replicas above 1 serves through the front: leave out --no-front")
-    return bool(front) or replicas != 1
+    if front is None:
+        return replicas != 1 or not is_loopback(host)
+    return front
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may be reached from elsewhere
+        return False
 
 
 def plan_fleet(server: dict, places: list[ReplicaPlace], front: Endpoints, envoy: Path, launch_dir: LaunchDir,

@@ -11,6 +11,9 @@ port.
   queue, a 429 from the OpenAI API, gRPC UNAVAILABLE) is retried once on each other replica. Once an answer has
   started, nothing is retried: a stream in flight on a replica that dies fails, and only it.
 - Streams pass through unbuffered; routes have no time limit (a long answer is not a stuck one).
+- Triton's HTTP port is guarded (json_guard.lua): JSON nested deeper than MAX_JSON_DEPTH levels gets a 400, a
+  body over MAX_BODY_BYTES a 413, before tritonserver's parser (which recurses once a level and dies of a deep
+  enough body) sees it.
 - The admin API listens on a Unix socket in a folder only this user can enter, never on a port.
 
 `front_config` renders the configuration as a pure function; `Front` runs the process.
@@ -39,6 +42,9 @@ HEALTH_INTERVAL_S = 0.2
 CONNECT_TIMEOUT_S = 1.0
 START_TIMEOUT_S = 30.0
 LOG_NAME = "front.log"
+MAX_JSON_DEPTH = 64  # Triton's requests nest 4 or 5 levels (tensors of up to 3 dimensions inside objects)
+MAX_BODY_BYTES = 64 << 20  # what Triton's HTTP frontend itself accepts by default
+GUARD = Path(__file__).with_name("json_guard.lua")
 ROUTER = {"name": "envoy.filters.http.router",
           "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
 HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
@@ -60,10 +66,12 @@ class Route:
     retry_on: str
     retry_statuses: tuple[int, ...] = ()
     http2: bool = False
+    guarded: bool = False  # Triton's JSON parser behind it: json_guard
 
 
 RETRY_BEFORE_ANSWER = "connect-failure,refused-stream,reset"
-ROUTES = (Route("http", "/v2/health/ready", "http", f"{RETRY_BEFORE_ANSWER},retriable-status-codes", (503,)),
+ROUTES = (Route("http", "/v2/health/ready", "http", f"{RETRY_BEFORE_ANSWER},retriable-status-codes", (503,),
+                guarded=True),
           Route("grpc", "/v2/health/ready", "http", f"{RETRY_BEFORE_ANSWER},unavailable,resource-exhausted",
                 http2=True),
           Route("openai", "/health", "openai", f"{RETRY_BEFORE_ANSWER},retriable-status-codes", (429, 503)))
@@ -90,14 +98,25 @@ def _address(host: str, port: int) -> dict:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
-def _listener(name: str, host: str, port: int, routes: list[dict]) -> dict:
+def _listener(name: str, host: str, port: int, routes: list[dict], filters: tuple[dict, ...] = ()) -> dict:
     manager = {"@type": HCM_TYPE, "stat_prefix": name, "codec_type": "AUTO",
                "stream_idle_timeout": "0s",  # Triton keeps no such limit: a slow answer is not cut off
                "route_config": {"name": name, "virtual_hosts": [{"name": name, "domains": ["*"], "routes": routes}]},
-               "http_filters": [ROUTER]}
-    return {"name": name, "address": _address(host, port),
-            "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
-                                            "typed_config": manager}]}]}
+               "http_filters": [*filters, ROUTER]}
+    listener = {"name": name, "address": _address(host, port),
+                "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                "typed_config": manager}]}]}
+    if filters:  # the guard reads whole bodies: as large as Triton takes
+        listener["per_connection_buffer_limit_bytes"] = MAX_BODY_BYTES
+    return listener
+
+
+def json_guard() -> dict:
+    """The Lua filter that refuses deeply nested JSON (json_guard.lua, its depth filled in)."""
+    source = GUARD.read_text(encoding="utf-8").replace("__MAX_DEPTH__", str(MAX_JSON_DEPTH))
+    return {"name": "envoy.filters.http.lua", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+        "default_source_code": {"inline_string": source}}}
 
 
 def _proxy_route(route: Route, replicas: int) -> dict:
@@ -134,8 +153,8 @@ def front_config(front: Endpoints, replicas: int, eds_dir: Path, admin_socket: P
     (whose members the files in `eds_dir` list), and the metrics port answering `/metrics` with Envoy's own
     statistics (through the admin socket)."""
     routes = served_routes(front)
-    listeners = [_listener(r.cluster, front.host, front.ports()[r.cluster], [_proxy_route(r, replicas)])
-                 for r in routes]
+    listeners = [_listener(r.cluster, front.host, front.ports()[r.cluster], [_proxy_route(r, replicas)],
+                           (json_guard(),) if r.guarded else ()) for r in routes]
     listeners.append(_listener("metrics", front.host, front.metrics_port, [
         {"match": {"path": "/metrics"}, "route": {"cluster": "admin", "prefix_rewrite": "/stats/prometheus"}},
         {"match": {"prefix": "/"}, "direct_response": {"status": 404}}]))

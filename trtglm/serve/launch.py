@@ -65,7 +65,7 @@ def launch(repo: str | Path, *, world_size: int | None, tritonserver: str | None
     endpoints = Endpoints(str(host), ports["http"], ports["grpc"], ports["metrics"],
                           openai_port if openai and _serves_openai(repo_path) else None)
     places = (place_replicas(replicas, size, endpoints, replica_ports, gpus, dict(os.environ))
-              if wants_front(replicas, front) else None)
+              if wants_front(replicas, front, endpoints.host) else None)
     envoy = find_envoy() if places else None
     server = _server_fields(repo_path, size, tritonserver, float(timeout), server_flags)
     launch_dir = LaunchDir.for_repo(repo_path)
