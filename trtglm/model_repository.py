@@ -87,6 +87,11 @@ def return_sequences_limit(repo: Path) -> int:
     return int(params[MAX_RETURN_SEQUENCES])
 
 
+def engine_slots(repo: Path) -> int:
+    """How many sequences tensorrt_llm runs at once (its config's max_batch_size, the engine's)."""
+    return int(model_config(repo, TENSORRT_LLM).max_batch_size) or 1
+
+
 def engine_dir(repo: Path) -> Path | None:
     """The engine folder tensorrt_llm serves; None when the repository has no tensorrt_llm model."""
     if not has_model(repo, TENSORRT_LLM):

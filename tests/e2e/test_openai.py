@@ -464,3 +464,51 @@ def test_a_complete_replys_stream_ends_uncancelled_and_an_abandoned_one_is_cance
         assert SKY_ANSWER.startswith(text) and text != SKY_ANSWER and codes == ["StatusCode.CANCELLED"]
     else:
         assert (text, codes) == (SKY_ANSWER, ["StatusCode.OK"])
+
+
+FAN_OUT = {"prompts": [f"{i} + 1" for i in range(16)], "n": 8, "tokens": 128}  # 16 × 8 = 128 sequences, 8 slots
+
+
+def api_waiting(served) -> float:
+    """The API's sequences waiting for a place, from its /metrics."""
+    import urllib.request
+
+    with urllib.request.urlopen(served.openai.removesuffix("/v1") + "/metrics", timeout=30) as reply:
+        lines = reply.read().decode().splitlines()
+    return next(float(line.split()[-1]) for line in lines if line.startswith('trtglm_openai_sequences{state="waiting"}'))
+
+
+def test_a_request_of_many_sequences_is_queued_while_a_small_one_beside_it_is_answered(served, client):
+    """16 prompts × n 8 (the most the API takes) on an engine of 8 slots: served whole, its sequences admitted as
+    places free, while a small request sent after it is answered before it; another large one meanwhile is
+    refused whole (429, Retry-After), and the waiting line shows on the API's /metrics. Streamed, the same large
+    request starts with 200 and every choice ends by its length (none fails for capacity)."""
+    import concurrent.futures
+    import time
+
+    def big(stream: bool = False, tokens: int = FAN_OUT["tokens"]):
+        body = {"model": MODEL, "prompt": FAN_OUT["prompts"], "n": FAN_OUT["n"], "max_tokens": tokens,
+                "extra_body": {"min_tokens": tokens}}
+        if not stream:
+            return client.completions.create(**body).choices
+        return [c for chunk in client.completions.create(**body, stream=True) for c in chunk.choices
+                if c.finish_reason]
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        whole = pool.submit(big)
+        deadline = time.monotonic() + 60
+        while (waiting := api_waiting(served)) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert waiting > 0  # the large request is in line
+        with pytest.raises(openai.RateLimitError) as refused:
+            big()
+        assert refused.value.response.headers["retry-after"] == "1"
+        started = time.monotonic()
+        small = client.chat.completions.create(model=MODEL, temperature=0, messages=[{"role": "user", "content": SKY}])
+        small_s = time.monotonic() - started
+        assert small.choices[0].message.content == SKY_ANSWER
+        assert not whole.done(), "the small request waited for the large one"
+        assert len(whole.result(timeout=600)) == 128 and {c.finish_reason for c in whole.result()} == {"length"}
+    assert small_s < 30, small_s
+    streamed = big(stream=True, tokens=16)
+    assert len(streamed) == 128 and {c.finish_reason for c in streamed} == {"length"}

@@ -18,9 +18,11 @@ import numpy as np
 
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import UsageError
+from trtglm.openai_api.admission import Admission
 from trtglm.openai_api.errors import ApiError
 from trtglm.openai_api.prompts import chatglm_messages, completion_messages, prompt_length, token_limit
-from trtglm.openai_api.protocol import ChatRequest, CompletionRequest, Sampling, refuse_unsupported, wants_log_probs
+from trtglm.openai_api.protocol import (MAX_PROMPTS, ChatRequest, CompletionRequest, Sampling, refuse_unsupported,
+                                       wants_log_probs)
 from trtglm.openai_api.replies import ChoiceText, token_log_probs, tool_calls
 from trtglm.openai_api.served import Served
 from trtglm.openai_api.streaming import merged
@@ -28,11 +30,16 @@ from trtglm.openai_api.triton import Ask, Triton
 from trtglm.request_config import OutputConfig, check_return_sequences
 
 
+BUSY_WAIT_S = 60.0  # how long a choice the engine refuses as busy (other clients filled it) is asked again
+BUSY_RETRY_S = 0.2
+
+
 class Api:
     """The endpoints' work, apart from HTTP."""
 
     def __init__(self, served: Served, triton: Triton, tokenizer: ChatGLMTokenizer):
         self.served, self.triton, self.tokenizer = served, triton, tokenizer
+        self.admission = Admission(served.slots, MAX_PROMPTS * served.max_return_sequences)
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.served.model_id, "object": "model", "created": 0,
@@ -94,6 +101,10 @@ class Answering:
     def prepare(self) -> list[Ask]:
         raise NotImplementedError
 
+    def admit(self, asks: list[Ask]) -> None:
+        """Take the request's place in line, or refuse it whole (admission.py) before any of it runs."""
+        self.ticket = self.api.admission.admit(len(asks))
+
     async def choice(self, index: int, ask: Ask) -> tuple[dict, int]:
         """One choice and its completion tokens."""
         raise NotImplementedError
@@ -103,15 +114,21 @@ class Answering:
         raise NotImplementedError
 
     async def answer(self, asks: list[Ask]) -> dict:
-        choices = await asyncio.gather(*(self.choice(i, ask) for i, ask in enumerate(asks)))
+        try:
+            choices = await asyncio.gather(*(self.choice(i, ask) for i, ask in enumerate(asks)))
+        finally:
+            self.api.admission.done(self.ticket)
         completion = sum(count for _, count in choices)
         return {"id": self.id, "object": self.OBJECT, "created": self.created, "model": self.request.model,
                 "choices": [choice for choice, _ in choices], "usage": usage_of(self.prompt_tokens, completion)}
 
     async def chunks(self, asks: list[Ask]) -> AsyncIterator[dict]:
         counts = [0] * len(asks)
-        async for chunk in merged([self.choice_chunks(i, ask, counts) for i, ask in enumerate(asks)]):
-            yield chunk
+        try:
+            async for chunk in merged([self.choice_chunks(i, ask, counts) for i, ask in enumerate(asks)]):
+                yield chunk
+        finally:
+            self.api.admission.done(self.ticket)
         if self.request.include_usage():
             yield self.chunk([], usage=usage_of(self.prompt_tokens, sum(counts)))
 
@@ -123,12 +140,22 @@ class Answering:
         return chunk
 
     async def replies(self, reply: ChoiceText, ask: Ask, counts: list[int], index: int) -> AsyncIterator[str]:
-        """The text of one choice that can be sent, as pieces arrive."""
-        async for piece in self.api.triton.pieces(ask):
-            text = reply.add(piece)
-            counts[index] = reply.tokens
-            if text:
-                yield text
+        """The text of one choice that can be sent, as pieces arrive, once the choice's turn came (admission.py).
+        An engine that another client filled refuses it as busy: it is asked again until BUSY_WAIT_S passed."""
+        async with self.ticket.place():
+            waited_since = time.monotonic()
+            while True:
+                try:
+                    async for piece in self.api.triton.pieces(ask):
+                        text = reply.add(piece)
+                        counts[index] = reply.tokens
+                        if text:
+                            yield text
+                    return
+                except ApiError as e:
+                    if e.code != "server_busy" or reply.tokens or time.monotonic() - waited_since > BUSY_WAIT_S:
+                        raise
+                await asyncio.sleep(BUSY_RETRY_S)
 
 
 class Chat(Answering):

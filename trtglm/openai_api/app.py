@@ -17,6 +17,7 @@ from pathlib import Path
 from trtglm.backend.contract import BLS, ENSEMBLE
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import TrtglmError, UsageError
+from trtglm.openai_api.admission import Admission
 from trtglm.openai_api.answers import Answering, Api, Chat, Completion
 from trtglm.openai_api.errors import ApiError, validation_error
 from trtglm.openai_api.protocol import MAX_BODY_BYTES, ChatRequest, CompletionRequest
@@ -68,6 +69,13 @@ def create_app(api: Api):
             raise ApiError(503, f"the model server does not serve {api.triton.model}", kind="server_error")
         return {"status": "ok"}
 
+    @app.get("/metrics")
+    async def metrics():
+        """Prometheus's text: the API's sequences waiting and running, requests refused (admission.py)."""
+        from fastapi.responses import Response
+
+        return Response(metrics_text(api.admission), media_type="text/plain; version=0.0.4")
+
     @app.get("/v1/models")
     async def models():
         return api.models()
@@ -89,6 +97,7 @@ def create_app(api: Api):
             raise validation_error(e.errors()) from None
         work = answering(api, request)
         asks = await asyncio.to_thread(work.prepare)
+        work.admit(asks)
         if not request.stream:
             return JSONResponse(await work.answer(asks))
         chunks = work.chunks(asks)
@@ -107,6 +116,21 @@ def create_app(api: Api):
     app.add_route("/v1/completions", completions, methods=["POST"])
 
     return app
+
+
+def metrics_text(admission: Admission) -> bytes:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+    registry = CollectorRegistry()
+    sequences = Gauge("trtglm_openai_sequences", "the API's sequences (choices of prompts) by state", ["state"],
+                      registry=registry)
+    sequences.labels("running").set(admission.running)
+    sequences.labels("waiting").set(admission.waiting)
+    Gauge("trtglm_openai_waiting_limit", "the most sequences that may wait; a request beyond it gets 429",
+          registry=registry).set(admission.waiting_limit)
+    Counter("trtglm_openai_refused_requests", "requests refused (429) because the waiting line was full",
+            registry=registry).inc(admission.refused)
+    return generate_latest(registry)
 
 
 async def bounded_body(http) -> bytes:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trtglm.backend.contract import BLS, ENSEMBLE, PREPROCESSING, PYTHON, TOKENIZER_DIR, Limits, parameter
-from trtglm.model_repository import (engine_backend, has_model, model_config, parameters, return_sequences_limit,
-                                     served_name)
+from trtglm.model_repository import (engine_backend, engine_slots, has_model, model_config, parameters,
+                                     return_sequences_limit, served_name)
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class Served:
     limits: Limits
     max_return_sequences: int  # the most choices of one prompt (n), as the served models allow
     trtglm_engine: bool = True
+    slots: int = 1  # the sequences the engine runs at once
 
 
 def served_model(repo: Path) -> Served | None:
@@ -40,7 +41,8 @@ def served_model(repo: Path) -> Served | None:
     return Served(model_id=served_name(repo), triton_model=triton_model,
                   tokenizer_dir=parameter(params, TOKENIZER_DIR, PREPROCESSING),
                   limits=Limits.from_parameters(params, PREPROCESSING),
-                  max_return_sequences=return_sequences_limit(repo), trtglm_engine=engine_backend(repo) == PYTHON)
+                  max_return_sequences=return_sequences_limit(repo), trtglm_engine=engine_backend(repo) == PYTHON,
+                  slots=engine_slots(repo))
 
 
 def client_model(repo: Path) -> str | None:
