@@ -28,9 +28,10 @@ from pathlib import Path
 import psutil
 
 from trtglm.backend.contract import STUB
+from trtglm.serve.exits import ExitWaiter
 
 CHILDREN_FILES = Path(f"/proc/self/task/{threading.get_native_id()}/children").exists()  # Linux, CONFIG_PROC_CHILDREN
-ZOMBIE_S = 0.3  # a stub or engine process unreaped this long died (Triton and the stubs reap theirs at once)
+ZOMBIE_S = 0.1  # a stub or engine process unreaped this long died (Triton and the stubs reap theirs at once)
 ENGINE_MODULE = "trtglm.backend.engine_process"
 
 
@@ -97,6 +98,17 @@ class DeathWatch:
     def __init__(self):
         self.roles: dict[int, tuple[int, str]] = {}  # pid → (rank, role): a zombie's command line cannot be read
         self.zombie_since: dict[int, float] = {}
+        self.exits = ExitWaiter()
+
+    def wait(self, timeout_s: float, more_pids=()) -> None:
+        """Sleep up to timeout_s, less when one of the known stubs and engine processes or `more_pids` exits: then
+        until that one has been a zombie for ZOMBIE_S, timed from its exit."""
+        self.exits.watch([*self.roles, *more_pids])
+        exited = self.exits.wait(timeout_s)
+        if exited:
+            now = time.monotonic()
+            self.zombie_since.update({pid: now for pid in exited if pid not in self.zombie_since})
+            time.sleep(ZOMBIE_S)
 
     def died(self, ranks: dict[int, psutil.Process], after_s: float = ZOMBIE_S) -> tuple[int, str] | None:
         """(rank, "rank R's ROLE (pid P)") of a process that has been a zombie for after_s, or None."""
