@@ -40,6 +40,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -476,8 +477,15 @@ RSS_GROWTH_LIMIT = 1.5  # the server's memory after the run, over its memory aft
 
 
 def server_rss(repo: Path) -> int:
-    total = 0
+    """The resident memory of the launch's processes and their children (the engine process is a stub's)."""
+    procs = {}
     for proc in repo_processes(repo):
+        try:
+            procs.update({p.pid: p for p in [proc, *proc.children(recursive=True)]})
+        except psutil.Error:
+            pass
+    total = 0
+    for proc in procs.values():
         try:
             total += proc.memory_info().rss
         except psutil.Error:
@@ -621,6 +629,74 @@ def test_2048_bls_streams_over_grpc_at_64_in_flight_answer_exactly(streaming_ser
     chosen = (conversations() * (BLS_STREAMS // len(conversations()) + 1))[:BLS_STREAMS]
     wrong = exact_on_streams(streaming_server, chosen, BLS_IN_FLIGHT)
     assert wrong == [], wrong[:5]
+
+
+def sse_text(server: Server, conversation: dict) -> str:
+    """A conversation streamed through the ensemble over HTTP (server-sent events): its joined text, or the error."""
+    status, events = server.stream("ensemble", {"text_input": json.dumps({"messages": conversation["messages"]},
+                                                                         ensure_ascii=False), "max_tokens": 64})
+    errors = [event["error"] for event in events if "error" in event]
+    return f"error: {status} {errors}" if status != 200 or errors else "".join(e["text_output"] for e in events)
+
+
+def openai_client(server: Server):
+    import openai
+
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.openai_port}/v1", api_key="none", max_retries=0)
+
+
+def openai_text(server: Server, model: str, conversation: dict) -> str:
+    """A conversation streamed through the OpenAI API's chat completions (the openai SDK, a client of its own, so a
+    connection of its own): its joined text."""
+    client = openai_client(server)
+    stream = client.chat.completions.create(model=model, messages=conversation["messages"], max_tokens=64,
+                                            temperature=0, stream=True)
+    return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+
+
+def exact_one_by_one(ask, chosen: list[dict], in_flight: int) -> list[str]:
+    """Every conversation through `ask`, `in_flight` client threads: what differed from the fixture's answers."""
+    def check(item) -> str:
+        index, conversation = item
+        text = ask(conversation)
+        return "" if text == conversation["answer"] else f"{index}: {text!r} (expected {conversation['answer']!r})"
+
+    with ThreadPoolExecutor(in_flight) as pool:
+        return [wrong for wrong in pool.map(check, enumerate(chosen)) if wrong]
+
+
+def plain_chat(conversation: dict) -> bool:
+    """Whether OpenAI's chat says the same as ChatGLM3's messages: its roles alone, no tools (a tools-bearing one
+    would go through the API's tools field)."""
+    return all(set(m) == {"role", "content"} and m["role"] in ("system", "user", "assistant")
+               for m in conversation["messages"])
+
+
+STREAM_PATHS = {"ensemble-sse": lambda server, chosen: exact_one_by_one(partial(sse_text, server), chosen, LOAD_IN_FLIGHT),
+                "bls-grpc": lambda server, chosen: exact_on_streams(server, chosen, LOAD_IN_FLIGHT),
+                "openai": lambda server, chosen: exact_one_by_one(
+                    partial(openai_text, server, openai_client(server).models.list().data[0].id), chosen, LOAD_IN_FLIGHT)}
+
+
+@pytest.mark.load
+@pytest.mark.skipif(os.environ.get("TRTGLM_LOAD") != "1", reason="the load run is long: set TRTGLM_LOAD=1")
+@pytest.mark.parametrize("path", list(STREAM_PATHS))
+def test_1000_streams_at_64_in_flight_on_each_path(streaming_server, path):
+    """1,000 streamed conversations, 64 at a time, on each client path: every answer exact, and the launch's
+    resident memory (tritonserver, its stubs and engine process, the OpenAI API) bounded."""
+    usable = [c for c in conversations() if path != "openai" or plain_chat(c)]
+    chosen = (usable * (LOAD_REQUESTS // len(usable) + 1))[:LOAD_REQUESTS]
+    wrong = STREAM_PATHS[path](streaming_server, chosen[:LOAD_IN_FLIGHT])
+    rss_warm = server_rss(streaming_server.repo)
+    started = time.monotonic()
+    wrong += STREAM_PATHS[path](streaming_server, chosen[LOAD_IN_FLIGHT:])
+    elapsed = time.monotonic() - started
+    rss_after = server_rss(streaming_server.repo)
+    print(f"\nload {path}: {LOAD_REQUESTS} streams, {LOAD_IN_FLIGHT} in flight: {len(wrong)} wrong; "
+          f"{(LOAD_REQUESTS - LOAD_IN_FLIGHT) / elapsed:.1f} streams/s after warm-up; launch RSS "
+          f"{rss_warm / 2**20:.0f} MiB after {LOAD_IN_FLIGHT}, {rss_after / 2**20:.0f} MiB after {LOAD_REQUESTS}")
+    assert wrong == [], wrong[:5]
+    assert rss_after < RSS_GROWTH_LIMIT * rss_warm
 
 
 def test_bls_streams_dropped_at_once_leave_it_answering(dropping_server):
