@@ -26,7 +26,7 @@ ALLOWED = {
     "backend": {"chatglm", "engine", "errors", "files", "conventions", "processes", "request_config", "runtime"},
     "model_repository": {"backend.contract", "engine", "errors", "files"},
     "repo": {"backend.contract", "chatglm", "engine", "errors", "files", "model_repository"},
-    "openai_api": {"backend.contract", "chatglm", "errors", "model_repository", "ports", "request_config"},
+    "openai_api": {"backend.contract", "chatglm", "errors", "model_repository", "ports", "processes", "request_config"},
     "serve": {"backend.contract", "backend.cpus", "chatglm", "client", "conventions", "engine", "errors", "files",
               "model_repository", "openai_api.served", "ports", "processes", "request_config"},
     "client": {"errors", "ports"},

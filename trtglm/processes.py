@@ -1,11 +1,14 @@
 """Whether a process still runs: for the supervisor watching its ranks and the served models watching their
-sibling stubs; and stopping a child process."""
+sibling stubs; stopping a child process; the signal that tells the OpenAI API its launch stops."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 
 import psutil
+
+NOT_READY_SIGNAL = signal.SIGUSR1  # to the OpenAI API: its launch stops, so /health answers 503 from now on
 
 
 def alive(proc: psutil.Process) -> bool:

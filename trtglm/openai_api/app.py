@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from trtglm.backend.contract import BLS, ENSEMBLE
@@ -25,10 +27,12 @@ from trtglm.openai_api.served import served_model
 from trtglm.openai_api.streaming import after, sse
 from trtglm.openai_api.triton import Triton
 from trtglm.ports import OPENAI_PORT
+from trtglm.processes import NOT_READY_SIGNAL
 
 log = logging.getLogger(__name__)
 
 GRACEFUL_S = 5  # how long a stopped server lets open answers finish (< the supervisor's grace)
+NOT_READY = threading.Event()  # set by NOT_READY_SIGNAL: the launch stops, /health answers 503 without asking Triton
 
 
 def create_app(api: Api):
@@ -64,8 +68,9 @@ def create_app(api: Api):
 
     @app.get("/health")
     async def health():
-        """200 while the model it asks answers readiness (a launch whose process died stops serving)."""
-        if not await api.triton.ready():
+        """200 while the model it asks answers readiness (a launch whose process died stops serving) and the
+        launch has not said it stops (NOT_READY_SIGNAL)."""
+        if NOT_READY.is_set() or not await api.triton.ready():
             raise ApiError(503, f"the model server does not serve {api.triton.model}", kind="server_error")
         return {"status": "ok"}
 
@@ -157,6 +162,7 @@ def serve(repo: Path, grpc_url: str, host: str, port: int) -> None:
     tokenizer = ChatGLMTokenizer(served.tokenizer_dir)
     api = Api(served, Triton(grpc_url, served.triton_model), tokenizer)
     log.info("OpenAI API for %s (%s over %s) on %s:%d", served.model_id, served.triton_model, grpc_url, host, port)
+    signal.signal(NOT_READY_SIGNAL, lambda *_: NOT_READY.set())
     uvicorn.run(create_app(api), host=host, port=port, log_level="warning", access_log=False,
                 timeout_graceful_shutdown=GRACEFUL_S)
 

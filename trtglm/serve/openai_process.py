@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from trtglm.processes import stop_child
+from trtglm.processes import NOT_READY_SIGNAL, stop_child
 from trtglm.serve.command import Endpoints, client_host
 from trtglm.serve.rank_logs import ERROR_LINE, read_log
 
@@ -49,6 +49,11 @@ class OpenAIProcess:
                 return None
             time.sleep(0.2)
         return None if stopping() else f"the OpenAI API did not answer within {limit_s:g} s{self._cause()}"
+
+    def not_ready(self) -> None:
+        """Tell the API that the launch stops: its /health stops answering 200 at once."""
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.send_signal(NOT_READY_SIGNAL)
 
     def died(self) -> bool:
         return self.popen is not None and self.popen.poll() is not None

@@ -31,7 +31,7 @@ from trtglm.backend.contract import STUB
 from trtglm.serve.exits import ExitWaiter
 
 CHILDREN_FILES = Path(f"/proc/self/task/{threading.get_native_id()}/children").exists()  # Linux, CONFIG_PROC_CHILDREN
-ZOMBIE_S = 0.1  # a stub or engine process unreaped this long died (Triton and the stubs reap theirs at once)
+ZOMBIE_S = 0.05  # a stub or engine process unreaped this long died (Triton and the stubs reap theirs at once)
 ENGINE_MODULE = "trtglm.backend.engine_process"
 
 

@@ -116,6 +116,8 @@ class Supervisor:
             if failure is not None:  # health stops answering 200 at once; the orderly rest of the stop follows
                 for proc in self.ranks.values():
                     _terminate(proc)
+            if self.openai is not None:
+                self.openai.not_ready()
             self.mark_stopping()
             self.shutdown(failed=failure is not None)
             self.launch.state_file.unlink(missing_ok=True)
