@@ -50,7 +50,7 @@ MPI_LOOPBACK = {4: ("--mca", "oob_tcp_if_include", "lo", "--mca", "btl_tcp_if_in
                 5: ("--mca", "btl_tcp_if_include", "lo")}
 # Per-rank logs in DIR/JOB/rank.N/{stdout,stderr}, not copied to mpirun's own output, by major version.
 MPI_OUTPUT = {4: ("--output-filename", "{dir}:nocopy"), 5: ("--output", "dir={dir}")}
-EXIT_TIMEOUT_S = 5  # tritonserver's own wait for in-flight requests (< supervise.GRACE_S)
+EXIT_TIMEOUT_S = 5  # tritonserver's own wait for in-flight requests, unless `launch --drain` says (< the grace)
 RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
 
 

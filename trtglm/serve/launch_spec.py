@@ -4,14 +4,22 @@ detached supervisor (`python -m trtglm.serve.supervise SPEC.json`) reads what `t
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from trtglm.serve.command import Endpoints, launch_args, restricted_args
+from trtglm.serve.command import EXIT_TIMEOUT_S, Endpoints, launch_args, restricted_args
 from trtglm.serve.preload import preload_env
 from trtglm.serve.tritonserver import EXPORTED_VARS
+
+STOP_MARGIN_S = 5.0  # after the drain, for a stopped server to unload and exit before it is killed
+
+
+def stop_wait_s(drain_s: float) -> float:
+    """How long `trtglm stop` waits for a supervisor's orderly stop (the OpenAI API's grace, then the ranks')."""
+    return 2 * (drain_s + STOP_MARGIN_S) + 10
 
 
 def fresh_ids() -> dict[str, str]:
@@ -41,6 +49,16 @@ class LaunchSpec:
     preload: str | None = None  # the library preloaded into the server processes (preload.py)
     environment: dict[str, str] = field(default_factory=dict)  # set for the servers: a replica's GPUs
     cpus: tuple[int, ...] | None = None  # the CPUs the launch's processes may use (a replica's share); None: all
+    drain_s: float = EXIT_TIMEOUT_S  # an orderly stop lets requests in flight finish this long (`launch --drain`)
+
+    @property
+    def grace_s(self) -> float:
+        """How long an orderly stop waits for the OpenAI API, then for the ranks, before killing what is left."""
+        return self.drain_s + STOP_MARGIN_S
+
+    @property
+    def stop_wait_s(self) -> float:
+        return stop_wait_s(self.drain_s)
 
     @property
     def shm_base(self) -> str:
@@ -50,7 +68,7 @@ class LaunchSpec:
         exports = [name for name in (*EXPORTED_VARS, "TRTGLM_LAUNCH_ID") if name in env]
         return launch_args(self.tritonserver, self.repo, self.world_size, self.endpoints,
                            mpirun=self.mpirun or "mpirun", mpi_version=self.mpi_version or 4, shm_base=self.shm_base,
-                           backend_dir=self.backend_dir, export_vars=exports,
+                           backend_dir=self.backend_dir, export_vars=exports, exit_timeout_s=math.ceil(self.drain_s),
                            cpu_count=os.cpu_count() or 1, output_dir=Path(self.log_dir) / "ranks",
                            server_flags=self.server_flags)
 

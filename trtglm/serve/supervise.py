@@ -32,8 +32,8 @@ watch (with --detach: after `launch` has returned).
 Stopping: SIGTERM goes to each rank's tritonserver (not to mpirun, which would exit at once
 and leave its ranks behind; Open MPI also gives each rank a process group of its own). A
 tritonserver unloads its models, its stubs exit and remove their shared memory, and mpirun
-exits when its ranks have. Whatever still runs after the grace period (10 s) is killed, and
-shared-memory regions with the launch's prefix are removed.
+exits when its ranks have. Whatever still runs after the grace period (`launch --drain`, 5 s by default, for
+requests in flight, and 5 s more) is killed, and shared-memory regions with the launch's prefix are removed.
 
 The OpenAI-compatible API (openai_process.py), when the launch serves it, starts once the
 checks have passed and answers before the launch reports ready; if it dies, everything is stopped
@@ -78,7 +78,6 @@ from trtglm.serve.tritonserver import server_env
 
 log = logging.getLogger(__name__)
 
-GRACE_S = 10.0  # after SIGTERM, before SIGKILL
 DEATH_GRACE_S = 0.5  # the same once a process of the launch died: requests the death stranded end with the server
 POLL_S = 0.2
 
@@ -100,7 +99,7 @@ class Supervisor:
         self.tracked: dict[int, psutil.Process] = {}
         self.ranks: dict[int, psutil.Process] = {}
         self.signals = SignalFlags()
-        self.openai = (OpenAIProcess(spec.repo, spec.endpoints, spec.shm_base, self.log_dir)
+        self.openai = (OpenAIProcess(spec.repo, spec.endpoints, spec.shm_base, self.log_dir, spec.drain_s)
                        if spec.endpoints.openai_port is not None else None)
 
     # --- the whole life --------------------------------------------------------------------------
@@ -185,7 +184,8 @@ class Supervisor:
             "shm_base": self.spec.shm_base, "world_size": self.spec.world_size, "host": self.spec.endpoints.host,
             "ports": self.spec.endpoints.ports(), "urls": self.spec.endpoints.urls(), "log_dir": str(self.log_dir),
             "detached": self.spec.detached, "started": time.time(), "api_key": self.spec.api_key,
-            "cuda_visible_devices": {**os.environ, **self.spec.environment}.get("CUDA_VISIBLE_DEVICES")}
+            "cuda_visible_devices": {**os.environ, **self.spec.environment}.get("CUDA_VISIBLE_DEVICES"),
+            "stop_wait_s": self.spec.stop_wait_s}
         self.launch.write({**state, **extra, "status": status})
 
     def mark_stopping(self) -> None:
@@ -347,11 +347,11 @@ class Supervisor:
 
     def shutdown(self, failed: bool = False) -> None:
         """Stop the ranks and the OpenAI API, reap what they leave, remove leftover shared memory. An orderly stop
-        gives GRACE_S and stops the API first (its requests end while the ranks still serve them); after a
+        gives the spec's grace_s and stops the API first (its requests end while the ranks still serve them); after a
         failure (a death) the ranks go first, given DEATH_GRACE_S, and the API passes their requests' errors on
         before it goes; a second signal gives no grace at all."""
         orderly = not (failed or self.signals.hurry)
-        grace_s = GRACE_S if orderly else 0.0 if self.signals.hurry else DEATH_GRACE_S
+        grace_s = self.spec.grace_s if orderly else 0.0 if self.signals.hurry else DEATH_GRACE_S
         if self.openai is not None and orderly:
             self.openai.stop(grace_s)
         self._stop_ranks(grace_s, orderly)
