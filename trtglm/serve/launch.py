@@ -33,6 +33,7 @@ from trtglm.serve.checks import check_ports, repo_folder, resolve_world_size
 from trtglm.serve.command import EXIT_TIMEOUT_S, Endpoints
 from trtglm.serve.fleet import MAX_START_FAILURES, Fleet, FleetSpec, plan_fleet, wants_front
 from trtglm.serve.front import find_envoy
+from trtglm.serve.hosts import check_hosts, free_port, resolve_hosts
 from trtglm.serve.launch_spec import LaunchSpec, fresh_ids, stop_wait_s
 from trtglm.serve.replicas import place_replicas
 from trtglm.serve.state import LaunchDir, all_launch_dirs, clean_stale, only_launch
@@ -51,13 +52,15 @@ def launch(repo: str | Path, *, world_size: int | None, tritonserver: str | None
            grpc_port: int | None, metrics_port: int | None, log_dir: str | Path | None, detach: bool, timeout: float,
            server_flags: list[str], openai_port: int, openai: bool, drain: float = EXIT_TIMEOUT_S,
            replicas: int = 1, front: bool | None = None, gpus: list[str] | None = None,
-           replica_ports: int | None = None) -> None:
+           replica_ports: int | None = None, hosts: str | None = None, hostfile: str | None = None,
+           rsh_agent: str | None = None) -> None:
     """Serve `repo` with `world_size` ranks until stopped (or, with `detach`, until ready); `server_flags`
     go on every rank's tritonserver command line after trtglm's own; with `openai`, the OpenAI-compatible
     API on `openai_port` too. A port left out is the engine profile's (`serve.*_port`), else Triton's default.
     An orderly stop lets requests in flight finish for `drain` seconds. With `replicas` above 1 (or `front`), that
     many copies behind the front (fleet.py), on `gpus` (default: the visible ones in order) and the port block at
-    `replica_ports`."""
+    `replica_ports`. `hosts` / `hostfile`: one replica's ranks on several hosts, reached with mpirun's remote shell
+    (`rsh_agent`, default ssh): hosts.py."""
     repo_path = repo_folder(repo)
     size = resolve_world_size(repo_path, world_size)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
@@ -66,10 +69,17 @@ def launch(repo: str | Path, *, world_size: int | None, tritonserver: str | None
     ports = {**TRITON_PORTS, **profile_ports(repo_path), **{name: port for name, port in given.items() if port}}
     endpoints = Endpoints(str(host), ports["http"], ports["grpc"], ports["metrics"],
                           openai_port if openai and _serves_openai(repo_path) else None)
-    places = (place_replicas(replicas, size, endpoints, replica_ports, gpus, dict(os.environ))
+    on_hosts = resolve_hosts(hosts, hostfile, rsh_agent, size)
+    if (hosts or hostfile) and (replicas != 1 or gpus is not None):
+        raise UsageError("--hosts and --hostfile run one replica over several hosts, each host's ranks on its GPUs in "
+                         "order: leave out --replicas and --gpus")
+    places = (place_replicas(replicas, size, endpoints, replica_ports, gpus, dict(os.environ), not on_hosts)
               if wants_front(replicas, front, endpoints.host) else None)
     envoy = find_envoy() if places else None
     server = _server_fields(repo_path, size, tritonserver, float(timeout), server_flags, float(drain))
+    if on_hosts:
+        check_hosts(server["mpirun"], rsh_agent, repo_path, on_hosts, size, time.monotonic() + timeout)
+        server.update(hosts=on_hosts, rsh_agent=rsh_agent, master_port=free_port())
     launch_dir = LaunchDir.for_repo(repo_path)
     lock = launch_dir.try_lock()
     if lock is None:

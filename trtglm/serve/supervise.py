@@ -29,11 +29,10 @@ backend, rank 0's tensorrt_llm is ready only once every rank holds the engine; p
 on ranks > 0 load independently, so one that fails after rank 0 is ready is caught by the
 watch (with --detach: after `launch` has returned).
 
-Stopping: SIGTERM goes to each rank's tritonserver (not to mpirun, which would exit at once
-and leave its ranks behind; Open MPI also gives each rank a process group of its own). A
-tritonserver unloads its models, its stubs exit and remove their shared memory, and mpirun
-exits when its ranks have. Whatever still runs after the grace period (`launch --drain`, 5 s by default, for
-requests in flight, and 5 s more) is killed, and shared-memory regions with the launch's prefix are removed.
+Stopping: SIGTERM goes to each rank's tritonserver (not to mpirun, which would exit at once and leave its ranks
+behind; Open MPI also gives each rank a process group of its own; other hosts' ranks: hosts.py). It unloads its
+models, its stubs exit and remove their shared memory, and mpirun exits when its ranks have. What still runs after
+the grace period (`launch --drain`, and 5 s) is killed; shared memory with the launch's prefix is removed.
 
 The OpenAI-compatible API (openai_process.py), when the launch serves it, starts once the
 checks have passed and answers before the launch reports ready; if it dies, everything is stopped
@@ -68,7 +67,8 @@ from trtglm.files import PHASE_FILE, read_phase
 from trtglm.processes import alive
 from trtglm.serve.launch_spec import LaunchSpec
 from trtglm.serve.openai_process import OpenAIProcess
-from trtglm.serve.rank_logs import FatalSignals, first_abort, last_error_line, print_excerpt, print_tails, read_log
+from trtglm.serve.rank_logs import (FatalSignals, first_abort, last_error_line, print_excerpt, print_tails, rank_death,
+                                    read_log)
 from trtglm.serve.signals import SignalFlags
 from trtglm.serve.first_requests import first_requests
 from trtglm.serve.reaping import become_subreaper, reap_orphans
@@ -144,7 +144,8 @@ class Supervisor:
 
     def start(self) -> None:
         self._reset_logs()
-        env = server_env({**os.environ, **self.spec.environment}, self.spec.launch_id, self.spec.python_bin)
+        env = self.spec.rank_env(server_env({**os.environ, **self.spec.environment}, self.spec.launch_id,
+                                            self.spec.python_bin))
         if self.spec.cpus is not None:
             os.sched_setaffinity(0, self.spec.cpus)
         self.launch.phase_file.unlink(missing_ok=True)
@@ -185,7 +186,7 @@ class Supervisor:
             "ports": self.spec.endpoints.ports(), "urls": self.spec.endpoints.urls(), "log_dir": str(self.log_dir),
             "detached": self.spec.detached, "started": time.time(), "api_key": self.spec.api_key,
             "cuda_visible_devices": {**os.environ, **self.spec.environment}.get("CUDA_VISIBLE_DEVICES"),
-            "stop_wait_s": self.spec.stop_wait_s}
+            "stop_wait_s": self.spec.stop_wait_s, "hosts": self.spec.hosts and [h.host for h in self.spec.hosts]}
         self.launch.write({**state, **extra, "status": status})
 
     def mark_stopping(self) -> None:
@@ -206,7 +207,7 @@ class Supervisor:
                 failure = self.check_ranks()
                 if failure is not None:
                     return failure
-                if len(self.ranks) == self.spec.world_size and answers_ok(url):
+                if len(self.ranks) >= self.spec.watched_ranks and answers_ok(url):
                     log.info("%s: ready after %.1f s", self.spec.repo, time.monotonic() - started)
                     return None
                 time.sleep(POLL_S)
@@ -292,9 +293,8 @@ class Supervisor:
         rank = self._dead()
         if rank is None:
             return None
-        abort = first_abort(self.log_dir, rank)
-        return Failure(f"rank {rank} of {self.spec.world_size} died{f' ({abort})' if abort else ''}; stopped all "
-                       f"ranks (logs: {self.log_dir})", [rank])
+        rank, what = rank_death(self.log_dir, rank, self.spec.world_size)  # a rank agent's words first (hosts.py)
+        return Failure(f"{what}; stopped all ranks (logs: {self.log_dir})", [rank])
 
     def refresh(self) -> None:
         """Track the command's process tree; learn each rank's process."""
@@ -367,6 +367,7 @@ class Supervisor:
         ranks = [proc for proc in self.ranks.values() if alive(proc)]
         for proc in ranks:
             _terminate(proc)
+        self.spec.stop_other_hosts(self.popen)
         if not ranks and self.popen.poll() is None:
             self.popen.terminate()
         self._wait(lambda: self.popen.poll() is None or any(map(alive, self.tracked.values())), grace_s)
