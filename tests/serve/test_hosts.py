@@ -189,15 +189,48 @@ def wait_for_launch_end(server: Server, limit_s: float = 60) -> subprocess.Compl
     raise AssertionError(f"the launch still runs {limit_s:g} s after its rank died")
 
 
-def launch_fails(repo: Path, tmp_path: Path, hostfile_text: str, timeout: str = "30", **rsh_env: str):
+@pytest.mark.slow
+def test_behind_the_front_the_replica_spans_the_hosts_and_stops_whole(repo_tp2, tmp_path):
+    """As a LeaderWorkerSet's leader runs it (its ports exposed, so behind the front): the one replica's ranks on
+    two hosts answer exactly through the front, and `trtglm stop` stops the front, the replica and the other host's
+    rank, leaving nothing."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(HOSTFILE)
+    server = Server(repo_tp2, 2, tmp_path / "state", {"PATH": mpi_path("system")},
+                    ("--hostfile", str(hostfile), "--rsh-agent", str(RSH_HERE), "--front", "--drain", "10"))
+    try:
+        (replica,) = server.state["replicas"]
+        assert replica["gpus"] is None  # each host's ranks take its GPUs
+        for question, answer in list(fixture_answers().items())[:2]:
+            chat = json.dumps({"messages": [{"role": "user", "content": question}]}, ensure_ascii=False)
+            status, body = server.generate("ensemble", {"text_input": chat, "max_tokens": 64})
+            assert status == 200 and body["text_output"] == answer, body
+        other = Path(replica["log_dir"]) / "ranks" / "rank.1" / "agent.json"
+        assert json.loads(other.read_text())["status"] == "serving"
+        stopped = server.cli("stop", "--repo", str(repo_tp2), timeout=120)
+        assert stopped.returncode == 0, stopped.stderr
+        assert repo_processes(repo_tp2) == []
+        assert json.loads(other.read_text())["why"] == "SIGUSR1"
+    finally:
+        server.kill_leftovers()
+
+
+def launch_fails(repo: Path, tmp_path: Path, hostfile_text: str, timeout: str = "30", *flags: str, **rsh_env: str):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text(hostfile_text)
     env = {**os.environ, "TRTGLM_STATE_DIR": str(tmp_path / "state"), "PATH": mpi_path("system"), **rsh_env}
     done = subprocess.run([sys.executable, "-m", "trtglm", "launch", "--repo", str(repo), "--hostfile", str(hostfile),
-                           "--rsh-agent", str(RSH_HERE), "--timeout", timeout, "--detach"],
+                           "--rsh-agent", str(RSH_HERE), "--timeout", timeout, "--detach", *flags],
                           capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
     assert done.returncode != 0 and repo_processes(repo) == []
     return done.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("flags", [("--replicas", "2"), ("--gpus", "0,1")])
+def test_hosts_make_one_replica_and_more_is_one_line(repo_tp2, tmp_path, flags):
+    error = launch_fails(repo_tp2, tmp_path, HOSTFILE, "30", *flags)
+    assert error == ("trtglm: error: --hosts and --hostfile run one replica over several hosts, each host's ranks "
+                     "on its GPUs in order: leave out --replicas and --gpus")
 
 
 def test_a_host_without_the_engine_is_named_before_anything_starts(repo_tp2, tmp_path):
