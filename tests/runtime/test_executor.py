@@ -511,8 +511,13 @@ def test_a_full_kv_cache_keeps_requests_queued_until_a_finished_one_frees_it(mod
     executor.submit(Request(prompts[2], 40, end_id=tok.eos_id, stop_words=stops(tok)), second)
     executor.step()
     assert executor.stats().active == 1 and executor.stats().queued == 1 and not second.outputs
+    # the first holds its whole length's blocks from admission; the second waits for them
+    blocks = executor.stats()
+    assert (blocks.kv_blocks, blocks.kv_blocks_used, blocks.tokens_per_block, blocks.slots) == \
+        (max(need), need[0], 16, 3)
     run(executor)
     assert first.tokens == alone(model, tok, prompts[1]) and second.tokens == alone(model, tok, prompts[2])
+    assert executor.stats().kv_blocks_used == 0 and executor.stats().active == executor.stats().queued == 0
     assert recording.calls.index(("release", 0)) < recording.calls.index(("prefill", [0], [0], [len(prompts[2])]))
     with pytest.raises(UsageError, match=r"needs \d+ KV-cache positions .* the cache holds"):
         executor.submit(Request(prompts[0], MAX_SEQ), Collected())
@@ -612,6 +617,7 @@ def test_a_shared_prefix_is_reused_with_the_tokens_it_gives_computed(model, tok,
     assert served_one_at_a_time(on, prompts, tok) == expected
     reused = 96 * (len(prompts) - 1)  # the prefix's 6 whole blocks of 16, for every request after the first
     assert on.stats().reused_tokens == reused and off.stats().reused_tokens == 0
+    assert on._retained and on.stats().kv_blocks_used == 0  # a finished request's kept prompt counts as free
     assert on.stats().prefill_tokens == off.stats().prefill_tokens - reused == sum(map(len, prompts)) - reused
     assert all(call[1] == call[2] for call in on.model.calls if call[0] == "reuse")  # kept in place: no copy
     beside = executor(True)  # the second arrives while the first runs: the first's blocks are copied

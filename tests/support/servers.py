@@ -83,9 +83,10 @@ class Launched:
         self.run("stop", "--repo", str(self.repo), timeout=120)
 
 
-def launched_server(root: Path, build_flags: tuple[str, ...] = (), profile_ports: bool = False):
+def launched_server(root: Path, build_flags: tuple[str, ...] = (), profile_ports: bool = False,
+                    launch_flags: tuple[str, ...] = ()):
     """Generator for module fixtures: a launched server, always stopped."""
-    server = Launched(root, build_flags=build_flags, profile_ports=profile_ports)
+    server = Launched(root, build_flags=build_flags, profile_ports=profile_ports, launch_flags=launch_flags)
     try:
         server.start()
         yield server
@@ -96,14 +97,15 @@ def launched_server(root: Path, build_flags: tuple[str, ...] = (), profile_ports
 class Server:
     """A detached `trtglm launch` of one repository, stopped with `trtglm stop`."""
 
-    def __init__(self, repo: Path, world: int, state_dir: Path, extra_env: dict[str, str] | None = None):
+    def __init__(self, repo: Path, world: int, state_dir: Path, extra_env: dict[str, str] | None = None,
+                 launch_flags: tuple[str, ...] = ()):
         self.repo, self.world = repo, world
         self.http_port, self.grpc_port, self.metrics_port, self.openai_port = free_ports(4)
         self.env = {**os.environ, "TRTGLM_STATE_DIR": str(state_dir), "PYTHONUNBUFFERED": "1", **(extra_env or {})}
         started = self.cli("launch", "--repo", str(repo), "--world-size", str(world), "--detach", "--timeout", "180",
                            "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
                            "--metrics-port", str(self.metrics_port), "--openai-port", str(self.openai_port),
-                           timeout=300)
+                           *launch_flags, timeout=300)
         if started.returncode != 0:
             self.kill_leftovers()
             pytest.fail(f"launch failed ({started.returncode}):\n{started.stdout}\n{started.stderr}")

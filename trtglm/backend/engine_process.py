@@ -18,7 +18,7 @@ the client is gone) is cancelled in the engine too.
 The two ends talk over a socket pair private to them (pickled tuples; both ends are trtglm's own):
 
     stub → engine: ("submit", id, Request)  ("cancel", id)  ("stop",)
-    engine → stub: ("ready", EngineFacts) or ("failed", exception class, message), once;
+    engine → stub: ("ready", EngineFacts, ExecutorStats) or ("failed", exception class, message), once;
                    then ("outputs", [(id, Output), …], ExecutorStats)
 
 The engine process ends when the stub asks, or when the stub is gone (end of file). When the
@@ -134,12 +134,12 @@ class EngineProcess:
     """The engine's process, seen from the stub: the executor's calls, answered by that process."""
 
     def __init__(self, process: subprocess.Popen, wire: MessagePipe, limits: EngineFacts,
-                 on_death: Callable[[str], None] | None = None):
+                 on_death: Callable[[str], None] | None = None, stats: ExecutorStats | None = None):
         self.process, self.wire, self.limits, self.on_death = process, wire, limits, on_death
         self._lock = threading.Lock()
         self._live: dict[int, _Live] = {}
         self._next_id = 0
-        self._stats = ExecutorStats()
+        self._stats = stats or ExecutorStats()  # the engine's at start: the KV cache's size before any request
         self._closing = False
         self._dead: str | None = None
         self._reader = threading.Thread(target=self._read, name="trtglm-engine-reader", daemon=True)
@@ -172,7 +172,7 @@ class EngineProcess:
         if message[0] == "failed":
             process.wait()
             raise ERRORS.get(message[1], TrtglmError)(message[2])
-        return cls(process, wire, message[1], on_death)
+        return cls(process, wire, message[1], on_death, message[2])
 
     # --- the executor's calls ---------------------------------------------------------------------
 
@@ -330,6 +330,9 @@ class EngineHost:
         return EngineFacts(engine.info.rank, self.executor is not None, engine.model.vocab_size,
                            engine.engine.max_seq_len, capacity, engine.engine.max_beam_width)
 
+    def stats(self) -> ExecutorStats:
+        return self.executor.stats() if self.executor else ExecutorStats()
+
     def serve(self) -> None:
         """Take messages until the stub says stop or is gone; then close the engine."""
         while True:
@@ -373,7 +376,7 @@ class EngineHost:
             outputs, self._outgoing = self._outgoing, []
         if not outputs:
             return
-        stats = self.executor.stats() if self.executor else ExecutorStats()
+        stats = self.stats()
         try:
             self.wire.send(("outputs", outputs, stats))
         except OSError:
@@ -403,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         wire.send(("failed", name, str(e).splitlines()[0] if str(e) else type(e).__name__))
         return 1
     host = EngineHost(engine, wire)
-    wire.send(("ready", host.limits()))
+    wire.send(("ready", host.limits(), host.stats()))
     host.serve()
     return 0
 

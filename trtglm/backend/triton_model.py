@@ -41,11 +41,8 @@ the next step and frees its slot. Decoupled responses are sent by a few sender t
 into the next response; a request whose send has waited outbox.SEND_TIMEOUT_S is stopped
 (whoever asked is gone).
 
-Custom metrics on rank 0: `trtglm_active_sequences`, `trtglm_queued_requests`,
-`trtglm_max_decode_batch`, `trtglm_decode_steps_total`, `trtglm_generated_tokens_total`,
-`trtglm_prompt_tokens_total`, `trtglm_reused_prompt_tokens_total`, `trtglm_step_microseconds_total`,
-`trtglm_decode_only_steps_total` and `trtglm_decode_only_step_microseconds_total` (the steps of decode tokens
-alone: the served decode step without the prompts' passes) (Triton's /metrics).
+Custom metrics on rank 0 (Triton's /metrics): trtglm's own and NVIDIA's `nv_trt_llm_*` families
+(backend/metrics.py).
 """
 
 from __future__ import annotations
@@ -63,6 +60,7 @@ from trtglm.backend.engine_process import EngineProcess
 from trtglm.backend.llm_requests import (BATCH_NEEDS_DECOUPLED, INPUTS, batch_size, engine_requests,
                                          return_sequences, unasked_outputs)
 from trtglm.backend.llm_responses import Responder
+from trtglm.backend.metrics import Metrics
 from trtglm.backend.outbox import Outbox
 from trtglm.backend.postprocessing import reply_prefixes
 from trtglm.errors import TrtglmError, UsageError
@@ -119,7 +117,8 @@ class TritonPythonModel:
                                           kv_fraction=kv_cache_fraction(setup.params, name),
                                           on_death=self._engine_died)
         self.executor = self.engine if self.engine.limits.takes_requests else None
-        self.metrics = Metrics(self.executor, pb_utils) if self.executor is not None else None
+        self.metrics = (Metrics(self.executor.stats, pb_utils, name, str(args.get("model_version", "1")))
+                        if self.executor is not None else None)
         log.info("%s: initialized in %.2f s", name, time.monotonic() - started)
 
     def execute(self, requests: list):
@@ -263,59 +262,3 @@ class TritonPythonModel:
         for handle in waiting:
             handle.done.wait()
         return responses
-
-
-class Metrics:
-    """The executor's counters as Triton custom metrics, refreshed twice a second by a thread of their own."""
-
-    GAUGES = {"trtglm_active_sequences": ("active", "requests being generated now"),
-              "trtglm_queued_requests": ("queued", "requests waiting for a slot"),
-              "trtglm_max_decode_batch": ("max_decode_batch", "the most requests decoded together in one step")}
-    COUNTERS = {"trtglm_decode_steps_total": ("decode_calls", "decode steps run"),
-                "trtglm_generated_tokens_total": ("generated_tokens", "tokens generated"),
-                "trtglm_prompt_tokens_total": ("prefill_tokens", "prompt tokens computed"),
-                "trtglm_reused_prompt_tokens_total": ("reused_tokens", "prompt tokens taken from the prefix cache"),
-                "trtglm_step_microseconds_total": ("step_us", "time the engine spent in steps"),
-                "trtglm_decode_only_steps_total": ("decode_only_steps", "steps of decode tokens alone"),
-                "trtglm_decode_only_step_microseconds_total": ("decode_only_us", "time of the steps of decode "
-                                                                                 "tokens alone")}
-    PERIOD_S = 0.5
-
-    def __init__(self, executor: EngineProcess, pb_utils):
-        self.executor = executor
-        self.metrics: dict[str, tuple[str, object, bool]] = {}
-        self.families = []  # a metric works only while its family lives
-        family = pb_utils.MetricFamily
-        for table, kind, is_counter in ((self.GAUGES, family.GAUGE, False), (self.COUNTERS, family.COUNTER, True)):
-            for name, (field, description) in table.items():
-                self.families.append(family(name=name, description=description, kind=kind))
-                self.metrics[name] = (field, self.families[-1].Metric(labels={}), is_counter)
-        self.counted: dict[str, int] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="trtglm-metrics", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.PERIOD_S):
-            try:
-                self.refresh()
-            except Exception as e:  # metrics must never take the model down
-                log.warning("metrics: %s", e)
-
-    def refresh(self) -> None:
-        stats = self.executor.stats()
-        for name, (field, metric, is_counter) in self.metrics.items():
-            value = int(getattr(stats, field))
-            if is_counter:
-                delta = value - self.counted.get(name, 0)
-                if delta:
-                    metric.increment(delta)
-                    self.counted[name] = value
-            else:
-                metric.set(value)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self.metrics.clear()  # metrics before their families
-        self.families.clear()

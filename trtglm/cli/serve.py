@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from trtglm.cli.flags import CountInt, Env, Passthrough, PosFloat, PosInt
 from trtglm.errors import UsageError
 from trtglm.ports import LOCAL_URL, OPENAI_PORT
+from trtglm.serve.command import EXIT_TIMEOUT_S as DRAIN_S
 
 
 def launch(repo: str, world_size: PosInt | None = None, replicas: PosInt = 1, gpus: str | None = None,
@@ -16,24 +17,29 @@ def launch(repo: str, world_size: PosInt | None = None, replicas: PosInt = 1, gp
            metrics_port: Annotated[PosInt | None, Env("METRICS_PORT")] = None, log_dir: str | None = None,
            detach: bool = False, timeout: PosFloat = 300.0,
            openai_port: Annotated[PosInt, Env("OPENAI_PORT")] = OPENAI_PORT, openai: bool = True,
-           server_flags: Passthrough = ()):
+           drain: PosFloat = DRAIN_S, hosts: str | None = None, hostfile: str | None = None,
+           rsh_agent: str | None = None, server_flags: Passthrough = ()):
     """Serve a Triton model repository with tritonserver (mpirun for --world-size > 1) until Ctrl-C.
 
     --world-size defaults to the engine's tp × pp; --http-port, --grpc-port and --metrics-port to the
     engine profile's serve.*_port (Triton's 8000, 8001, 8002 when it names none); --host binds rank 0's endpoints
     and the OpenAI API (loopback by default); --detach returns once ready (stop with `trtglm stop`); --timeout:
     seconds to wait for readiness; --openai-port: the OpenAI-compatible API's port (--no-openai:
-    none). --replicas N runs N copies of the model, each on --world-size GPUs of its own (--gpus 0,1,…: which,
-    in order; default the visible ones), behind a proxy (Envoy) on those ports; --front puts the proxy in front of
-    one replica too. Each replica's own ports are the block --replica-ports + 4·i (default --http-port + 100).
-    Words after `--` are passed on to every rank's tritonserver.
+    none); --drain: seconds an orderly stop (Ctrl-C, SIGTERM, `trtglm stop`) lets requests in flight finish, the
+    OpenAI API's and then Triton's. --replicas N runs N copies of the model, each on --world-size GPUs of its own
+    (--gpus 0,1,…: which, in order; default the visible ones), behind a proxy (Envoy) on those ports; --front puts
+    the proxy in front of one replica too. Each replica's own ports are the block --replica-ports + 4·i (default
+    --http-port + 100). --hosts a,b:2 or --hostfile F (Open MPI's: HOST slots=N a line): one replica's ranks on
+    those hosts' slots, in order, the first host being this one, reached with mpirun's remote shell (ssh, or
+    --rsh-agent CMD). Words after `--` are passed on to every rank's tritonserver.
     """
     from trtglm.serve.launch import launch as run
 
     run(repo, world_size=world_size, tritonserver=tritonserver, host=host, http_port=http_port,
         grpc_port=grpc_port, metrics_port=metrics_port, log_dir=log_dir, detach=detach, timeout=timeout,
         server_flags=list(server_flags), openai_port=openai_port, openai=openai, replicas=replicas, front=front,
-        gpus=_gpu_list(gpus), replica_ports=replica_ports)
+        gpus=_gpu_list(gpus), replica_ports=replica_ports, drain=drain, hosts=hosts, hostfile=hostfile,
+        rsh_agent=rsh_agent)
 
 
 def _gpu_list(gpus: str | None) -> list[str] | None:

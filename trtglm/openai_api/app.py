@@ -1,9 +1,12 @@
-"""The API's HTTP server: `python -m trtglm.openai_api --repo REPO --grpc HOST:PORT [--host H] [--port P]`.
+"""The API's HTTP server: `python -m trtglm.openai_api --repo REPO --grpc HOST:PORT [--host H] [--port P]
+[--metrics URL] [--graceful S]`.
 
 `trtglm launch` runs it beside the ranks once Triton is ready (serve/supervise.py, serve/openai_process.py). It
 serves `GET /health`, `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/chat/completions` and
 `POST /v1/completions` (streamed as server-sent events: streaming.py), with FastAPI under uvicorn. A request's
-body is read bounded and parsed off the event loop; errors are OpenAI's (errors.py).
+body is read bounded and parsed off the event loop; errors are OpenAI's (errors.py). `GET /metrics` answers the
+API's own metrics and, with `--metrics URL`, Triton's read from that URL beside them (metrics.py).
+A stopped server takes no new connection and lets the answers under way finish for `--graceful` seconds.
 """
 
 from __future__ import annotations
@@ -19,9 +22,9 @@ from pathlib import Path
 from trtglm.backend.contract import BLS, ENSEMBLE
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
 from trtglm.errors import TrtglmError, UsageError
-from trtglm.openai_api.admission import Admission
 from trtglm.openai_api.answers import Answering, Api, Chat, Completion
 from trtglm.openai_api.errors import ApiError, validation_error
+from trtglm.openai_api.metrics import PROMETHEUS_TEXT, MetricsPage
 from trtglm.openai_api.protocol import MAX_BODY_BYTES, ChatRequest, CompletionRequest
 from trtglm.openai_api.served import served_model
 from trtglm.openai_api.streaming import after, sse
@@ -31,15 +34,15 @@ from trtglm.processes import NOT_READY_SIGNAL
 
 log = logging.getLogger(__name__)
 
-GRACEFUL_S = 5  # how long a stopped server lets open answers finish (< the supervisor's grace)
+GRACEFUL_S = 5  # how long a stopped server lets open answers finish, unless told (< the supervisor's grace)
 NOT_READY = threading.Event()  # set by NOT_READY_SIGNAL: the launch stops, /health answers 503 without asking Triton
 
 
-def create_app(api: Api):
-    """The FastAPI application over `api`."""
+def create_app(api: Api, metrics_url: str | None = None):
+    """The FastAPI application over `api` (and Triton's metrics at `metrics_url` on its /metrics, when given)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from pydantic import ValidationError
     from starlette.exceptions import HTTPException
 
@@ -74,12 +77,12 @@ def create_app(api: Api):
             raise ApiError(503, f"the model server does not serve {api.triton.model}", kind="server_error")
         return {"status": "ok"}
 
+    page = MetricsPage(api.admission, metrics_url)
+
     @app.get("/metrics")
     async def metrics():
-        """Prometheus's text: the API's sequences waiting and running, requests refused (admission.py)."""
-        from fastapi.responses import Response
-
-        return Response(metrics_text(api.admission), media_type="text/plain; version=0.0.4")
+        """Prometheus's text: the API's line (admission.py) and Triton's metrics beside it (metrics.py)."""
+        return PlainTextResponse(await asyncio.to_thread(page.text), media_type=PROMETHEUS_TEXT)
 
     @app.get("/v1/models")
     async def models():
@@ -123,21 +126,6 @@ def create_app(api: Api):
     return app
 
 
-def metrics_text(admission: Admission) -> bytes:
-    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-
-    registry = CollectorRegistry()
-    sequences = Gauge("trtglm_openai_sequences", "the API's sequences (choices of prompts) by state", ["state"],
-                      registry=registry)
-    sequences.labels("running").set(admission.running)
-    sequences.labels("waiting").set(admission.waiting)
-    Gauge("trtglm_openai_waiting_limit", "the most sequences that may wait; a request beyond it gets 429",
-          registry=registry).set(admission.waiting_limit)
-    Counter("trtglm_openai_refused_requests", "requests refused (429) because the waiting line was full",
-            registry=registry).inc(admission.refused)
-    return generate_latest(registry)
-
-
 async def bounded_body(http) -> bytes:
     """The request's body; 413 past MAX_BODY_BYTES, told by Content-Length or while it arrives."""
     too_large = ApiError(413, f"the request body is larger than this server takes ({MAX_BODY_BYTES:,} bytes)",
@@ -153,7 +141,8 @@ async def bounded_body(http) -> bytes:
     return bytes(body)
 
 
-def serve(repo: Path, grpc_url: str, host: str, port: int) -> None:
+def serve(repo: Path, grpc_url: str, host: str, port: int, metrics_url: str | None = None,
+          graceful_s: float = GRACEFUL_S) -> None:
     import uvicorn
 
     served = served_model(repo)
@@ -163,23 +152,26 @@ def serve(repo: Path, grpc_url: str, host: str, port: int) -> None:
     api = Api(served, Triton(grpc_url, served.triton_model), tokenizer)
     log.info("OpenAI API for %s (%s over %s) on %s:%d", served.model_id, served.triton_model, grpc_url, host, port)
     signal.signal(NOT_READY_SIGNAL, lambda *_: NOT_READY.set())
-    uvicorn.run(create_app(api), host=host, port=port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=GRACEFUL_S)
+    uvicorn.run(create_app(api, metrics_url), host=host, port=port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=graceful_s)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m trtglm.openai_api --repo REPO --grpc HOST:PORT --host H --port P [--launch SHM_BASE]`
-    (--launch only marks the process as the launch's, for the supervisor and stale-launch cleanup)."""
+    """`python -m trtglm.openai_api --repo REPO --grpc HOST:PORT --host H --port P [--metrics URL] [--graceful S]
+    [--launch SHM_BASE]` (--launch only marks the process as the launch's, for the supervisor and stale-launch
+    cleanup)."""
     parser = argparse.ArgumentParser(prog=__package__)  # python -m runs the package
     parser.add_argument("--repo", required=True)
     parser.add_argument("--grpc", required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=OPENAI_PORT)
+    parser.add_argument("--metrics", default=None)
+    parser.add_argument("--graceful", type=float, default=GRACEFUL_S)
     parser.add_argument("--launch", default="")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        serve(Path(args.repo), args.grpc, args.host, args.port)
+        serve(Path(args.repo), args.grpc, args.host, args.port, args.metrics, args.graceful)
     except TrtglmError as e:  # a repository it cannot serve: one line, as the CLI says it
         print(f"trtglm: error: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)

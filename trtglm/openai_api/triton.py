@@ -78,9 +78,11 @@ class Triton:
         return self._client
 
     async def ready(self) -> bool:
-        """Whether Triton calls the model ready now."""
+        """Whether Triton calls itself ready (as its /v2/health/ready: every model loaded, not stopping) and the
+        model ready now."""
         try:
-            return await self.client.is_model_ready(self.model, client_timeout=HEALTH_TIMEOUT_S)
+            return (await self.client.is_server_ready(client_timeout=HEALTH_TIMEOUT_S)
+                    and await self.client.is_model_ready(self.model, client_timeout=HEALTH_TIMEOUT_S))
         except Exception:  # unreachable, or no answer in time
             return False
 

@@ -130,7 +130,7 @@ class Distributed:
         """The channel of rank 0's steps (the decode tokens' ids on `device`, this rank's). The first call is
         collective: every rank makes it, and the step link is made then."""
         if self.link is None:
-            self.link = connect(self.info.rank, self.info.world_size, self.control)
+            self.link = connect(self.info.rank, self.info.world_size, self.control, step_link_host(self.info))
         return StepChannel(self.link, self.collectives.group, device)
 
     def close(self) -> None:
@@ -151,6 +151,18 @@ class Distributed:
             # gloo's file store removes its file only when its last user is collected, which
             # interpreter exit does not promise; every rank is past the barrier, so it is unused.
             Path(self.init_method[len("file://"):]).unlink(missing_ok=True)
+
+
+def step_link_host(info: RankInfo, environ: Mapping[str, str] | None = None) -> str | None:
+    """Rank 0's host for a step link over TCP, where the ranks span hosts (fewer on this host than in the world:
+    MASTER_ADDR, where they met); None on one host."""
+    env = os.environ if environ is None else environ
+    if info.local_size >= info.world_size:
+        return None
+    if not env.get("MASTER_ADDR"):
+        raise UsageError(f"the {info.world_size} ranks span hosts ({info.local_size} on this one) and need "
+                         "MASTER_ADDR and MASTER_PORT to meet: start them with `trtglm launch --hostfile`")
+    return env["MASTER_ADDR"]
 
 
 def join(info: RankInfo, device: torch.device, init_method: str | None = None,

@@ -182,8 +182,15 @@ class Executor(Admission, HandOut):
                              f"output, for each beam); the cache holds {self.kv_blocks * self.tokens_per_block}")
 
     def stats(self) -> ExecutorStats:
-        with self._lock:
-            return ExecutorStats(**{**self._stats.__dict__, "queued": len(self._queue), "active": len(self._active)})
+        """The counters, and the queue, slots and KV-cache blocks now. Blocks kept for a finished request's prompt
+        (prefix reuse) count as free: the next request that needs them takes them."""
+        with self._lock:  # the step's thread changes slots and blocks outside it: read copies
+            used = self.kv_blocks - self._free_kv_blocks - sum(list(self._retained.values()))
+            running = list(self._active.values())
+            return ExecutorStats(**{**self._stats.__dict__, "queued": len(self._queue), "active": len(running),
+                                    "prefilling": sum(1 for s in running if s.unprefilled),
+                                    "slots": self.model.max_batch, "kv_blocks": self.kv_blocks,
+                                    "kv_blocks_used": used, "tokens_per_block": self.tokens_per_block})
 
     # --- running --------------------------------------------------------------------------------
 

@@ -82,8 +82,13 @@ OutputCallback = Callable[[Output], None]
 
 @dataclass
 class ExecutorStats:
-    queued: int = 0
-    active: int = 0
+    queued: int = 0  # requests waiting for a slot or KV-cache room
+    active: int = 0  # requests in slots: prefilling or generating
+    prefilling: int = 0  # of those, the ones whose prompt is not all computed yet
+    slots: int = 0  # the most requests in slots at once (max batch size)
+    kv_blocks: int = 0  # the KV cache, in blocks of `tokens_per_block` positions
+    kv_blocks_used: int = 0  # held by requests in slots (each holds its whole length from admission)
+    tokens_per_block: int = 0
     steps: int = 0
     prefill_calls: int = 0  # forward passes that carried prompt tokens (with the running requests' decode tokens)
     prefill_chunks: int = 0  # prompt pieces prefilled (a prompt prefilled in one step counts one)

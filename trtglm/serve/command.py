@@ -50,7 +50,9 @@ MPI_LOOPBACK = {4: ("--mca", "oob_tcp_if_include", "lo", "--mca", "btl_tcp_if_in
                 5: ("--mca", "btl_tcp_if_include", "lo")}
 # Per-rank logs in DIR/JOB/rank.N/{stdout,stderr}, not copied to mpirun's own output, by major version.
 MPI_OUTPUT = {4: ("--output-filename", "{dir}:nocopy"), 5: ("--output", "dir={dir}")}
-EXIT_TIMEOUT_S = 5  # tritonserver's own wait for in-flight requests (< supervise.GRACE_S)
+# How trtglm runs mpirun: as root too (containers), without Open MPI's prefix on the ranks' PATH, unpinned.
+MPIRUN_OPTIONS = ("--allow-run-as-root", "--noprefix", "--bind-to", "none")
+EXIT_TIMEOUT_S = 5  # tritonserver's own wait for in-flight requests, unless `launch --drain` says (< the grace)
 RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
 
 
@@ -134,9 +136,11 @@ def mpi_major(version_text: str) -> int:
 
 
 def mpirun_args(mpirun: str | Path, sections: list[list[str]], *, mpi_version: int = 4, export_vars: list[str] = (),
-                oversubscribe: bool = False, output_dir: str | Path | None = None) -> list[str]:
-    """`mpirun [options] -n 1 SECTION0 : -n 1 SECTION1 : …` for Open MPI `mpi_version` (a major version)."""
-    args = [str(mpirun), "--allow-run-as-root", "--noprefix", "--bind-to", "none", *MPI_LOOPBACK[mpi_version]]
+                oversubscribe: bool = False, output_dir: str | Path | None = None,
+                host_args: Sequence[str] = ()) -> list[str]:
+    """`mpirun [options] -n 1 SECTION0 : -n 1 SECTION1 : …` for Open MPI `mpi_version` (a major version); with
+    `host_args` (hosts.py) the ranks run on those hosts and talk over their networks, not over loopback."""
+    args = [str(mpirun), *MPIRUN_OPTIONS, *(host_args or MPI_LOOPBACK[mpi_version])]
     if oversubscribe:
         args.append("--oversubscribe")
     if output_dir is not None:
@@ -153,12 +157,16 @@ def launch_args(tritonserver: str | Path, repo: str | Path, world_size: int, end
                 backend_dir: str | Path | None = None, exit_timeout_s: int = EXIT_TIMEOUT_S,
                 export_vars: list[str] = (),
                 cpu_count: int = 1, output_dir: str | Path | None = None,
-                server_flags: Sequence[str] = ()) -> list[str]:
-    """The whole command: tritonserver itself for one rank, mpirun for several."""
-    sections = [server_args(tritonserver, repo, rank, endpoints, shm_base=shm_base, backend_dir=backend_dir,
-                            exit_timeout_s=exit_timeout_s, server_flags=server_flags)
+                server_flags: Sequence[str] = (), host_args: Sequence[str] = (),
+                rank_prefix: Sequence[str] = ()) -> list[str]:
+    """The whole command: tritonserver itself for one rank, mpirun for several (on the hosts of `host_args`, each
+    rank's command after `rank_prefix`: hosts.py)."""
+    sections = [[*rank_prefix, *server_args(tritonserver, repo, rank, endpoints, shm_base=shm_base,
+                                            backend_dir=backend_dir, exit_timeout_s=exit_timeout_s,
+                                            server_flags=server_flags)]
                 for rank in range(world_size)]
     if world_size == 1:
         return sections[0]
     return mpirun_args(mpirun, sections, mpi_version=mpi_version, export_vars=export_vars,
-                       oversubscribe=world_size > cpu_count, output_dir=output_dir)
+                       oversubscribe=world_size > cpu_count and not host_args, output_dir=output_dir,
+                       host_args=host_args)

@@ -37,13 +37,13 @@ from trtglm.errors import TrtglmError, UsageError
 from trtglm.serve.checks import check_ports
 from trtglm.serve.command import Endpoints
 from trtglm.serve.front import Front
-from trtglm.serve.launch_spec import LaunchSpec, fresh_ids
+from trtglm.serve.launch_spec import STOP_MARGIN_S, LaunchSpec, fresh_ids
 from trtglm.serve.replicas import ReplicaPlace, front_cpus
 from trtglm.serve.reaping import become_subreaper, reap_orphans
 from trtglm.serve.state import LaunchDir, clean_stale
 from trtglm.serve.rank_logs import supervisor_error
 from trtglm.serve.signals import SignalFlags
-from trtglm.serve.supervise import GRACE_S, POLL_S, Failure, answers_ok, announce, run_detached
+from trtglm.serve.supervise import POLL_S, Failure, answers_ok, announce, run_detached
 from trtglm.serve.tritonserver import server_env
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,6 @@ log = logging.getLogger(__name__)
 MAX_START_FAILURES = 3  # in a row, before a replica gets ready: then it is given up on
 RESTART_DELAY_S = 1.0  # before a replica that ended is started again; doubled for each failure in a row
 FRONT_READY_S = 30.0  # for the front to answer once its replicas are ready
-STOP_WAIT_S = GRACE_S + 15.0  # for a replica's supervisor to stop its replica
 PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
@@ -69,6 +68,12 @@ class FleetSpec:
     timeout_s: float
     detached: bool = False
     front_cpus: tuple[int, ...] | None = None  # Envoy's CPUs: none of an engine's
+
+    @property
+    def stop_wait_s(self) -> float:
+        """How long an orderly stop may take: the replicas' (each its drain, launch_spec.py), then the front's and
+        the cleaning up."""
+        return max(replica.stop_wait_s for replica in self.replicas) + 2 * STOP_MARGIN_S
 
     def save(self, path: Path) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the replicas' specs hold API keys
@@ -307,7 +312,8 @@ class Fleet:
         self.launch.write({
             "repo": self.spec.repo, "pid": os.getpid(), "status": status, "host": front.host,
             "world_size": self.spec.replicas[0].world_size, "ports": front.ports(), "urls": front.urls(),
-            "log_dir": self.spec.log_dir, "detached": self.spec.detached, "front_marker": str(self.front.config_path),
+            "log_dir": self.spec.log_dir, "detached": self.spec.detached, "stop_wait_s": self.spec.stop_wait_s,
+            "front_marker": str(self.front.config_path),
             "front_pid": self.front.popen.pid if self.front.popen else None,
             "replicas": [replica.row() for replica in self.replicas]})
 
@@ -319,17 +325,17 @@ class Fleet:
         running = [r for r in self.replicas if r.popen is not None and r.popen.poll() is None]
         for replica in running:
             replica.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_WAIT_S
+        limit_s = max((replica.spec.stop_wait_s for replica in running), default=0.0)
+        deadline = time.monotonic() + limit_s
         for replica in running:
             try:
                 replica.popen.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("replica %d's supervisor did not stop within %g s; killing it", replica.index,
-                            STOP_WAIT_S)
+                log.warning("replica %d's supervisor did not stop within %g s; killing it", replica.index, limit_s)
                 replica.popen.kill()
                 replica.popen.wait()
             self._clean(replica)
-        self.front.stop(GRACE_S)
+        self.front.stop(STOP_MARGIN_S)  # the replicas have stopped: nothing is left for it to carry
         reap_orphans(set())
 
     def _forward_hurry(self) -> None:

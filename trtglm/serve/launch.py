@@ -33,29 +33,34 @@ from trtglm.serve.checks import check_ports, repo_folder, resolve_world_size
 from trtglm.serve.command import EXIT_TIMEOUT_S, Endpoints
 from trtglm.serve.fleet import MAX_START_FAILURES, Fleet, FleetSpec, plan_fleet, wants_front
 from trtglm.serve.front import find_envoy
-from trtglm.serve.launch_spec import LaunchSpec, fresh_ids
+from trtglm.serve.hosts import check_hosts, free_port, resolve_hosts
+from trtglm.serve.launch_spec import LaunchSpec, fresh_ids, stop_wait_s
 from trtglm.serve.replicas import place_replicas
 from trtglm.serve.state import LaunchDir, all_launch_dirs, clean_stale, only_launch
 from trtglm.serve.preload import preload_library
 from trtglm.serve.rank_logs import SUPERVISOR_ERROR, read_log, supervisor_error
-from trtglm.serve.supervise import GRACE_S, Supervisor, announce, show_phase
+from trtglm.serve.supervise import Supervisor, announce, show_phase
 from trtglm.serve.tritonserver import (backend_directory, find_mpirun, find_tritonserver, mpirun_version,
                                        preload_cache_dir, server_env, stubs_python_folder)
 
 log = logging.getLogger(__name__)
 
-STOP_WAIT_S = GRACE_S + EXIT_TIMEOUT_S + 10  # how long `stop` waits for a supervisor before killing it
+STOP_WAIT_S = stop_wait_s(EXIT_TIMEOUT_S)  # what `stop` waits for a launch that recorded none
 
 
 def launch(repo: str | Path, *, world_size: int | None, tritonserver: str | None, host: str, http_port: int | None,
            grpc_port: int | None, metrics_port: int | None, log_dir: str | Path | None, detach: bool, timeout: float,
-           server_flags: list[str], openai_port: int, openai: bool, replicas: int = 1, front: bool | None = None,
-           gpus: list[str] | None = None, replica_ports: int | None = None) -> None:
+           server_flags: list[str], openai_port: int, openai: bool, drain: float = EXIT_TIMEOUT_S,
+           replicas: int = 1, front: bool | None = None, gpus: list[str] | None = None,
+           replica_ports: int | None = None, hosts: str | None = None, hostfile: str | None = None,
+           rsh_agent: str | None = None) -> None:
     """Serve `repo` with `world_size` ranks until stopped (or, with `detach`, until ready); `server_flags`
     go on every rank's tritonserver command line after trtglm's own; with `openai`, the OpenAI-compatible
     API on `openai_port` too. A port left out is the engine profile's (`serve.*_port`), else Triton's default.
-    With `replicas` above 1 (or `front`), that many copies behind the front (fleet.py), on `gpus` (default: the
-    visible ones in order) and the port block at `replica_ports`."""
+    An orderly stop lets requests in flight finish for `drain` seconds. With `replicas` above 1 (or `front`), that
+    many copies behind the front (fleet.py), on `gpus` (default: the visible ones in order) and the port block at
+    `replica_ports`. `hosts` / `hostfile`: one replica's ranks on several hosts, reached with mpirun's remote shell
+    (`rsh_agent`, default ssh): hosts.py."""
     repo_path = repo_folder(repo)
     size = resolve_world_size(repo_path, world_size)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
@@ -64,10 +69,17 @@ def launch(repo: str | Path, *, world_size: int | None, tritonserver: str | None
     ports = {**TRITON_PORTS, **profile_ports(repo_path), **{name: port for name, port in given.items() if port}}
     endpoints = Endpoints(str(host), ports["http"], ports["grpc"], ports["metrics"],
                           openai_port if openai and _serves_openai(repo_path) else None)
-    places = (place_replicas(replicas, size, endpoints, replica_ports, gpus, dict(os.environ))
+    on_hosts = resolve_hosts(hosts, hostfile, rsh_agent, size)
+    if (hosts or hostfile) and (replicas != 1 or gpus is not None):
+        raise UsageError("--hosts and --hostfile run one replica over several hosts, each host's ranks on its GPUs in "
+                         "order: leave out --replicas and --gpus")
+    places = (place_replicas(replicas, size, endpoints, replica_ports, gpus, dict(os.environ), not on_hosts)
               if wants_front(replicas, front, endpoints.host) else None)
     envoy = find_envoy() if places else None
-    server = _server_fields(repo_path, size, tritonserver, float(timeout), server_flags)
+    server = _server_fields(repo_path, size, tritonserver, float(timeout), server_flags, float(drain))
+    if on_hosts:
+        check_hosts(server["mpirun"], rsh_agent, repo_path, on_hosts, size, time.monotonic() + timeout)
+        server.update(hosts=on_hosts, rsh_agent=rsh_agent, master_port=free_port())
     launch_dir = LaunchDir.for_repo(repo_path)
     lock = launch_dir.try_lock()
     if lock is None:
@@ -93,8 +105,8 @@ def launch(repo: str | Path, *, world_size: int | None, tritonserver: str | None
         lock.close()
 
 
-def _server_fields(repo: Path, size: int, tritonserver: str | None, timeout_s: float,
-                   server_flags: list[str]) -> dict:
+def _server_fields(repo: Path, size: int, tritonserver: str | None, timeout_s: float, server_flags: list[str],
+                   drain_s: float) -> dict:
     """What every replica's LaunchSpec shares: the repository, the binaries and their set-up, the flags."""
     binary = find_tritonserver(tritonserver)
     mpirun = find_mpirun() if size > 1 else None
@@ -104,7 +116,7 @@ def _server_fields(repo: Path, size: int, tritonserver: str | None, timeout_s: f
             "backend_dir": str(backend_dir) if backend_dir else None, "mpirun": str(mpirun) if mpirun else None,
             "mpi_version": mpirun_version(mpirun) if mpirun else None,
             "preload": str(preload_library(preload_cache_dir())), "python_bin": str(python_bin) if python_bin else None,
-            "timeout_s": timeout_s, "server_flags": tuple(server_flags)}
+            "timeout_s": timeout_s, "server_flags": tuple(server_flags), "drain_s": drain_s}
 
 
 def _serves_openai(repo: Path) -> bool:
@@ -150,11 +162,11 @@ def _run_detached(spec: LaunchSpec | FleetSpec, lock_fd: int) -> None:
                                  stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                  start_new_session=True, pass_fds=(lock_fd,))
     try:
-        state = _wait_detached(child, launch_dir, phase_file, log_path, spec.timeout_s * tries + STOP_WAIT_S)
+        state = _wait_detached(child, launch_dir, phase_file, log_path, spec.timeout_s * tries + spec.stop_wait_s)
     except BaseException:
         if child.poll() is None:  # interrupted or timed out: the supervisor cleans up on SIGTERM
             child.terminate()
-            child.wait(STOP_WAIT_S)
+            child.wait(spec.stop_wait_s)
         raise
     announce(state)
     print(f"  stop     trtglm stop --repo {spec.repo}", flush=True)
@@ -198,8 +210,9 @@ def stop(repo: str | Path | None) -> None:
     state = _wait_for_state(launch_dir)
     pid = state.get("pid")
     _send(pid, signal.SIGTERM)
-    if not _wait_unlocked(launch_dir, STOP_WAIT_S):
-        log.warning("supervisor %s did not stop within %g s; killing it", pid, STOP_WAIT_S)
+    limit_s = state.get("stop_wait_s", STOP_WAIT_S)
+    if not _wait_unlocked(launch_dir, limit_s):
+        log.warning("supervisor %s did not stop within %g s; killing it", pid, limit_s)
         _send(pid, signal.SIGKILL)
         _wait_unlocked(launch_dir, 5)
     _clean_if_stale(launch_dir)

@@ -20,15 +20,18 @@ API_MODULE = "trtglm.openai_api"  # run with python -m
 START_TIMEOUT_S = 60.0
 
 
-def api_args(repo: str, endpoints: Endpoints, shm_base: str) -> list[str]:
-    """The API's command line (this Python)."""
-    return [sys.executable, "-m", API_MODULE, "--repo", repo, "--grpc", endpoints.urls()["grpc"],
-            "--host", endpoints.host, "--port", str(endpoints.openai_port), "--launch", shm_base]
+def api_args(repo: str, endpoints: Endpoints, shm_base: str, drain_s: float) -> list[str]:
+    """The API's command line (this Python): Triton's metrics on its port too, `drain_s` for its answers under way
+    when it is stopped."""
+    urls = endpoints.urls()
+    return [sys.executable, "-m", API_MODULE, "--repo", repo, "--grpc", urls["grpc"], "--host", endpoints.host,
+            "--port", str(endpoints.openai_port), "--metrics", urls["metrics"], "--graceful", f"{drain_s:g}",
+            "--launch", shm_base]
 
 
 class OpenAIProcess:
-    def __init__(self, repo: str, endpoints: Endpoints, shm_base: str, log_dir: Path):
-        self.argv = api_args(repo, endpoints, shm_base)
+    def __init__(self, repo: str, endpoints: Endpoints, shm_base: str, log_dir: Path, drain_s: float):
+        self.argv = api_args(repo, endpoints, shm_base, drain_s)
         self.log_path = log_dir / LOG_NAME
         self.health = f"http://{client_host(endpoints.host)}:{endpoints.openai_port}/health"
         self.popen: subprocess.Popen | None = None

@@ -17,6 +17,8 @@ ERROR_LINE = re.compile(r"^(E\d{4} |error: |Traceback |\w+(Error|Exception): )")
 UNCAUGHT = re.compile(r"terminate called after throwing an instance of '([^']+)'")  # the C++ runtime's words
 SUPERVISOR_ERROR = "trtglm: error: "  # how a detached supervisor's log gives the error it ended with
 FATAL_SIGNAL = re.compile(r"Signal \((\d+)\) received\.")
+# What a rank agent (rank_agent.py, ranks on several hosts) says when its rank must end; mpirun brings it to mpirun.log.
+AGENT_REPORT = re.compile(r"trtglm rank (\d+) on (\S+): (.*); stopping this rank")
 
 
 def rank_logs(log_dir: Path, rank: int) -> list[Path]:
@@ -70,6 +72,20 @@ def signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
+
+
+def agent_report(rank: int, host: str, why: str, folder: Path) -> str:
+    return f"trtglm rank {rank} on {host}: {why}; stopping this rank (logs: {folder})"
+
+
+def rank_death(log_dir: Path, rank: int, world_size: int) -> tuple[int, str]:
+    """The rank that died and what to say of it: what a rank agent on its host reported in mpirun.log (ranks on
+    several hosts), else `rank`, as the supervisor saw it die, and how its tritonserver first said it was aborting."""
+    found = AGENT_REPORT.search(read_log(Path(log_dir) / "mpirun.log"))
+    if found is None:
+        abort = first_abort(log_dir, rank)
+        return rank, f"rank {rank} of {world_size} died{f' ({abort})' if abort else ''}"
+    return int(found.group(1)), f"rank {found.group(1)} of {world_size} on {found.group(2)}: {found.group(3)}"
 
 
 def read_log(path: Path) -> str:

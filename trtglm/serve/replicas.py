@@ -105,11 +105,14 @@ def cpu_shares(replicas: int, allowed: set[int], sysfs: Path = SYSFS_CPUS) -> li
 
 
 def place_replicas(replicas: int, world_size: int, front: Endpoints, base: int | None, chosen_gpus: list[str] | None,
-                   environ: dict[str, str]) -> list[ReplicaPlace]:
-    """Every replica's GPUs, ports and CPUs (the CPUs split only where the replicas get GPUs)."""
+                   environ: dict[str, str], assign_gpus: bool = True) -> list[ReplicaPlace]:
+    """Every replica's GPUs, ports and CPUs (the CPUs split only where the replicas get GPUs). Without
+    `assign_gpus` (a replica whose ranks span hosts: hosts.py) no replica is given GPUs: each host's ranks take
+    that host's in order."""
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise UsageError(f"--replicas must be a whole number ≥ 1, not {replicas!r}")
-    groups = gpu_groups(replicas, world_size, visible_gpus(environ), chosen_gpus)
+    groups = (gpu_groups(replicas, world_size, visible_gpus(environ), chosen_gpus) if assign_gpus
+              else [None] * replicas)
     base = front.http_port + REPLICA_PORT_OFFSET if base is None else base
     on_gpus = groups[0] is not None and environ.get("TRTGLM_ENGINE_CPUS", "").lower() != "off"
     shares = cpu_shares(replicas, set(os.sched_getaffinity(0))) if on_gpus else [None] * replicas

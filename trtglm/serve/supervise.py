@@ -1,15 +1,13 @@
 """The supervisor: starts the servers, waits for rank 0, watches every rank, stops them all.
 
-One process supervises one launch for its whole life: `trtglm launch` itself in the
-foreground, or with `--detach` a daemon (`python -m trtglm.serve.supervise SPEC`, its own
-session, output in LOGS/supervisor.log) that `launch` waits for until it reports ready. The
-supervisor holds the launch folder's lock (state.py) and owns the server command (mpirun, or
-tritonserver for one rank), which runs in a session of its own so that a terminal's Ctrl-C
-reaches only the supervisor.
+One process supervises one launch for its whole life: `trtglm launch` itself in the foreground, or with
+`--detach` a daemon (`python -m trtglm.serve.supervise SPEC`, its own session, output in LOGS/supervisor.log)
+that `launch` waits for until it reports ready. It holds the launch folder's lock (state.py) and owns the server
+command (mpirun, or tritonserver for one rank), in a session of its own so that Ctrl-C reaches only the supervisor.
 
-Watching: every 0.1 s the supervisor lists the command's process tree (ranks are told apart
-by the shm prefix in their command line; python stubs are their children, engine processes the
-`tensorrt_llm` stubs'). If mpirun exits, any rank disappears, or a python stub or engine process of
+Watching: every 0.1 s, and at once when a watched process exits (exits.py), the supervisor lists the command's
+process tree (ranks are told apart by the shm prefix in their command line; python stubs are their children,
+engine processes the `tensorrt_llm` stubs'). If mpirun exits, any rank disappears, or a python stub or engine process of
 any rank dies (stubs.py: Triton 2.51 neither notices nor heals that), or a rank's tritonserver reports a
 fatal signal (it can hang in its crash handler: rank_logs.FATAL_SIGNAL), everything is stopped at once,
 the tail of that rank's log is printed and the launch fails: the ranks first, given DEATH_GRACE_S after
@@ -29,11 +27,10 @@ backend, rank 0's tensorrt_llm is ready only once every rank holds the engine; p
 on ranks > 0 load independently, so one that fails after rank 0 is ready is caught by the
 watch (with --detach: after `launch` has returned).
 
-Stopping: SIGTERM goes to each rank's tritonserver (not to mpirun, which would exit at once
-and leave its ranks behind; Open MPI also gives each rank a process group of its own). A
-tritonserver unloads its models, its stubs exit and remove their shared memory, and mpirun
-exits when its ranks have. Whatever still runs after the grace period (10 s) is killed, and
-shared-memory regions with the launch's prefix are removed.
+Stopping: SIGTERM goes to each rank's tritonserver (not to mpirun, which would exit at once and leave its ranks
+behind; Open MPI also gives each rank a process group of its own; other hosts' ranks: hosts.py). It unloads its
+models, its stubs exit and remove their shared memory, and mpirun exits when its ranks have. What still runs after
+the grace period (`launch --drain`, and 5 s) is killed; shared memory with the launch's prefix is removed.
 
 The OpenAI-compatible API (openai_process.py), when the launch serves it, starts once the
 checks have passed and answers before the launch reports ready; if it dies, everything is stopped
@@ -68,7 +65,8 @@ from trtglm.files import PHASE_FILE, read_phase
 from trtglm.processes import alive
 from trtglm.serve.launch_spec import LaunchSpec
 from trtglm.serve.openai_process import OpenAIProcess
-from trtglm.serve.rank_logs import FatalSignals, first_abort, last_error_line, print_excerpt, print_tails, read_log
+from trtglm.serve.rank_logs import (FatalSignals, first_abort, last_error_line, print_excerpt, print_tails, rank_death,
+                                    read_log)
 from trtglm.serve.signals import SignalFlags
 from trtglm.serve.first_requests import first_requests
 from trtglm.serve.reaping import become_subreaper, reap_orphans
@@ -78,7 +76,6 @@ from trtglm.serve.tritonserver import server_env
 
 log = logging.getLogger(__name__)
 
-GRACE_S = 10.0  # after SIGTERM, before SIGKILL
 DEATH_GRACE_S = 0.5  # the same once a process of the launch died: requests the death stranded end with the server
 POLL_S = 0.1  # health answers 200 at most about twice this after a process of the launch died
 
@@ -100,7 +97,7 @@ class Supervisor:
         self.tracked: dict[int, psutil.Process] = {}
         self.ranks: dict[int, psutil.Process] = {}
         self.signals = SignalFlags()
-        self.openai = (OpenAIProcess(spec.repo, spec.endpoints, spec.shm_base, self.log_dir)
+        self.openai = (OpenAIProcess(spec.repo, spec.endpoints, spec.shm_base, self.log_dir, spec.drain_s)
                        if spec.endpoints.openai_port is not None else None)
 
     # --- the whole life --------------------------------------------------------------------------
@@ -116,8 +113,6 @@ class Supervisor:
             if failure is not None:  # health stops answering 200 at once; the orderly rest of the stop follows
                 for proc in self.ranks.values():
                     _terminate(proc)
-            if self.openai is not None:
-                self.openai.not_ready()
             self.mark_stopping()
             self.shutdown(failed=failure is not None)
             self.launch.state_file.unlink(missing_ok=True)
@@ -150,7 +145,8 @@ class Supervisor:
 
     def start(self) -> None:
         self._reset_logs()
-        env = server_env({**os.environ, **self.spec.environment}, self.spec.launch_id, self.spec.python_bin)
+        env = self.spec.rank_env(server_env({**os.environ, **self.spec.environment}, self.spec.launch_id,
+                                            self.spec.python_bin))
         if self.spec.cpus is not None:
             os.sched_setaffinity(0, self.spec.cpus)
         self.launch.phase_file.unlink(missing_ok=True)
@@ -190,11 +186,15 @@ class Supervisor:
             "shm_base": self.spec.shm_base, "world_size": self.spec.world_size, "host": self.spec.endpoints.host,
             "ports": self.spec.endpoints.ports(), "urls": self.spec.endpoints.urls(), "log_dir": str(self.log_dir),
             "detached": self.spec.detached, "started": time.time(), "api_key": self.spec.api_key,
-            "cuda_visible_devices": {**os.environ, **self.spec.environment}.get("CUDA_VISIBLE_DEVICES")}
+            "cuda_visible_devices": {**os.environ, **self.spec.environment}.get("CUDA_VISIBLE_DEVICES"),
+            "stop_wait_s": self.spec.stop_wait_s, "hosts": self.spec.hosts and [h.host for h in self.spec.hosts]}
         self.launch.write({**state, **extra, "status": status})
 
     def mark_stopping(self) -> None:
-        """Say so in the state before stopping: a front takes the launch out of its rotation at once."""
+        """Say so in the state (a front takes the launch out of its rotation at once) and to the OpenAI API (its
+        /health stops answering 200) before stopping."""
+        if self.openai is not None:
+            self.openai.not_ready()
         state = self.launch.read()
         if state is not None:
             self.launch.write({**state, "status": "stopping"})
@@ -211,7 +211,7 @@ class Supervisor:
                 failure = self.check_ranks()
                 if failure is not None:
                     return failure
-                if len(self.ranks) == self.spec.world_size and answers_ok(url):
+                if len(self.ranks) >= self.spec.watched_ranks and answers_ok(url):
                     log.info("%s: ready after %.1f s", self.spec.repo, time.monotonic() - started)
                     return None
                 time.sleep(POLL_S)
@@ -297,9 +297,8 @@ class Supervisor:
         rank = self._dead()
         if rank is None:
             return None
-        abort = first_abort(self.log_dir, rank)
-        return Failure(f"rank {rank} of {self.spec.world_size} died{f' ({abort})' if abort else ''}; stopped all "
-                       f"ranks (logs: {self.log_dir})", [rank])
+        rank, what = rank_death(self.log_dir, rank, self.spec.world_size)  # a rank agent's words first (hosts.py)
+        return Failure(f"{what}; stopped all ranks (logs: {self.log_dir})", [rank])
 
     def refresh(self) -> None:
         """Track the command's process tree; learn each rank's process."""
@@ -352,11 +351,11 @@ class Supervisor:
 
     def shutdown(self, failed: bool = False) -> None:
         """Stop the ranks and the OpenAI API, reap what they leave, remove leftover shared memory. An orderly stop
-        gives GRACE_S and stops the API first (its requests end while the ranks still serve them); after a
+        gives the spec's grace_s and stops the API first (its requests end while the ranks still serve them); after a
         failure (a death) the ranks go first, given DEATH_GRACE_S, and the API passes their requests' errors on
         before it goes; a second signal gives no grace at all."""
         orderly = not (failed or self.signals.hurry)
-        grace_s = GRACE_S if orderly else 0.0 if self.signals.hurry else DEATH_GRACE_S
+        grace_s = self.spec.grace_s if orderly else 0.0 if self.signals.hurry else DEATH_GRACE_S
         if self.openai is not None and orderly:
             self.openai.stop(grace_s)
         self._stop_ranks(grace_s, orderly)
@@ -372,6 +371,7 @@ class Supervisor:
         ranks = [proc for proc in self.ranks.values() if alive(proc)]
         for proc in ranks:
             _terminate(proc)
+        self.spec.stop_other_hosts(self.popen)
         if not ranks and self.popen.poll() is None:
             self.popen.terminate()
         self._wait(lambda: self.popen.poll() is None or any(map(alive, self.tracked.values())), grace_s)
