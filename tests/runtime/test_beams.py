@@ -156,7 +156,7 @@ def test_the_executor_answers_every_beam_with_other_requests_running(tp1_model, 
         assert answer.reason == ("end_id" if ids[0][-1] == end_id else "length")
         assert sum(best.log_probs) <= best.cum_log_prob + 1e-4  # the end id's log prob counts in cum_log_prob
         assert [t for o in outputs[("greedy", i)] for t in o.tokens] == generate(tp1_model, prompt, NEW, end_id=end_id)
-    assert executor.stats().active == 0 and not executor._held
+    assert executor.stats().active == 0 and not executor.scheduler.held
 
 
 def test_a_beam_search_waits_for_enough_free_slots_and_frees_them(tp1_model, four_prompts, end_id):

@@ -451,17 +451,17 @@ def test_a_paged_cache_admits_what_its_blocks_hold_and_frees_cached_prompts_for_
         while executor.has_work():
             executor.step()
             most_active = max(most_active, executor.stats().active)
-            held = executor.kv_blocks - model.cache.free_blocks
-            assert held <= executor.kv_blocks - executor._free_kv_blocks
+            held = executor.scheduler.kv_blocks - model.cache.free_blocks
+            assert held <= executor.scheduler.kv_blocks - executor.scheduler.free_kv_blocks
 
     serve(range(5))
-    assert executor.kv_blocks == 32 and most_active == 4
+    assert executor.scheduler.kv_blocks == 32 and most_active == 4
     # The fifth took the first one's slot, once its 8 blocks were free: its prompt's 5 cached ones were evicted.
-    retained = sum(executor._retained.values())
-    assert len(executor._retained) == 4 and executor.kv_blocks - model.cache.free_blocks == retained == 20
+    retained = sum(executor.scheduler.retained.values())
+    assert len(executor.scheduler.retained) == 4 and executor.scheduler.kv_blocks - model.cache.free_blocks == retained == 20
     reused = executor.stats().reused_tokens
     serve(range(5, 6))  # its prefix is kept in a slot that still caches it
-    assert executor.stats().reused_tokens == reused + 32 and len(executor._retained) == 4
+    assert executor.stats().reused_tokens == reused + 32 and len(executor.scheduler.retained) == 4
     for i, prompt in enumerate(prompts):
         assert got[i] == greedy_reference(reference, prompt, 16), i
 

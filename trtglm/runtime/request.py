@@ -18,7 +18,6 @@ import torch
 
 from trtglm.errors import TrtglmError, UsageError
 from trtglm.request_config import OutputConfig, SamplingConfig, check_sampling
-from trtglm.runtime.beams import Beam
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +42,17 @@ class Request:
     embedding_bias: torch.Tensor | None = None  # [vocab] added to the logits
     sampling: SamplingConfig = SamplingConfig()
     output: OutputConfig = OutputConfig()
+
+
+@dataclass
+class Beam:
+    """One beam of a beam search (beams.py)."""
+
+    tokens: list[int]  # generated, the ending token included
+    cum_log_prob: float
+    score: float  # cum_log_prob / len(tokens) ** length_penalty: what beams are ranked by
+    log_probs: list[float] = field(default_factory=list)  # each token's
+    logits: list = field(default_factory=list, compare=False)  # the raw logits row each token was chosen from
 
 
 @dataclass(frozen=True)
@@ -100,6 +110,37 @@ class ExecutorStats:
     finished: int = 0
     cancelled: int = 0
     rejected: int = 0
+
+    # The executor's counters are written here alone.
+
+    def count_pass(self, decoded: int, chunks: int, prompt_tokens: int) -> None:
+        """A forward pass of `decoded` requests' decode tokens and `chunks` prompt chunks of `prompt_tokens` in all."""
+        self.prefill_calls += bool(chunks)
+        self.prefill_chunks += chunks
+        self.prefill_tokens += prompt_tokens
+        self.decode_calls += bool(decoded)
+        self.max_decode_batch = max(self.max_decode_batch, decoded)
+
+    def count_step(self, took_us: int, completed: bool, decode_only: bool) -> None:
+        """A step of `took_us` (`completed`: the model did not fail) that ran decode tokens alone or not."""
+        self.steps += completed
+        self.step_us += took_us
+        if decode_only:
+            self.decode_only_steps += 1
+            self.decode_only_us += took_us
+
+    def count_admitted(self, reused_tokens: int) -> None:
+        self.reused_tokens += reused_tokens
+
+    def count_generated(self) -> None:
+        self.generated_tokens += 1
+
+    def count_end(self, reason: str | None) -> None:
+        self.finished += 1
+        self.cancelled += reason == "cancelled"
+
+    def count_rejected(self) -> None:
+        self.rejected += 1
 
 
 class Handle:
