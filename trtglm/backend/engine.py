@@ -95,7 +95,7 @@ def slot_model(engine: EngineInfo, info: RankInfo, device: torch.device, group: 
             if device.type == "cuda":  # what the start compiles and tunes is kept with the engine
                 kernel_cache.use(engine.engine_dir, device)
             return load_fast_model(engine.checkpoint_dir, rank=rank, process_group=group.group if group else None,
-                                   max_batch=slots, max_seq_len=engine.max_seq_len, device=device,
+                                   num_slots=slots, max_seq_len=engine.max_seq_len, device=device,
                                    block_size=engine.tokens_per_block, kv_fraction=kv_fraction)
         except ImportError as e:
             log.warning("the fast GPU runtime is not available (%s); using the portable one", e)

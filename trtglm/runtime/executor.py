@@ -105,14 +105,14 @@ class Executor:
                             ("tokens_per_block", tokens_per_block)):
             if value is not None and value < 1:
                 raise UsageError(f"{name} must be >= 1, not {value}")
-        if not 1 <= max_beam_width <= model.max_batch:
-            raise UsageError(f"max_beam_width must be 1 to the {model.max_batch} slots, not {max_beam_width}")
+        if not 1 <= max_beam_width <= model.num_slots:
+            raise UsageError(f"max_beam_width must be 1 to the {model.num_slots} slots, not {max_beam_width}")
         self.model = model
-        self.scheduler = Scheduler(model, model.max_batch, shared_kv_blocks(model, max_kv_tokens, tokens_per_block),
+        self.scheduler = Scheduler(model, model.num_slots, shared_kv_blocks(model, max_kv_tokens, tokens_per_block),
                                    tokens_per_block, max_queue, kv_cache_reuse)
         self.vocab_limit = min(vocab_limit or model.vocab_size, model.vocab_size)
         self.device = torch.device(device if device is not None else getattr(model, "device", "cpu"))
-        self.chooser = TokenChooser(model.max_batch, self.vocab_limit, self.device)
+        self.chooser = TokenChooser(model.num_slots, self.vocab_limit, self.device)
         if self.device.type == "cuda":
             self.chooser.warm_up()
         self.in_flight: LaunchedPass | None = None  # the pass launched last, whose tokens are not handed out yet
@@ -403,7 +403,7 @@ class Executor:
         self.chooser.release_all()
         self._fail(running, message)
         try:
-            for slot in range(self.model.max_batch):
+            for slot in range(self.model.num_slots):
                 self.model.release(slot)
         except Exception:
             with self._lock:

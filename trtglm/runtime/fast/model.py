@@ -67,7 +67,7 @@ class FastModel(ForwardPasses, GraphCapture):
     """A ChatGLM3 `SlotModel` on one GPU over one rank's tensors of a TensorRT-LLM checkpoint: all of a tp-1 one, or
     this process's rank of a tp-N one with `process_group` (its N ranks, one per process)."""
 
-    def __init__(self, cfg: CheckpointConfig, tensors: dict[str, torch.Tensor], *, max_batch: int = 64,
+    def __init__(self, cfg: CheckpointConfig, tensors: dict[str, torch.Tensor], *, num_slots: int = 64,
                  max_seq_len: int = 2048, dtype: str | torch.dtype | None = None, device: str | torch.device = "cuda",
                  weight_only: str | None = None, kernels: str = "auto", graphs: bool | None = None,
                  tune: bool | None = None, process_group: torch.distributed.ProcessGroup | None = None,
@@ -76,26 +76,26 @@ class FastModel(ForwardPasses, GraphCapture):
         self.device = torch.device(device)
         self.config, self.dtype = cfg, resolve_dtype(dtype, cfg)
         self.quant_algo = resolve_weight_only(weight_only, cfg)
-        check_shape_options(cfg, max_batch, max_seq_len, self.device)
+        check_shape_options(cfg, num_slots, max_seq_len, self.device)
         self.ranks = _rank_group(cfg, process_group, self.device, self.dtype)
         self.heads = cfg.heads_per_rank
-        self.max_batch, self.max_seq_len, self.vocab_size = max_batch, max_seq_len, cfg.vocab_size
+        self.num_slots, self.max_seq_len, self.vocab_size = num_slots, max_seq_len, cfg.vocab_size
         self.ops = select_ops(self.device, kernels)
         # Timing the matmul kernels' block shapes costs seconds at start-up and pays on every step.
         self.tuned = isinstance(self.ops, TritonOps) and self.device.type == "cuda" if tune is None else tune
-        self.scratch = max_batch  # the extra cache slot
+        self.scratch = num_slots  # the extra cache slot
         started = time.monotonic()
         self._load_weights(tensors, self.tuned)
         log.info("weights on %s in %.1f s", self.device, time.monotonic() - started)
         cos, sin = rotary_tables(cfg, torch.arange(max_seq_len, device=self.device)[None])
         self.cos, self.sin = cos[0, 0].contiguous(), sin[0, 0].contiguous()
-        self.cache = PagedCache(cfg, max_batch, max_seq_len, self.dtype, self.device, block_size,
+        self.cache = PagedCache(cfg, num_slots, max_seq_len, self.dtype, self.device, block_size,
                                 kv_tokens or self._kv_tokens_that_fit(kv_fraction, block_size))
         log.info("KV cache: %d positions in blocks of %d (%.1f GB)", self.cache.kv_tokens, block_size,
                  2 * sum(t.numel() * t.element_size() for t in self.cache.keys) / 1e9)
-        self.buckets = batch_buckets(max_batch)
-        self._tokens = torch.zeros(max_batch, dtype=torch.long, device=self.device)
-        self._slots = torch.full((max_batch,), self.scratch, dtype=torch.long, device=self.device)
+        self.buckets = batch_buckets(num_slots)
+        self._tokens = torch.zeros(num_slots, dtype=torch.long, device=self.device)
+        self._slots = torch.full((num_slots,), self.scratch, dtype=torch.long, device=self.device)
         self._uploaded_slots: list[int] = []
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -107,7 +107,7 @@ class FastModel(ForwardPasses, GraphCapture):
         self._mixed_tokens = torch.zeros(widest, dtype=torch.long, device=self.device)
         self._mixed_slots = torch.full((widest,), self.scratch, dtype=torch.long, device=self.device)
         self._mixed_positions = torch.zeros(widest, dtype=torch.int32, device=self.device)
-        self._mixed_last = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        self._mixed_last = torch.zeros(num_slots, dtype=torch.long, device=self.device)
         self._mixed_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_buffers: list[torch.Tensor] = []
         self._tuned_in_step = False
@@ -158,7 +158,7 @@ class FastModel(ForwardPasses, GraphCapture):
                  f", rank {self.ranks.rank} of tp {self.ranks.world_size}" if self.ranks else "")
 
     def _kv_tokens_that_fit(self, fraction: float, block_size: int) -> int | None:
-        """On a GPU, the positions `fraction` of its free memory holds (whole blocks; at most max_batch ×
+        """On a GPU, the positions `fraction` of its free memory holds (whole blocks; at most num_slots ×
         max_seq_len, at least one sequence); None elsewhere (that product)."""
         if self.device.type != "cuda":
             return None
@@ -168,7 +168,7 @@ class FastModel(ForwardPasses, GraphCapture):
         free, _ = torch.cuda.mem_get_info(self.device)
         fits = int(free * fraction) // per_position // block_size * block_size
         fits = self.ranks.least(fits, self.device) if self.ranks else fits  # every rank's cache takes the same blocks
-        return max(self.max_seq_len, min(fits, self.max_batch * self.max_seq_len))
+        return max(self.max_seq_len, min(fits, self.num_slots * self.max_seq_len))
 
     @property
     def kv_tokens(self) -> int:
@@ -235,7 +235,7 @@ class FastModel(ForwardPasses, GraphCapture):
         n = len(slots)
         bucket = next(b for b in self.buckets if b >= n)
         if slots != self._uploaded_slots:
-            self._slots.copy_(upload(slots + [self.scratch] * (self.max_batch - n), self.device))
+            self._slots.copy_(upload(slots + [self.scratch] * (self.num_slots - n), self.device))
             self._uploaded_slots = slots
         token_ids = tokens if isinstance(tokens, torch.Tensor) else upload(list(tokens), self.device)
         self._tokens[:n].copy_(token_ids.reshape(-1), non_blocking=True)
@@ -299,7 +299,7 @@ class FastModel(ForwardPasses, GraphCapture):
     @torch.no_grad()
     def copy(self, sources: Sequence[int], targets: Sequence[int]) -> None:
         """Each target slot takes a copy of its source slot's sequence."""
-        check_copy(sources, targets, self.max_batch)
+        check_copy(sources, targets, self.num_slots)
         for source, target in zip(sources, targets):
             self.cache.copy(target, source, self.cache.lengths[source])
 
@@ -315,8 +315,8 @@ class FastModel(ForwardPasses, GraphCapture):
     # --- checks ------------------------------------------------------------------------------------------------
 
     def _check_slot(self, slot: int) -> None:
-        if not isinstance(slot, int) or not 0 <= slot < self.max_batch:
-            raise UsageError(f"slot {slot!r} is not one of 0..{self.max_batch - 1}")
+        if not isinstance(slot, int) or not 0 <= slot < self.num_slots:
+            raise UsageError(f"slot {slot!r} is not one of 0..{self.num_slots - 1}")
 
     def _check_slots(self, slots: list[int]) -> None:
         if not slots:

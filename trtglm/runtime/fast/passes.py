@@ -164,7 +164,7 @@ class ForwardPasses:
         """The first `width` tokens of the mixed input buffers (each at its slot's position; padding at the scratch
         slot's position 0) in one pass, every token attending through the decode kernel to its slot's positions up
         to its own: a prompt chunk's causal attention, its keys written before they are read. Logits of the rows
-        `_mixed_last` `[max_batch, vocab]` (static shapes: what a mixed-step graph replays)."""
+        `_mixed_last` `[num_slots, vocab]` (static shapes: what a mixed-step graph replays)."""
         tokens, slots = self._mixed_tokens[:width], self._mixed_slots[:width]
         positions = self._mixed_positions[:width]
 
@@ -193,7 +193,7 @@ class ForwardPasses:
         self._mixed_tokens[on_device:width].copy_(upload(ids + [0] * pad, dev))
         self._mixed_slots[:width].copy_(upload(slot_of + [self.scratch] * pad, dev))
         self._mixed_positions[:width].copy_(upload(position_of + [0] * pad, dev, torch.int32))
-        self._mixed_last.copy_(upload([end - 1 for end in ends] + [0] * (self.max_batch - len(pieces)), dev))
+        self._mixed_last.copy_(upload([end - 1 for end in ends] + [0] * (self.num_slots - len(pieces)), dev))
         if width not in self._mixed_graphs:
             return self._mixed_padded(width)[:len(pieces)]
         graph, logits = self._mixed_graphs[width]
