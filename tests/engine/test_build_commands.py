@@ -3,7 +3,8 @@
 import pytest
 
 from conftest import REPO
-from trtglm.engine.trtllm_cmd import convert_argv, engine_limits, trtllm07_build_argv, trtllm_build_argv
+from trtglm.engine.manifest import Limits
+from trtglm.engine.trtllm_cmd import convert_argv, trtllm07_build_argv, trtllm_build_argv
 from trtglm.errors import UsageError
 from trtglm.profile import load_profile, parse_overrides
 
@@ -147,8 +148,8 @@ def test_trtllm_build_switches_follow_the_profile():
 
 
 def test_engine_limits():
-    assert engine_limits(profile("chatglm3-6b-32k-fp16-tp1")) == {
-        "max_batch_size": 2, "max_input_len": 30720, "max_seq_len": 32768, "max_num_tokens": 8192}
+    assert Limits.of(profile("chatglm3-6b-32k-fp16-tp1").build) == Limits(
+        max_batch_size=2, max_input_len=30720, max_seq_len=32768, max_num_tokens=8192, max_beam_width=1)
 
 
 def test_convert_argv():

@@ -132,7 +132,7 @@ def make_engine(root: Path, kind: str, tokenizer_dir: Path, serve: dict | None =
         "dtype": "float32", "quantization": {"weight_only": None, "quant_algo": None},
         "limits": {**LIMITS, **(limits or {})}, "checkpoint_dir": "checkpoint", "engine_files": files,
         "tokenizer_dir": str(Path(tokenizer_dir).resolve()), "tokenizer": tokenizer_facts(tokenizer_dir),
-        "model": model or {}, "sources": {}, "profile": {"serve": {**asdict(ServeSection(world_size=1)), **(serve or {})}},
+        "model": model or {}, "sources": {}, "profile": {"serve": {**asdict(ServeSection()), **(serve or {})}},
     }
     write_manifest(engine, manifest)
     return engine

@@ -155,7 +155,7 @@ def _replier(sources: dict[str, str | None], tokenizer_dir, model, sampling: dic
         from trtglm.engine.manifest import read_manifest
 
         manifest = read_manifest(sources["--engine-dir"])
-        checkpoint, tokenizer_dir = manifest["checkpoint_dir"], manifest["tokenizer_dir"]
+        checkpoint, tokenizer_dir = manifest.checkpoint_dir, manifest.tokenizer_dir
     from trtglm.runtime.answer import LocalChat
 
     return LocalChat(checkpoint, tokenizer_dir, **sampling, device=_device(device)).pieces

@@ -39,8 +39,8 @@ def warmup(engine_dir: str):
     if not torch.cuda.is_available():
         raise UsageError("warmup compiles and tunes GPU kernels: this machine has no CUDA GPU (on a CPU, trtglm's "
                          "runtime compiles nothing)")
-    if info.tp_size != 1:
-        raise UsageError(f"{engine_dir}: warmup runs one GPU (tp 1); an engine of tp {info.tp_size} keeps its "
+    if info.world_size != 1:
+        raise UsageError(f"{engine_dir}: warmup runs one GPU (tp 1); an engine of tp × pp {info.world_size} keeps its "
                          "kernels at its first launch")
     started = time.monotonic()
     print(f"warming up {engine_dir} on this GPU: weights, kernels (compiling and tuning: minutes), CUDA graphs",
@@ -56,8 +56,8 @@ def warmup_applies(engine_dir: Path) -> bool:
     from trtglm.engine.manifest import read_manifest
 
     manifest = read_manifest(engine_dir)
-    one_gpu = int(manifest["mapping"]["tp_size"]) * int(manifest["mapping"]["pp_size"]) == 1
-    if manifest["engine"] != "torch" or not torch.cuda.is_available() or os.environ.get("TRTGLM_DEVICE") == "cpu":
+    one_gpu = manifest.mapping.world_size == 1
+    if manifest.engine != "torch" or not torch.cuda.is_available() or os.environ.get("TRTGLM_DEVICE") == "cpu":
         return False
     if not one_gpu:
         print(f"{engine_dir}: tp > 1: its kernels are compiled and kept at its first launch", flush=True)

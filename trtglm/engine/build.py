@@ -38,7 +38,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -46,9 +46,9 @@ from typing import Any
 import trtglm
 from trtglm.chatglm.config import ChatGLMConfig
 from trtglm.convert.staging import remove_stale
-from trtglm.engine.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, digest, file_listing, hf_fingerprint,
-                                    read_manifest, write_json_atomic, write_manifest)
-from trtglm.engine.trtllm_cmd import (TRTLLM_BUILD, convert_argv, engine_limits, trtllm07_build_argv,
+from trtglm.engine.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, Limits, RankMapping, digest, file_listing,
+                                    hf_fingerprint, read_manifest, write_json_atomic, write_manifest)
+from trtglm.engine.trtllm_cmd import (TRTLLM_BUILD, convert_argv, trtllm07_build_argv,
                                       trtllm_build_argv)
 from trtglm.errors import DependencyError, ModelFileError, OutputExistsError, TrtglmError, UsageError
 from trtglm.files import read_json_object
@@ -179,8 +179,8 @@ def engine_up_to_date(profile: Profile, hf: Path, out: Path) -> bool:
         manifest = read_manifest(out)
     except TrtglmError:
         return False
-    same_profile = manifest.get("profile") == json.loads(json.dumps(profile.to_dict()))
-    return (same_profile and manifest.get("trtglm_version") == trtglm.__version__
+    same_profile = manifest.profile == json.loads(json.dumps(profile.to_dict()))
+    return (same_profile and manifest.trtglm_version == trtglm.__version__
             and checkpoint_status(profile, hf, out)[0])
 
 
@@ -316,7 +316,7 @@ def check_trtllm_engine(profile: Profile, out: Path) -> tuple[list[str], str | N
         raise ModelFileError(f"{out}: {TRTLLM_BUILD} did not write {', '.join(missing)}")
     build_config = config["build_config"]
     wrong = [f"{key} {build_config.get(key)} (profile: {value})"
-             for key, value in engine_limits(profile).items() if build_config.get(key) != value]
+             for key, value in asdict(Limits.of(profile.build)).items() if build_config.get(key) != value]
     if wrong:
         raise ModelFileError(f"{config_path}: engine limits differ from the profile: {', '.join(wrong)}")
     version = config.get("version")
@@ -368,10 +368,10 @@ def make_manifest(profile: Profile, cfg: ChatGLMConfig, tokenizer: dict, sources
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "trtglm_version": trtglm.__version__,
         "tensorrt_llm_version": trtllm_version,
-        "mapping": {"world_size": profile.world_size, "tp_size": c.tp_size, "pp_size": c.pp_size},
+        "mapping": RankMapping(c.tp_size, c.pp_size).to_json(),
         "dtype": c.dtype,
         "quantization": {"weight_only": c.weight_only, "quant_algo": profile.quant_algo},
-        "limits": {**engine_limits(profile), "max_beam_width": profile.build.max_beam_width},
+        "limits": asdict(Limits.of(profile.build)),
         "checkpoint_dir": CHECKPOINT,
         "engine_files": engine_files,
         "tokenizer_dir": TOKENIZER,

@@ -170,7 +170,7 @@ def plan(config: str | Path, *, gpu_memory: str | int | float, gpus: int | None,
     if gpus is not None:
         if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
             raise UsageError(f"--gpus must be a positive integer, not {gpus!r}")
-        overrides.update({"convert.tp_size": gpus, "serve.world_size": gpus})
+        overrides["convert.tp_size"] = gpus
     profile = load_profile(config, overrides)
     shape, source = model_shape(profile)
     result = memory_plan(profile, shape, gpu_bytes, source)

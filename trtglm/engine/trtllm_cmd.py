@@ -3,8 +3,7 @@
 - `convert_argv`: the `trtglm convert` call that makes the TensorRT-LLM checkpoint;
 - `trtllm_build_argv`: current TensorRT-LLM's `trtllm-build` (checkpoint → engine);
 - `trtllm07_build_argv`: TensorRT-LLM v0.7.1's `examples/chatglm/build.py` (HF folder → engine
-  in one step, no checkpoint), for Triton containers of that generation;
-- `engine_limits`: the limits an engine's `build_config` must report for the profile.
+  in one step, no checkpoint), for Triton containers of that generation.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from trtglm.profile import Profile
 
 TRTLLM_BUILD = "trtllm-build"
 TRTLLM07_SCRIPT = "examples/chatglm/build.py"
-LIMIT_KEYS = ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens")
 V07_MIN_TOKENS_PER_BLOCK_WITH_FMHA = 128  # v0.7.1 build.py asserts it
 
 
@@ -53,11 +51,6 @@ def trtllm_build_argv(profile: Profile, checkpoint_dir: str, output_dir: str) ->
         "--use_paged_context_fmha", _switch(b.use_paged_context_fmha),
         "--tokens_per_block", str(b.tokens_per_block),
     ]
-
-
-def engine_limits(profile: Profile) -> dict[str, int]:
-    """What `build_config` in the engine's config.json must say (LIMIT_KEYS)."""
-    return {key: getattr(profile.build, key) for key in LIMIT_KEYS}
 
 
 def trtllm07_build_argv(profile: Profile, model_dir: str, output_dir: str,

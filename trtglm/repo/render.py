@@ -24,7 +24,7 @@ from pathlib import Path
 
 from trtglm.backend.contract import HISTORY_CHAT, REPO_MODELS
 from trtglm.chatglm.chat import tokenizer_facts
-from trtglm.engine.manifest import read_manifest
+from trtglm.engine.manifest import Manifest, TokenizerFacts, read_manifest
 from trtglm.errors import ModelFileError, OutputExistsError, UsageError
 from trtglm.model_repository import CONFIG
 from trtglm.repo.contract_check import check_contract
@@ -37,7 +37,6 @@ from trtglm.repo.values import placeholder_values
 log = logging.getLogger(__name__)
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "triton_model_repo"
-TOKENIZER_FACTS = ("vocab_size", "pad_id", "end_id", "stop_ids", "special_ids")
 BACKEND_ONLY = re.compile(r"#\s*only with backend (\w+)\s*$")
 ADDED_MODELS = (HISTORY_CHAT,)  # trtglm's models beside the pipeline: every repository gets them
 
@@ -51,7 +50,7 @@ def patch_repo(engine_dir: str | Path, tokenizer_dir: str | Path | None, output_
     OutputExistsError when `output_repo` exists and `force` is false.
     """
     manifest = read_manifest(engine_dir)
-    tokenizer_dir = checked_tokenizer_dir(tokenizer_dir or manifest["tokenizer_dir"], manifest)
+    tokenizer_dir = checked_tokenizer_dir(tokenizer_dir or manifest.tokenizer_dir, manifest)
     template = Path(template).resolve() if template is not None else TEMPLATE_DIR
     out = Path(output_repo).resolve()
     if out.exists() and not force:
@@ -62,19 +61,19 @@ def patch_repo(engine_dir: str | Path, tokenizer_dir: str | Path | None, output_
     values = placeholder_values(manifest, tokenizer_dir, version, sets)
     files = render(template, version, values)
     write_checked(files, out, manifest)
-    log.info("%s: %s template (%s) rendered for %s engine %s", out, version, template, manifest["engine"],
-             manifest["engine_dir"])
+    log.info("%s: %s template (%s) rendered for %s engine %s", out, version, template, manifest.engine,
+             manifest.engine_dir)
     return out
 
 
-def checked_tokenizer_dir(path: str | Path, manifest: Mapping) -> str:
+def checked_tokenizer_dir(path: str | Path, manifest: Manifest) -> str:
     """Absolute tokenizer folder, refused when its ids differ from those the engine was built with."""
     facts = tokenizer_facts(path)
-    engine_facts = manifest["tokenizer"]
-    for key in TOKENIZER_FACTS:
-        if key in engine_facts and _same(facts[key]) != _same(engine_facts[key]):
+    for key in TokenizerFacts.compared():
+        built = getattr(manifest.tokenizer, key)
+        if _same(facts[key]) != _same(built):
             raise UsageError(f"tokenizer {path}: {key} is {facts[key]}, but the engine was built with "
-                             f"{engine_facts[key]} (use the engine's tokenizer: {manifest['tokenizer_dir']})")
+                             f"{built} (use the engine's tokenizer: {manifest.tokenizer_dir})")
     return str(Path(path).resolve())
 
 
@@ -153,7 +152,7 @@ def scan_placeholders(template: Path) -> dict[str, frozenset[str]]:
 # --- writing -------------------------------------------------------------------------------------
 
 
-def write_checked(files: Mapping[str, bytes], out: Path, manifest: Mapping | None) -> None:
+def write_checked(files: Mapping[str, bytes], out: Path, manifest: Manifest | None) -> None:
     """Write `files` to a temporary folder beside `out`, check it, then rename it into place."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
