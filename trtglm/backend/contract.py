@@ -1,13 +1,13 @@
 """The serving contract of trtglm's own template (triton_model_repo/), as data.
 
-Model names, the parameters trtglm's models read, every tensor each model declares (name, data
-type, dims without the batch dimension, optional) and the ensemble's wiring: which tensor of the
-ensemble each step's inputs read and its outputs write. An entry marked with a backend exists
-only when tensorrt_llm runs on that backend (`python`: trtglm's runtime, which also sends
-generated_ids and is_final so the ensemble streams exactly; `tensorrtllm`: NVIDIA's, where
-`stream` goes to preprocessing, which refuses it). The BLS model runs the same steps in one
-model; its mapping (`bls_*` below) is read off the same wiring. Rendering checks the template
-against this table, and the python models take their tensor and parameter names from it.
+Model names, the parameters trtglm's models read, every tensor each model declares (name, data type, dims without
+the batch dimension, optional, reshaped, ragged) and the ensemble's wiring: which tensor of the ensemble each step's
+inputs read and its outputs write. An entry marked with a backend exists only when tensorrt_llm runs on that backend
+(`python`: trtglm's runtime, which also sends generated_ids and is_final so the ensemble streams exactly;
+`tensorrtllm`: NVIDIA's, where `stream` goes to preprocessing, which refuses it). The BLS model runs the same steps
+in one model; its mapping (`bls_*` below) is read off the same wiring. Rendering writes the template's declarations
+from this table (repo/contract_text.py) and checks a repository against it; the python models take their tensor
+and parameter names from it.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ PYTHON_MODEL_PARAMETERS: dict[str, tuple[str, ...]] = {
     HISTORY_CHAT: (TOKENIZER_DIR, MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE, CHATGLM_VERSION, LLM_MODEL_NAME,
                    LLM_DECOUPLED),
 }
-
 
 
 def parameter(params: Mapping[str, str], key: str, model: str) -> str:
@@ -111,6 +110,8 @@ class Tensor:
     backend: str | None = None  # declared only when tensorrt_llm runs on this backend
     lacks: str = ""  # what trtglm's runtime lacks to honour the input: accepted only absent or neutral
     neutral: float = 0.0  # besides zeros, false and empty strings
+    scalar: bool = False  # reshaped from [1] to a scalar (reshape { shape: [ ] }), as NVIDIA's tensorrt_llm takes it
+    ragged: bool = False  # batched with other requests' of other lengths (allow_ragged_batch)
 
 
 @dataclass(frozen=True)
@@ -119,13 +120,20 @@ class Model:
     outputs: tuple[Tensor, ...]
 
 
-def _t(name: str, data_type: str, *dims: int, optional: bool = False, backend: str | None = None,
-       lacks: str = "", neutral: float = 0.0) -> Tensor:
-    return Tensor(name, f"TYPE_{data_type}", dims, optional, backend, lacks, neutral)
+def _t(name: str, data_type: str, *dims: int, **marks) -> Tensor:
+    return Tensor(name, f"TYPE_{data_type}", dims, **marks)
 
 
-def _opt(name: str, data_type: str, *dims: int, lacks: str = "", neutral: float = 0.0) -> Tensor:
-    return _t(name, data_type, *dims, optional=True, lacks=lacks, neutral=neutral)
+def _opt(name: str, data_type: str, *dims: int, **marks) -> Tensor:
+    return _t(name, data_type, *dims, optional=True, **marks)
+
+
+def _scalar(name: str, data_type: str, **marks) -> Tensor:
+    return _opt(name, data_type, 1, scalar=True, **marks)
+
+
+def _ragged(name: str, data_type: str, *dims: int, **marks) -> Tensor:
+    return _opt(name, data_type, *dims, ragged=True, **marks)
 
 
 def _flags(*names: str) -> tuple[Tensor, ...]:
@@ -138,7 +146,8 @@ def _outputs(spec: str) -> tuple[Tensor, ...]:
                  (word.split(":") for word in spec.split()))
 
 
-LORA, PROMPT_TABLE, GUIDED = "LoRA adapters", "prompt tables (p-tuning)", "guided decoding"
+LORA, PROMPT_TABLE, GUIDED, RETENTION = ("LoRA adapters", "prompt tables (p-tuning)", "guided decoding",
+                                         "KV cache retention priorities")
 DRAFTS, ENCODER = "speculative decoding (draft tokens)", "encoder or multimodal inputs (ChatGLM3 is decoder-only)"
 # NVIDIA's names at v0.19.0 first; the newest templates (v1.2.1) rename min_length and random_seed to min_tokens
 # and seed and add the return_num_*_tokens flags: trtglm takes both.
@@ -157,8 +166,8 @@ CLIENT_INPUTS = (  # the ensemble's and the BLS model's
     _opt("prompt_embedding_table", "FP16", -1, -1), _opt("prompt_table_extra_id", "UINT64", 1),
     _opt("prompt_vocab_size", "INT32", 1),
     _opt("embedding_bias_words", "STRING", -1), _opt("embedding_bias_weights", "FP32", -1),
-    _opt("lora_task_id", "UINT64", 1), _opt("lora_weights", "FP16", -1, -1), _opt("lora_config", "INT32", -1, 3),
-    _opt("guided_decoding_guide_type", "STRING", 1), _opt("guided_decoding_guide", "STRING", 1),
+    _opt("lora_task_id", "UINT64", 1), _ragged("lora_weights", "FP16", -1, -1), _ragged("lora_config", "INT32", -1, 3),
+    _ragged("guided_decoding_guide_type", "STRING", 1), _ragged("guided_decoding_guide", "STRING", 1),
     _opt("min_tokens", "INT32", 1), _opt("seed", "UINT64", 1),
     *_flags("return_num_input_tokens", "return_num_output_tokens"),
 )
@@ -195,48 +204,49 @@ EXCLUDE_INPUT = _opt("exclude_input_in_output", "BOOL", 1)
 REPLY_FORM_INPUTS = ("input_text", "exclude_input_in_output")  # tensorrt_llm's
 
 ENGINE_INPUTS = (  # tensorrt_llm's (NVIDIA's v0.19.0 and v1.2.1 names); `lacks`: refused unless absent or neutral
-    _opt("input_ids", "INT32", -1), _opt("encoder_input_features", "FP16", -1, -1, lacks=ENCODER),
-    _opt("encoder_output_lengths", "INT32", 1, lacks=ENCODER),
-    _t("input_lengths", "INT32", 1), _t("request_output_len", "INT32", 1),
-    _opt("num_return_sequences", "INT32", 1),
-    _opt("draft_input_ids", "INT32", -1, lacks=DRAFTS),
-    _opt("decoder_input_ids", "INT32", -1), _opt("decoder_input_lengths", "INT32", 1),  # one pad id when unused
-    _opt("draft_logits", "FP32", -1, -1, lacks=DRAFTS), _opt("draft_acceptance_threshold", "FP32", 1, lacks=DRAFTS),
-    _opt("end_id", "INT32", 1), _opt("pad_id", "INT32", 1),
-    _opt("stop_words_list", "INT32", 2, -1), _opt("bad_words_list", "INT32", 2, -1),
-    _opt("embedding_bias", "FP32", -1), _opt("beam_width", "INT32", 1),
-    _opt("temperature", "FP32", 1), _opt("runtime_top_k", "INT32", 1), _opt("runtime_top_p", "FP32", 1),
-    _opt("runtime_top_p_min", "FP32", 1), _opt("runtime_top_p_decay", "FP32", 1, lacks="top-p decay", neutral=1.0),
-    _opt("runtime_top_p_reset_ids", "INT32", 1),
-    _opt("len_penalty", "FP32", 1), _opt("early_stopping", "BOOL", 1),
-    _opt("repetition_penalty", "FP32", 1), _opt("min_length", "INT32", 1),
-    _opt("beam_search_diversity_rate", "FP32", 1),
-    _opt("presence_penalty", "FP32", 1), _opt("frequency_penalty", "FP32", 1),
-    _opt("random_seed", "UINT64", 1),
-    _opt("return_log_probs", "BOOL", 1),
-    _opt("return_context_logits", "BOOL", 1), _opt("return_generation_logits", "BOOL", 1),
-    _opt("return_perf_metrics", "BOOL", 1),
-    _opt("exclude_input_in_output", "BOOL", 1),
-    _opt("stop", "BOOL", 1, lacks="stop requests (cancel the request instead: close its stream)"),
-    _opt("streaming", "BOOL", 1),
-    _opt("prompt_embedding_table", "FP16", -1, -1, lacks=PROMPT_TABLE),
-    _opt("prompt_table_extra_ids", "UINT64", -1, lacks=PROMPT_TABLE),
-    _opt("prompt_vocab_size", "INT32", 1, lacks=PROMPT_TABLE),
-    _opt("cross_attention_mask", "BOOL", -1, -1, lacks=ENCODER), _opt("mrope_rotary_cos_sin", "FP32", -1, lacks=ENCODER),
+    _ragged("input_ids", "INT32", -1), _ragged("encoder_input_features", "FP16", -1, -1, lacks=ENCODER),
+    _scalar("encoder_output_lengths", "INT32", lacks=ENCODER),
+    _t("input_lengths", "INT32", 1, scalar=True), _t("request_output_len", "INT32", 1, scalar=True),
+    _scalar("num_return_sequences", "INT32"),
+    _ragged("draft_input_ids", "INT32", -1, lacks=DRAFTS),
+    _ragged("decoder_input_ids", "INT32", -1), _scalar("decoder_input_lengths", "INT32"),  # one pad id when unused
+    _ragged("draft_logits", "FP32", -1, -1, lacks=DRAFTS), _scalar("draft_acceptance_threshold", "FP32", lacks=DRAFTS),
+    _scalar("end_id", "INT32"), _scalar("pad_id", "INT32"),
+    _ragged("stop_words_list", "INT32", 2, -1), _ragged("bad_words_list", "INT32", 2, -1),
+    _ragged("embedding_bias", "FP32", -1), _scalar("beam_width", "INT32"),
+    _scalar("temperature", "FP32"), _scalar("runtime_top_k", "INT32"), _scalar("runtime_top_p", "FP32"),
+    _scalar("runtime_top_p_min", "FP32"), _scalar("runtime_top_p_decay", "FP32", lacks="top-p decay", neutral=1.0),
+    _scalar("runtime_top_p_reset_ids", "INT32"),
+    _scalar("len_penalty", "FP32"), _scalar("early_stopping", "BOOL"),
+    _scalar("repetition_penalty", "FP32"), _scalar("min_length", "INT32"),
+    _scalar("beam_search_diversity_rate", "FP32"),
+    _scalar("presence_penalty", "FP32"), _scalar("frequency_penalty", "FP32"),
+    _scalar("random_seed", "UINT64"),
+    _scalar("return_log_probs", "BOOL"),
+    _scalar("return_context_logits", "BOOL"), _scalar("return_generation_logits", "BOOL"),
+    _scalar("return_perf_metrics", "BOOL"),
+    _scalar("exclude_input_in_output", "BOOL"),
+    _scalar("stop", "BOOL", lacks="stop requests (cancel the request instead: close its stream)"),
+    _scalar("streaming", "BOOL"),
+    _ragged("prompt_embedding_table", "FP16", -1, -1, lacks=PROMPT_TABLE),
+    _ragged("prompt_table_extra_ids", "UINT64", -1, lacks=PROMPT_TABLE),
+    _scalar("prompt_vocab_size", "INT32", lacks=PROMPT_TABLE),
+    _ragged("cross_attention_mask", "BOOL", -1, -1, lacks=ENCODER),
+    _ragged("mrope_rotary_cos_sin", "FP32", -1, lacks=ENCODER),
     _opt("mrope_position_deltas", "INT64", 1, lacks=ENCODER),
-    _opt("lora_task_id", "UINT64", 1, lacks=LORA), _opt("lora_weights", "FP16", -1, -1, lacks=LORA),
-    _opt("lora_config", "INT32", -1, 3, lacks=LORA),
-    _opt("context_phase_params", "UINT8", -1, lacks="disaggregated serving"),
+    _scalar("lora_task_id", "UINT64", lacks=LORA), _ragged("lora_weights", "FP16", -1, -1, lacks=LORA),
+    _ragged("lora_config", "INT32", -1, 3, lacks=LORA),
+    _ragged("context_phase_params", "UINT8", -1, lacks="disaggregated serving"),
     _opt("skip_cross_attn_blocks", "BOOL", 1, lacks=ENCODER),
-    *(_opt(f"retention_{name}", "INT32", *dims, lacks="KV cache retention priorities") for name, dims in (
-        ("token_range_starts", (-1,)), ("token_range_ends", (-1,)), ("token_range_priorities", (-1,)),
-        ("token_range_durations_ms", (-1,)), ("decode_priority", (1,)), ("decode_duration_ms", (1,)))),
-    _opt("guided_decoding_guide_type", "STRING", 1, lacks=GUIDED), _opt("guided_decoding_guide", "STRING", 1,
-                                                                        lacks=GUIDED),
+    *(_ragged(f"retention_token_range_{name}", "INT32", -1, lacks=RETENTION)
+      for name in ("starts", "ends", "priorities", "durations_ms")),
+    *(_opt(f"retention_decode_{name}", "INT32", 1, lacks=RETENTION) for name in ("priority", "duration_ms")),
+    _ragged("guided_decoding_guide_type", "STRING", 1, lacks=GUIDED),
+    _ragged("guided_decoding_guide", "STRING", 1, lacks=GUIDED),
     *(_opt(f"lookahead_{name}", "INT32", 1, lacks="lookahead decoding")
       for name in ("window_size", "ngram_size", "verification_set_size")),
-    _opt("min_tokens", "INT32", 1), _opt("seed", "UINT64", 1),
-    *_flags("return_num_input_tokens", "return_num_output_tokens"),
+    _scalar("min_tokens", "INT32"), _scalar("seed", "UINT64"),
+    _scalar("return_num_input_tokens", "BOOL"), _scalar("return_num_output_tokens", "BOOL"),
 )
 
 # Inputs every request needs, which the client models and preprocessing declare optional all the same: Triton

@@ -4,9 +4,10 @@ The template is trtglm's own (triton_model_repo/) or a copy of NVIDIA's inflight
 (v0.7.1, v0.19.0 or v1.2.1; `patch.py`), recognised by its placeholders (`placeholders.py`). Every
 placeholder is filled from the engine's trtglm.json, its profile's serve section and `--set`
 (`values.py`); an unknown `--set` key or a placeholder left unfilled is an error naming the
-file and the placeholder. A line of trtglm's template whose comment says `only with backend X`
-is kept only when tensorrt_llm's backend is X (the python backend's extra streaming tensors);
-the filled configs must match the serving contract (`contract_check.py`).
+file and the placeholder. trtglm's template declares no tensor itself: each model's tensors (and the
+ensemble's steps) are rendered from the serving contract (`contract_text.py`). A line whose comment says
+`only with backend X` is kept only when tensorrt_llm's backend is X (the python backend's extra streaming
+tensors); the filled configs must match the serving contract (`contract_check.py`).
 The result is checked (`validate.check_repo`) in a temporary folder beside the output and
 renamed into place only when it has no problems. Rendering is deterministic: the same inputs
 give the same bytes.
@@ -28,6 +29,7 @@ from trtglm.engine.manifest import Manifest, TokenizerFacts, read_manifest
 from trtglm.errors import ModelFileError, OutputExistsError, UsageError
 from trtglm.model_repository import CONFIG
 from trtglm.repo.contract_check import check_contract
+from trtglm.repo.contract_text import with_declarations
 from trtglm.repo.patch import patch_upstream
 from trtglm.repo.placeholders import (MODELS, PLACEHOLDER, TRTGLM, check_filled, detect_version, fill_text,
                                       split_comment)
@@ -102,7 +104,7 @@ def filled_configs(template: Path, models, values: Mapping[str, str | None]) -> 
     files = {}
     for model in models:
         path = template / model / CONFIG
-        kept = lines_for_backend(path.read_text(encoding="utf-8"), values["triton_backend"])
+        kept = lines_for_backend(with_declarations(path.read_text(encoding="utf-8"), model), values["triton_backend"])
         text = fill_text(kept, values, str(path))
         check_filled(text, str(path))
         files[f"{model}/{CONFIG}"] = text.encode("utf-8")
