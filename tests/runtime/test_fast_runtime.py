@@ -415,7 +415,7 @@ def test_executor_over_fast_model_decodes_greedily_like_the_reference(any_model,
     executor = Executor(model, max_queue=8, max_num_tokens=max_num_tokens, tokens_per_block=8, kv_cache_reuse=reuse,
                         overlap=overlap)
     for i, prompt in enumerate(prompts):
-        executor.submit(Request(prompt, max_new_tokens=6), lambda out, i=i: got[i].extend(out.tokens))
+        executor.submit(Request(prompt, max_tokens=6), lambda out, i=i: got[i].extend(out.tokens))
     while executor.has_work():
         executor.step()
     for i, prompt in enumerate(prompts):
@@ -447,7 +447,7 @@ def test_a_paged_cache_admits_what_its_blocks_hold_and_frees_cached_prompts_for_
     def serve(indices: range) -> None:
         nonlocal most_active
         for i in indices:
-            executor.submit(Request(prompts[i], max_new_tokens=16), lambda out, i=i: got[i].extend(out.tokens))
+            executor.submit(Request(prompts[i], max_tokens=16), lambda out, i=i: got[i].extend(out.tokens))
         while executor.has_work():
             executor.step()
             most_active = max(most_active, executor.stats().active)
@@ -483,7 +483,7 @@ def test_serving_after_the_warm_up_compiles_no_kernel(checkpoint, hf_cfg, graphe
                  top_k=20, seed=2)]
     with kernel_cache.compilations() as compiled:
         for i, prompt in enumerate(sequences(hf_cfg.vocab_size, lengths, seed=17)):
-            request = Request(prompt, max_new_tokens=1 + i % 9, sampling=samplings[i % 3],
+            request = Request(prompt, max_tokens=1 + i % 9, sampling=samplings[i % 3],
                               output=OutputConfig(return_log_probs=i % 4 == 0))
             executor.submit(request, lambda out: None)
             for _ in range(i % 3):
@@ -499,7 +499,7 @@ def test_executor_over_fast_model_returns_the_references_logits_when_asked(model
     outputs = []
     executor = Executor(model, max_num_tokens=8)
     logits = OutputConfig(return_context_logits=True, return_generation_logits=True)
-    executor.submit(Request(prompt, max_new_tokens=5, output=logits), outputs.append)
+    executor.submit(Request(prompt, max_tokens=5, output=logits), outputs.append)
     while executor.has_work():
         executor.step()
     ids = prompt + [t for output in outputs for t in output.tokens]

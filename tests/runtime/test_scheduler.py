@@ -33,10 +33,10 @@ def create_scheduler(num_slots: int = 4, kv_blocks: int = 64, max_queue: int = 1
     return Scheduler(RecordedCaches(), num_slots, kv_blocks, BLOCK, max_queue, kv_cache_reuse)
 
 
-def create_sequence(number: int, prompt: int | list[int], max_new_tokens: int = 8, **options) -> SequenceState:
+def create_sequence(number: int, prompt: int | list[int], max_tokens: int = 8, **options) -> SequenceState:
     """Request `number` of a prompt (`prompt` tokens 1, 2, … or the list given)."""
     prompt = list(range(1, prompt + 1)) if isinstance(prompt, int) else prompt
-    return SequenceState(Handle(number), Request(prompt, max_new_tokens, **options), lambda output: None)
+    return SequenceState(Handle(number), Request(prompt, max_tokens, **options), lambda output: None)
 
 
 def submitted(scheduler: Scheduler, *sequences: SequenceState) -> list[SequenceState]:
@@ -83,7 +83,7 @@ def test_a_full_budget_of_decode_tokens_still_takes_one_prompt_token():
 def test_a_request_waits_for_a_free_slot_and_kv_cache_room_in_arrival_order():
     scheduler = create_scheduler(num_slots=2, kv_blocks=6)  # a request of 4 + 8 positions takes 3 blocks
     first, second, third, small = submitted(scheduler, *(create_sequence(n, 4) for n in range(3)),
-                                            create_sequence(3, 1, max_new_tokens=1))
+                                            create_sequence(3, 1, max_tokens=1))
     assert run(scheduler, 64).admitted == [first, second]
     assert scheduler.free_kv_blocks == 0 and list(scheduler.waiting) == [third, small]
     assert run(scheduler, 64).admitted == []  # no slot: even the small one behind waits its turn
@@ -113,20 +113,20 @@ def test_a_full_queue_refuses_and_a_request_that_never_fits_is_refused_at_once()
 def test_a_cached_prefix_is_reused_and_evicted_least_recently_released_first():
     scheduler = create_scheduler(num_slots=3, kv_blocks=12, kv_cache_reuse=True)
     shared = list(range(1, 10))  # two whole blocks, and one token more
-    first, other = submitted(scheduler, create_sequence(0, shared, max_new_tokens=3),
-                             create_sequence(1, [50 + t for t in range(9)], max_new_tokens=3))
+    first, other = submitted(scheduler, create_sequence(0, shared, max_tokens=3),
+                             create_sequence(1, [50 + t for t in range(9)], max_tokens=3))
     run(scheduler, 64)
     for sequence in (first, other):
         assert scheduler.release(sequence)
     assert scheduler.retained == {first.slot: 2, other.slot: 2} and scheduler.free_kv_blocks == 8
-    follower, = submitted(scheduler, create_sequence(2, shared[:8] + [99, 98], max_new_tokens=2))
+    follower, = submitted(scheduler, create_sequence(2, shared[:8] + [99, 98], max_tokens=2))
     plan = run(scheduler, 64)
     assert plan.admitted == [follower] and plan.reused_tokens == 8 and follower.reused_blocks == 2
     assert follower.slot == first.slot and chunk_lengths(plan) == [(2, 2)]  # kept in place: nothing copied
     assert scheduler.cache.calls[-1] == ("reuse", first.slot, first.slot, 8)
     assert scheduler.retained == {other.slot: 2}
     # 12 blocks: the follower's 3 and the other's 2 retained leave 7; a request of 8 evicts the other's prompt
-    big, = submitted(scheduler, create_sequence(3, [7] * 20, max_new_tokens=12))
+    big, = submitted(scheduler, create_sequence(3, [7] * 20, max_tokens=12))
     calls = len(scheduler.cache.calls)
     assert run(scheduler, 64).admitted == [big] and scheduler.retained == {}
     assert scheduler.cache.calls[calls] == ("release", other.slot, 0)

@@ -9,9 +9,9 @@ from trtglm.runtime.sequence import SequenceState
 END_ID = 2
 
 
-def taken(tokens: list[int], max_new_tokens: int = 8, stop_words=()) -> tuple[list[str | None], list[int]]:
+def taken(tokens: list[int], max_tokens: int = 8, stop_words=()) -> tuple[list[str | None], list[int]]:
     """The reason each of `tokens` gives, and the tokens the sequence kept."""
-    sequence = SequenceState(Handle(0), Request([10, 11], max_new_tokens, end_id=END_ID, stop_words=stop_words),
+    sequence = SequenceState(Handle(0), Request([10, 11], max_tokens, end_id=END_ID, stop_words=stop_words),
                              lambda output: None)
     reasons = [sequence.take(token) for token in tokens]
     return reasons, sequence.history[2:]
@@ -28,8 +28,8 @@ def test_a_stop_word_ends_once_its_last_token_completes_it_and_is_kept():
 
 
 def test_the_output_budget_ends_at_its_last_token():
-    assert taken([5, 6, 7], max_new_tokens=3) == ([None, None, "length"], [5, 6, 7])
+    assert taken([5, 6, 7], max_tokens=3) == ([None, None, "length"], [5, 6, 7])
 
 
 def test_a_stop_word_on_the_last_token_of_the_budget_is_the_reason():
-    assert taken([5, 9], max_new_tokens=2, stop_words=[[9]]) == ([None, "stop_word"], [5, 9])
+    assert taken([5, 9], max_tokens=2, stop_words=[[9]]) == ([None, "stop_word"], [5, 9])

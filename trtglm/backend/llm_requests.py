@@ -160,7 +160,7 @@ def engine_request(arrays: Mapping[str, np.ndarray | None]) -> tuple[Request, bo
                           return_generation_logits=bool(_one(arrays, "return_generation_logits", False)))
     request = Request(
         prompt=[int(t) for t in ids[0, :length]],
-        max_new_tokens=output_len,
+        max_tokens=output_len,
         end_id=end_id if end_id >= 0 else None,
         stop_words=_words(arrays, "stop_words_list"),
         bad_words=_words(arrays, "bad_words_list"),

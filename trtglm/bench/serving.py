@@ -119,7 +119,7 @@ class InProcess:
         from trtglm.runtime.request import Request
 
         outputs = []
-        request = Request(prompt_ids(self.tokenizer, prompt), max_new_tokens=max_tokens,
+        request = Request(prompt_ids(self.tokenizer, prompt), max_tokens=max_tokens,
                           end_id=self.tokenizer.eos_id, stop_words=self.stop_words)
         self.engine.executor.submit(request, outputs.append).done.wait()
         if outputs and outputs[-1].error:

@@ -18,12 +18,12 @@ def convert(model_dir: str, output_dir: str, dtype: Literal["auto", "float16", "
                        weight_only=weight_only, chatglm_version=chatglm_version, force=force)
 
 
-def verify(checkpoint: str, hf_model: str, prompts: str | None = None, max_new_tokens: PosInt = 16,
+def verify(checkpoint: str, hf_model: str, prompts: str | None = None, max_tokens: PosInt = 16,
            device: str = "cpu"):
     """Compare a TensorRT-LLM checkpoint, run by trtglm's runtime, with transformers' GlmForCausalLM."""
     from trtglm.runtime.verify import verify_checkpoint
 
-    verify_checkpoint(checkpoint, hf_model, prompts=prompts, max_new_tokens=max_new_tokens, device=device)
+    verify_checkpoint(checkpoint, hf_model, prompts=prompts, max_tokens=max_tokens, device=device)
 
 
 def synth_model(preset: Literal["tiny", "6b", "6b-32k"], out: str, layers: PosInt | None = None,

@@ -8,7 +8,7 @@ log probability over `generated ** length_penalty` (generated counts the ending 
 `width` unfinished ones run on. The first step starts from the prompt alone. Searching stops
 when every continuation ends, or `width` hypotheses are finished and either `early_stopping` is
 True or no running beam can still beat the worst of them: the best running score over the
-current length (early_stopping False), or over `max_new_tokens` when early_stopping is "never"
+current length (early_stopping False), or over `max_tokens` when early_stopping is "never"
 and the length penalty positive. TensorRT-LLM's integer early_stopping maps 1 -> True,
 0 -> False, anything else -> "never". The answer is the `width` finished hypotheses, best first
 (topped up with running beams should fewer have finished).
@@ -36,11 +36,11 @@ UNREACHABLE = -1.0e9  # the score of a beam that may not be chosen (transformers
 class BeamSearch:
     """One request's beams. `step(log_probs)` advances them; `done` tells when to stop; `result()` the answer."""
 
-    def __init__(self, width: int, max_new_tokens: int, length_penalty: float = 1.0,
+    def __init__(self, width: int, max_tokens: int, length_penalty: float = 1.0,
                  early_stopping: bool | int | str = True, ends: Callable[[list[int]], bool] = lambda tokens: False):
-        if width < 1 or max_new_tokens < 1:
-            raise UsageError(f"need beam_width >= 1 and max_new_tokens >= 1, not {width} and {max_new_tokens}")
-        self.width, self.max_new_tokens, self.length_penalty = width, max_new_tokens, length_penalty
+        if width < 1 or max_tokens < 1:
+            raise UsageError(f"need beam_width >= 1 and max_tokens >= 1, not {width} and {max_tokens}")
+        self.width, self.max_tokens, self.length_penalty = width, max_tokens, length_penalty
         self.early_stopping = early_stopping_mode(early_stopping)
         self.ends = ends
         self.running: list[list[int]] = [[]]
@@ -71,7 +71,7 @@ class BeamSearch:
         candidates = [self.running[p] + [t] for p, t in zip(parents, tokens)]
         kept = [self.running_logits[p] + ([] if rows is None else [rows[p]]) for p in parents]
         token_log_probs = log_probs[index // vocab, index % vocab].tolist()
-        hits = torch.tensor([self.ends(c) or len(c) >= self.max_new_tokens for c in candidates])
+        hits = torch.tensor([self.ends(c) or len(c) >= self.max_tokens for c in candidates])
         self.generated += 1
         self._finish(candidates, parents, token_log_probs, top, hits, kept)
         running_scores = top + hits.float() * UNREACHABLE
@@ -101,7 +101,7 @@ class BeamSearch:
         if not self.improvable or not self.full:
             return
         never = self.early_stopping == "never" and self.length_penalty > 0
-        length = self.max_new_tokens if never else self.generated
+        length = self.max_tokens if never else self.generated
         best_running = self.scores[:1] / (length ** self.length_penalty)
         self.improvable = bool(best_running > min(beam.score for beam in self.finished))
 
@@ -154,7 +154,7 @@ class RequestBeams:
     def __init__(self, request: Request):
         sampling = request.sampling
         self.request = request
-        self.search = BeamSearch(sampling.beam_width, request.max_new_tokens, sampling.length_penalty,
+        self.search = BeamSearch(sampling.beam_width, request.max_tokens, sampling.length_penalty,
                                  sampling.early_stopping, ends_with_any(request.end_id, request.stop_words))
         self.bad_words = BadWords(request.bad_words)
         self.slots: list[int] = []

@@ -28,7 +28,7 @@ separate passes give; a request gets its first token from its prompt's last chun
 
 Each new token goes to its request's callback as an `Output` (the new tokens, their log probabilities, whether it
 is finished and why). A request finishes at `end_id` (which is not returned), after a stop word (which is returned,
-as TensorRT-LLM returns it), after `max_new_tokens`, or when cancelled. Tokens are chosen by TensorRT-LLM's rules
+as TensorRT-LLM returns it), after `max_tokens`, or when cancelled. Tokens are chosen by TensorRT-LLM's rules
 (sampling.TokenChooser, which takes each request's settings into its slot at admission: embedding bias, penalties,
 bad words, `end_id` and one-token stop words banned before `min_tokens`, then greedy or the request's own seeded
 temperature / top-k / top-p sampling, and log probabilities of the distribution the token was chosen from).

@@ -35,7 +35,7 @@ class Request:
     """One sequence to generate (TensorRT-LLM's executor `Request`: the fields that trtglm's runtime honours)."""
 
     prompt: Sequence[int]
-    max_new_tokens: int
+    max_tokens: int
     end_id: int | None = None
     stop_words: Sequence[Sequence[int]] = ()
     bad_words: Sequence[Sequence[int]] = ()
@@ -167,11 +167,11 @@ def fitted(request: Request, max_seq_len: int) -> Request:
     """`request` with its output length cut to what fits in `max_seq_len` after the prompt, as TensorRT-LLM's
     executor clamps it (with a warning) instead of refusing the request."""
     room = max_seq_len - len(request.prompt)
-    if request.max_new_tokens <= room:
+    if request.max_tokens <= room:
         return request
     log.warning("the prompt (%d tokens) plus request_output_len (%d) exceeds max_seq_len (%d): generating at most %d "
-                "tokens", len(request.prompt), request.max_new_tokens, max_seq_len, room)
-    return dataclasses.replace(request, max_new_tokens=room)
+                "tokens", len(request.prompt), request.max_tokens, max_seq_len, room)
+    return dataclasses.replace(request, max_tokens=room)
 
 
 def check_request(request: Request, vocab: int, max_seq_len: int, max_beam_width: int = 1) -> None:
@@ -180,8 +180,8 @@ def check_request(request: Request, vocab: int, max_seq_len: int, max_beam_width
     prompt = request.prompt
     if len(prompt) == 0:
         raise UsageError("the prompt is empty")
-    if request.max_new_tokens < 1:
-        raise UsageError(f"request_output_len must be at least 1, not {request.max_new_tokens}")
+    if request.max_tokens < 1:
+        raise UsageError(f"request_output_len must be at least 1, not {request.max_tokens}")
     if len(prompt) >= max_seq_len:
         raise UsageError(f"the prompt ({len(prompt)} tokens) leaves no room for a token within max_seq_len "
                          f"({max_seq_len})")
@@ -200,7 +200,7 @@ def check_request(request: Request, vocab: int, max_seq_len: int, max_beam_width
 def check_logits(request: Request, vocab: int, max_seq_len: int) -> None:
     """UsageError when the logits `request` asks for would take more than the cap (MAX_LOGITS_MIB; its output
     length cut to what fits in `max_seq_len`, as `fitted` cuts it)."""
-    output = min(request.max_new_tokens, max_seq_len - len(request.prompt))
+    output = min(request.max_tokens, max_seq_len - len(request.prompt))
     asked = request.output
     rows = {"return_context_logits": len(request.prompt) if asked.return_context_logits else 0,
             "return_generation_logits": request.sampling.beam_width * output if asked.return_generation_logits else 0}

@@ -88,7 +88,7 @@ class Scheduler:
 
     def blocks_for(self, request: Request) -> int:
         """The KV-cache blocks `request` reserves: its whole length, for each beam."""
-        return request.sampling.beam_width * -(-(len(request.prompt) + request.max_new_tokens) // self.tokens_per_block)
+        return request.sampling.beam_width * -(-(len(request.prompt) + request.max_tokens) // self.tokens_per_block)
 
     def check(self, request: Request) -> None:
         """UsageError when `request` would never fit the KV cache."""

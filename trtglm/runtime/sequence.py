@@ -45,7 +45,7 @@ class SequenceState:
         self.generated += 1
         if any(self.history[-len(word):] == word for word in self.stops_by_last.get(token, ())):
             return "stop_word"
-        return "length" if self.generated >= self.request.max_new_tokens else None
+        return "length" if self.generated >= self.request.max_tokens else None
 
     def blocks_taken(self, tokens_per_block: int) -> KvBlocks | None:
         """The blocks its positions take so far (None before it has a slot)."""
@@ -87,7 +87,7 @@ class SequenceState:
         """Whether its next step takes a decode token: its prompt is in and (a single sequence) its last token is
         not already on the way."""
         return not self.unprefilled and (self.beams is not None or
-                                         self.generated + self.pending < self.request.max_new_tokens)
+                                         self.generated + self.pending < self.request.max_tokens)
 
     def decode_rows(self) -> list[tuple[int, int]]:
         """(slot, position) of each decode token this sequence puts into a step: one per running beam. The token is

@@ -5,7 +5,7 @@ checkpoint runs shard by shard in its own dtype. For every input sequence:
 
 - teacher-forced logits over the prompt and the reference's greedy continuation:
   max |Δlogit| and top-1 agreement (share of positions whose argmax agrees);
-- greedy continuations of `max_new_tokens` tokens from each side: the number of leading
+- greedy continuations of `max_tokens` tokens from each side: the number of leading
   tokens that match. A divergence is accepted only where the reference itself scores the
   two candidates within the logit tolerance (a near tie that rounding may flip).
 
@@ -105,11 +105,11 @@ def tolerance(cfg: CheckpointConfig, ref_scale: float) -> float:
     return _HALF_K * _UNIT_ROUNDOFF[cfg.dtype] * math.sqrt(cfg.num_layers + 1) * ref_scale
 
 
-def verify_checkpoint(checkpoint: str | Path, hf_model: str | Path, *, prompts: str | Path | None, max_new_tokens: int,
+def verify_checkpoint(checkpoint: str | Path, hf_model: str | Path, *, prompts: str | Path | None, max_tokens: int,
                       device: str) -> VerifyReport:
     """Compare the checkpoint with the HF model; print a table; raise VerificationError on failure."""
-    if max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be at least 1, not {max_new_tokens}")
+    if max_tokens < 1:
+        raise UsageError(f"--max-tokens must be at least 1, not {max_tokens}")
     ckpt = load_checkpoint(checkpoint)
     hf_cfg = ChatGLMConfig.from_model_dir(hf_model)
     check_consistency(ckpt.config, hf_cfg)
@@ -119,7 +119,7 @@ def verify_checkpoint(checkpoint: str | Path, hf_model: str | Path, *, prompts: 
     reference = _reference(hf_cfg, weights, ckpt.config)
     unquantized = _reference(hf_cfg, weights, None) if ckpt.config.quant_algo else None
 
-    report = _compare(model, reference, unquantized, inputs, max_new_tokens)
+    report = _compare(model, reference, unquantized, inputs, max_tokens)
     print(format_table(report, ckpt.config))
     if not report.passed:
         raise VerificationError(f"{checkpoint} does not match {hf_model}: {report.failures[0]}")
@@ -229,9 +229,9 @@ class ReferenceRun:
 
 
 @torch.inference_mode()
-def _compare(model, reference, unquantized, inputs: list[tuple[str, list[int]]], max_new_tokens: int) -> VerifyReport:
+def _compare(model, reference, unquantized, inputs: list[tuple[str, list[int]]], max_tokens: int) -> VerifyReport:
     with tqdm(inputs, desc="reference", unit="input", leave=False, disable=None) as bar:
-        runs = [_reference_run(reference, name, prompt, max_new_tokens) for name, prompt in bar]
+        runs = [_reference_run(reference, name, prompt, max_tokens) for name, prompt in bar]
     scale = max(float(run.logits.abs().max()) for run in runs)
     report = VerifyReport(tolerance(model.config, scale), MIN_TOP1[model.config.dtype])
     with tqdm(runs, desc="trtglm runtime", unit="input", leave=False, disable=None) as bar:
@@ -240,8 +240,8 @@ def _compare(model, reference, unquantized, inputs: list[tuple[str, list[int]]],
     return report
 
 
-def _reference_run(reference, name: str, prompt: list[int], max_new_tokens: int) -> ReferenceRun:
-    new = _reference_greedy(reference, prompt, max_new_tokens)
+def _reference_run(reference, name: str, prompt: list[int], max_tokens: int) -> ReferenceRun:
+    new = _reference_greedy(reference, prompt, max_tokens)
     return ReferenceRun(name, prompt, new, reference(torch.tensor([prompt + new])).logits[0].float())
 
 
@@ -266,13 +266,13 @@ def _top1(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.argmax(-1) == b.argmax(-1)).float().mean())
 
 
-def _reference_greedy(reference, prompt: list[int], max_new_tokens: int) -> list[int]:
+def _reference_greedy(reference, prompt: list[int], max_tokens: int) -> list[int]:
     out = reference(torch.tensor([prompt]), use_cache=True)
     new = []
-    for step in range(max_new_tokens):
+    for step in range(max_tokens):
         token = int(out.logits[0, -1].argmax())
         new.append(token)
-        if step + 1 < max_new_tokens:
+        if step + 1 < max_tokens:
             out = reference(torch.tensor([[token]]), use_cache=True, **_kv_cache(reference, out))
     return new
 
