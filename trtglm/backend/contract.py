@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from trtglm.chatglm.chat import PROMPT_IDS
 from trtglm.chatglm.variants import DEFAULT_VERSION
 from trtglm.errors import PromptTooLongError, UsageError
+from trtglm.request_config import FIELD, REQUEST_FIELDS
 
 ENSEMBLE, PREPROCESSING, TENSORRT_LLM, POSTPROCESSING, BLS = (
     "ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
@@ -149,28 +150,32 @@ def _outputs(spec: str) -> tuple[Tensor, ...]:
 LORA, PROMPT_TABLE, GUIDED, RETENTION = ("LoRA adapters", "prompt tables (p-tuning)", "guided decoding",
                                          "KV cache retention priorities")
 DRAFTS, ENCODER = "speculative decoding (draft tokens)", "encoder or multimodal inputs (ChatGLM3 is decoder-only)"
-# NVIDIA's names at v0.19.0 first; the newest templates (v1.2.1) rename min_length and random_seed to min_tokens
-# and seed and add the return_num_*_tokens flags: trtglm takes both.
-CLIENT_INPUTS = (  # the ensemble's and the BLS model's
-    _t("text_input", "STRING", 1), _opt("decoder_text_input", "STRING", 1), _t("max_tokens", "INT32", 1),
-    _opt("num_return_sequences", "INT32", 1),
+# NVIDIA's v0.19.0 names and v1.2.1's (min_tokens and seed for min_length and random_seed; return_num_*_tokens)
+TRITON_TYPES = {"float32": "FP32", "int32": "INT32", "uint64": "UINT64", "bool": "BOOL"}  # numpy's name -> Triton's
+
+
+def _with_settings(side: str, others: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """The inputs that carry a request's settings (request_config.REQUEST_FIELDS, its one table of them) on the
+    client models' side ("ensemble") or tensorrt_llm's ("engine"), under each of their names, then `others` but
+    those a setting's input takes over (NVIDIA's inputs a setting honours once the table has a row for it)."""
+    settings = tuple(_t(name, TRITON_TYPES[field.dtype], 1, optional=not field.required, scalar=side == "engine")
+                     for field in REQUEST_FIELDS for name in field.names(side))
+    taken = {t.name for t in settings}
+    return settings + tuple(t for t in others if t.name not in taken)
+
+
+CLIENT_INPUTS = _with_settings("ensemble", (  # the ensemble's and the BLS model's
+    _t("text_input", "STRING", 1), _opt("decoder_text_input", "STRING", 1), _opt("num_return_sequences", "INT32", 1),
     _opt("bad_words", "STRING", -1), _opt("stop_words", "STRING", -1),
     _opt("end_id", "INT32", 1), _opt("pad_id", "INT32", 1),
-    _opt("top_k", "INT32", 1), _opt("top_p", "FP32", 1),
-    _opt("temperature", "FP32", 1), _opt("length_penalty", "FP32", 1),
-    _opt("repetition_penalty", "FP32", 1), _opt("min_length", "INT32", 1),
-    _opt("presence_penalty", "FP32", 1), _opt("frequency_penalty", "FP32", 1),
-    _opt("random_seed", "UINT64", 1),
-    *_flags("return_log_probs", "return_context_logits", "return_generation_logits", "return_perf_metrics"),
-    _opt("beam_width", "INT32", 1), _opt("stream", "BOOL", 1),
+    *_flags("return_perf_metrics"), _opt("stream", "BOOL", 1),
     _opt("prompt_embedding_table", "FP16", -1, -1), _opt("prompt_table_extra_id", "UINT64", 1),
     _opt("prompt_vocab_size", "INT32", 1),
     _opt("embedding_bias_words", "STRING", -1), _opt("embedding_bias_weights", "FP32", -1),
     _opt("lora_task_id", "UINT64", 1), _ragged("lora_weights", "FP16", -1, -1), _ragged("lora_config", "INT32", -1, 3),
     _ragged("guided_decoding_guide_type", "STRING", 1), _ragged("guided_decoding_guide", "STRING", 1),
-    _opt("min_tokens", "INT32", 1), _opt("seed", "UINT64", 1),
     *_flags("return_num_input_tokens", "return_num_output_tokens"),
-)
+))
 BLS_ONLY_INPUTS = (  # NVIDIA's BLS model also takes images and draft-model options
     _opt("image_input", "FP16", -1, 3, -1, -1, lacks=ENCODER), _opt("image_bytes_input", "UINT8", -1, -1, -1, -1,
                                                                     lacks=ENCODER),
@@ -203,28 +208,21 @@ FLAGGED_OUTPUTS = {"return_context_logits": ("context_logits",), "return_generat
 EXCLUDE_INPUT = _opt("exclude_input_in_output", "BOOL", 1)
 REPLY_FORM_INPUTS = ("input_text", "exclude_input_in_output")  # tensorrt_llm's
 
-ENGINE_INPUTS = (  # tensorrt_llm's (NVIDIA's v0.19.0 and v1.2.1 names); `lacks`: refused unless absent or neutral
+# tensorrt_llm's (NVIDIA's v0.19.0 and v1.2.1 names); `lacks`: refused unless absent or neutral
+ENGINE_INPUTS = _with_settings("engine", (
     _ragged("input_ids", "INT32", -1), _ragged("encoder_input_features", "FP16", -1, -1, lacks=ENCODER),
     _scalar("encoder_output_lengths", "INT32", lacks=ENCODER),
-    _t("input_lengths", "INT32", 1, scalar=True), _t("request_output_len", "INT32", 1, scalar=True),
+    _t("input_lengths", "INT32", 1, scalar=True),
     _scalar("num_return_sequences", "INT32"),
     _ragged("draft_input_ids", "INT32", -1, lacks=DRAFTS),
     _ragged("decoder_input_ids", "INT32", -1), _scalar("decoder_input_lengths", "INT32"),  # one pad id when unused
     _ragged("draft_logits", "FP32", -1, -1, lacks=DRAFTS), _scalar("draft_acceptance_threshold", "FP32", lacks=DRAFTS),
     _scalar("end_id", "INT32"), _scalar("pad_id", "INT32"),
     _ragged("stop_words_list", "INT32", 2, -1), _ragged("bad_words_list", "INT32", 2, -1),
-    _ragged("embedding_bias", "FP32", -1), _scalar("beam_width", "INT32"),
-    _scalar("temperature", "FP32"), _scalar("runtime_top_k", "INT32"), _scalar("runtime_top_p", "FP32"),
+    _ragged("embedding_bias", "FP32", -1),
     _scalar("runtime_top_p_min", "FP32"), _scalar("runtime_top_p_decay", "FP32", lacks="top-p decay", neutral=1.0),
     _scalar("runtime_top_p_reset_ids", "INT32"),
-    _scalar("len_penalty", "FP32"), _scalar("early_stopping", "BOOL"),
-    _scalar("repetition_penalty", "FP32"), _scalar("min_length", "INT32"),
-    _scalar("beam_search_diversity_rate", "FP32"),
-    _scalar("presence_penalty", "FP32"), _scalar("frequency_penalty", "FP32"),
-    _scalar("random_seed", "UINT64"),
-    _scalar("return_log_probs", "BOOL"),
-    _scalar("return_context_logits", "BOOL"), _scalar("return_generation_logits", "BOOL"),
-    _scalar("return_perf_metrics", "BOOL"),
+    _scalar("beam_search_diversity_rate", "FP32"), _scalar("return_perf_metrics", "BOOL"),
     _scalar("exclude_input_in_output", "BOOL"),
     _scalar("stop", "BOOL", lacks="stop requests (cancel the request instead: close its stream)"),
     _scalar("streaming", "BOOL"),
@@ -245,9 +243,8 @@ ENGINE_INPUTS = (  # tensorrt_llm's (NVIDIA's v0.19.0 and v1.2.1 names); `lacks`
     _ragged("guided_decoding_guide", "STRING", 1, lacks=GUIDED),
     *(_opt(f"lookahead_{name}", "INT32", 1, lacks="lookahead decoding")
       for name in ("window_size", "ngram_size", "verification_set_size")),
-    _scalar("min_tokens", "INT32"), _scalar("seed", "UINT64"),
     _scalar("return_num_input_tokens", "BOOL"), _scalar("return_num_output_tokens", "BOOL"),
-)
+))
 
 # Inputs every request needs, which the client models and preprocessing declare optional all the same: Triton
 # 2.51 counts a request's inputs but does not check that each required one is there, and its ensemble scheduler
@@ -324,16 +321,20 @@ def _same_name(step: str, *tensors: str) -> tuple[Wire, ...]:
     return tuple(_in(step, tensor, tensor) for tensor in tensors)
 
 
-# client inputs tensorrt_llm takes under their own names
+# client inputs tensorrt_llm takes under their own names, besides the settings (which `_settings_wires` passes)
 PASSED_AS_THEY_ARE = (
-    "temperature", "repetition_penalty", "min_length", "presence_penalty", "frequency_penalty", "random_seed",
-    "return_log_probs", "return_context_logits", "return_generation_logits", "return_perf_metrics",
-    "num_return_sequences", "beam_width", "prompt_embedding_table", "prompt_vocab_size", "lora_task_id",
-    "lora_weights", "lora_config", "guided_decoding_guide_type", "guided_decoding_guide", "min_tokens", "seed",
+    "return_perf_metrics", "num_return_sequences", "prompt_embedding_table", "prompt_vocab_size", "lora_task_id",
+    "lora_weights", "lora_config", "guided_decoding_guide_type", "guided_decoding_guide",
     "return_num_input_tokens", "return_num_output_tokens")
+
+
+def _settings_wires() -> tuple[Wire, ...]:
+    """A setting's client input to its tensorrt_llm input, under each name, but where preprocessing takes it."""
+    return tuple(_in(TENSORRT_LLM, engine, client) for field in REQUEST_FIELDS if not field.preprocessed
+                 for client, engine in zip(field.names("ensemble"), field.names("engine")))
 ENSEMBLE_WIRING = (
     _in(PREPROCESSING, "QUERY", "text_input"), _in(PREPROCESSING, "DECODER_QUERY", "decoder_text_input"),
-    _in(PREPROCESSING, "REQUEST_OUTPUT_LEN", "max_tokens"),
+    _in(PREPROCESSING, "REQUEST_OUTPUT_LEN", FIELD["max_tokens"].ensemble),
     _in(PREPROCESSING, "BAD_WORDS_DICT", "bad_words"), _in(PREPROCESSING, "STOP_WORDS_DICT", "stop_words"),
     _in(PREPROCESSING, "EMBEDDING_BIAS_WORDS", "embedding_bias_words"),
     _in(PREPROCESSING, "EMBEDDING_BIAS_WEIGHTS", "embedding_bias_weights"),
@@ -352,14 +353,12 @@ ENSEMBLE_WIRING = (
     _in(TENSORRT_LLM, "input_ids", "_INPUT_ID"), _in(TENSORRT_LLM, "input_lengths", "_REQUEST_INPUT_LEN"),
     _in(TENSORRT_LLM, "decoder_input_ids", "_DECODER_INPUT_ID"),
     _in(TENSORRT_LLM, "decoder_input_lengths", "_REQUEST_DECODER_INPUT_LEN"),
-    _in(TENSORRT_LLM, "request_output_len", "_REQUEST_OUTPUT_LEN"),
+    _in(TENSORRT_LLM, FIELD["max_tokens"].engine, "_REQUEST_OUTPUT_LEN"),
     _in(TENSORRT_LLM, "end_id", "_END_ID"), _in(TENSORRT_LLM, "pad_id", "_PAD_ID"),
     _in(TENSORRT_LLM, "stop_words_list", "_STOP_WORDS_IDS"), _in(TENSORRT_LLM, "bad_words_list", "_BAD_WORDS_IDS"),
     _in(TENSORRT_LLM, "embedding_bias", "_EMBEDDING_BIAS"),
     _in(TENSORRT_LLM, "prompt_table_extra_ids", "_OUT_PROMPT_TABLE_EXTRA_IDS"),
-    _in(TENSORRT_LLM, "runtime_top_k", "top_k"), _in(TENSORRT_LLM, "runtime_top_p", "top_p"),
-    _in(TENSORRT_LLM, "len_penalty", "length_penalty"),
-    *_same_name(TENSORRT_LLM, *PASSED_AS_THEY_ARE),
+    *_settings_wires(), *_same_name(TENSORRT_LLM, *PASSED_AS_THEY_ARE),
     _in(TENSORRT_LLM, "streaming", "stream", PYTHON),
     _in(TENSORRT_LLM, "exclude_input_in_output", "exclude_input_in_output"),
     _in(TENSORRT_LLM, "input_text", "text_input", PYTHON),

@@ -51,10 +51,9 @@ def triton_inputs(ask: Ask) -> dict[str, np.ndarray]:
     """The ensemble's / BLS model's inputs ([1, …] each)."""
     arrays = {
         "text_input": np.array([[chat_text(ask.messages).encode()]], dtype=object),
-        "max_tokens": np.array([[ask.max_tokens]], dtype=np.int32),
         "stream": np.array([[ask.stream]]),
         **{name: np.array([[value]], dtype=dtype) for name, (value, dtype) in
-           client_inputs(ask.sampling, ask.output).items()},
+           client_inputs(ask.sampling, ask.output, ask.max_tokens).items()},
     }
     if ask.stop:
         arrays["stop_words"] = np.array([[word.encode() for word in ask.stop]], dtype=object)
