@@ -137,10 +137,6 @@ def _ragged(name: str, data_type: str, *dims: int, **marks) -> Tensor:
     return _opt(name, data_type, *dims, ragged=True, **marks)
 
 
-def _flags(*names: str) -> tuple[Tensor, ...]:
-    return tuple(_opt(name, "BOOL", 1) for name in names)
-
-
 def _outputs(spec: str) -> tuple[Tensor, ...]:
     """Outputs from "name:TYPE:dims" words (dims comma-separated)."""
     return tuple(_t(name, data_type, *map(int, dims.split(","))) for name, data_type, dims in
@@ -168,13 +164,13 @@ CLIENT_INPUTS = _with_settings("ensemble", (  # the ensemble's and the BLS model
     _t("text_input", "STRING", 1), _opt("decoder_text_input", "STRING", 1), _opt("num_return_sequences", "INT32", 1),
     _opt("bad_words", "STRING", -1), _opt("stop_words", "STRING", -1),
     _opt("end_id", "INT32", 1), _opt("pad_id", "INT32", 1),
-    *_flags("return_perf_metrics"), _opt("stream", "BOOL", 1),
+    _opt("return_perf_metrics", "BOOL", 1), _opt("stream", "BOOL", 1),
     _opt("prompt_embedding_table", "FP16", -1, -1), _opt("prompt_table_extra_id", "UINT64", 1),
     _opt("prompt_vocab_size", "INT32", 1),
     _opt("embedding_bias_words", "STRING", -1), _opt("embedding_bias_weights", "FP32", -1),
     _opt("lora_task_id", "UINT64", 1), _ragged("lora_weights", "FP16", -1, -1), _ragged("lora_config", "INT32", -1, 3),
     _ragged("guided_decoding_guide_type", "STRING", 1), _ragged("guided_decoding_guide", "STRING", 1),
-    *_flags("return_num_input_tokens", "return_num_output_tokens"),
+    _opt("return_num_input_tokens", "BOOL", 1), _opt("return_num_output_tokens", "BOOL", 1),
 ))
 BLS_ONLY_INPUTS = (  # NVIDIA's BLS model also takes images and draft-model options
     _opt("image_input", "FP16", -1, 3, -1, -1, lacks=ENCODER), _opt("image_bytes_input", "UINT8", -1, -1, -1, -1,
@@ -191,7 +187,9 @@ PERF_OUTPUTS = _outputs(  # return_perf_metrics
 ENGINE_OUTPUTS = _outputs(  # tensorrt_llm's, which the client gets as they are
     "cum_log_probs:FP32:-1 output_log_probs:FP32:-1,-1 context_logits:FP32:-1,-1 generation_logits:FP32:-1,-1,-1 "
     "batch_index:INT32:1 sequence_index:INT32:1") + PERF_OUTPUTS + _outputs(
-    "num_input_tokens:INT32:1 num_output_tokens:INT32:1")
+    "num_input_tokens:INT32:1 num_output_tokens:INT32:1") + (
+    # why a sequence ended, on its last response (trtglm's runtime; NVIDIA's LLM-API model's name): stop | length
+    _t("finish_reason", "STRING", 1, backend=PYTHON),)
 CLIENT_OUTPUTS = (_t("text_output", "STRING", -1),) + ENGINE_OUTPUTS
 # outputs sent only when the request's flag of that name is true (NVIDIA's rule); the others always
 FLAGGED_OUTPUTS = {"return_context_logits": ("context_logits",), "return_generation_logits": ("generation_logits",),
@@ -363,7 +361,7 @@ ENSEMBLE_WIRING = (
     _in(TENSORRT_LLM, "exclude_input_in_output", "exclude_input_in_output"),
     _in(TENSORRT_LLM, "input_text", "text_input", PYTHON),
     _out(TENSORRT_LLM, "output_ids", "_TOKENS_BATCH"), _out(TENSORRT_LLM, "sequence_length", "_SEQUENCE_LENGTH"),
-    *(_out(TENSORRT_LLM, tensor.name, tensor.name) for tensor in ENGINE_OUTPUTS),
+    *(_out(TENSORRT_LLM, tensor.name, tensor.name, tensor.backend) for tensor in ENGINE_OUTPUTS),
     _out(TENSORRT_LLM, "generated_ids", "_GENERATED_IDS", PYTHON), _out(TENSORRT_LLM, "is_final", "_IS_FINAL", PYTHON),
     _out(TENSORRT_LLM, "reply_prefix", "_REPLY_PREFIX", PYTHON),
     _in(POSTPROCESSING, "TOKENS_BATCH", "_TOKENS_BATCH"), _in(POSTPROCESSING, "SEQUENCE_LENGTH", "_SEQUENCE_LENGTH"),
