@@ -12,7 +12,7 @@
 #   PARTS=sampling [BASELINE_TREE=.baseline] scripts/bench_gpu.sh [DEST]
 #   PARTS=firstlaunch scripts/bench_gpu.sh [DEST]
 #   PARTS="overlap inflight" [BASELINE_TREE=.baseline] scripts/bench_gpu.sh [DEST]
-#   PARTS="wide inflight" scripts/bench_gpu.sh [DEST]
+#   PARTS="wide inflight" [BASELINE_TREE=.baseline] scripts/bench_gpu.sh [DEST]
 #   PARTS=worldsizes scripts/bench_gpu.sh [DEST]
 #
 # PARTS picks the parts (each takes five to seven minutes on an H200): `runtime` (bench runtime),
@@ -73,12 +73,13 @@
 # e.g. "--device cpu --preset tiny --dtype float32" for a dry run), and the executor and fast-runtime tests on the
 # GPU (among them: serving after the warm-up compiles no kernel). Results
 # DEST/overlap-this/, DEST/overlap-baseline/ (sampling.json) and DEST/overlap.txt. Knobs: OVERLAP_WORK, OVERLAP_CONFIG,
-# OVERLAP_MODEL, OVERLAP_LOAD, OVERLAP_ROUNDS (default 2), OVERLAP_PROFILE_S (default 10); a dry run on a CPU as for
+# OVERLAP_MODEL, OVERLAP_LOAD, OVERLAP_ROUNDS (default 2), OVERLAP_PROFILE_S (default 10), OVERLAP_EXTRAS (default 1;
+# 0: the served runs alone, without py-spy, bench tp and the GPU tests); a dry run on a CPU as for
 # `sampling` (OVERLAP_MODEL=$PWD/tests/fixtures/tiny-chatglm3 OVERLAP_CONFIG=configs/tiny.yaml, small loads).
-# `wide` (not in the default set): 256 sequences in flight on one GPU, this tree only: the overlap part's model and
-# profile built at max_batch_size WIDE_BATCH (default 256) → launch → `bench sampling --cases greedy,top-p` of 1,024
-# requests at 256 in flight (WIDE_LOAD, WIDE_ROUNDS default 1) → stop; results DEST/wide/ and DEST/wide.txt (with the
-# engine's KV-cache line: positions held, GB).
+# `wide` (not in the default set): 256 sequences in flight on one GPU, this tree, then BASELINE_TREE's when set: the
+# overlap part's model and profile built at max_batch_size WIDE_BATCH (default 256) → for each tree launch →
+# `bench sampling --cases greedy,top-p` of 1,024 requests at 256 in flight (WIDE_LOAD, WIDE_ROUNDS default 1) → stop;
+# results DEST/wide/, DEST/wide-baseline/ and DEST/wide.txt (with each engine's KV-cache line: positions held, GB).
 # `worldsizes` (not in the default set; a machine with 2 or 4 GPUs): served tensor parallel, world sizes 1, 2 and 4 in
 # one call (those above the GPU count skipped): synth-model 6b (fp16) → for each, build-engine
 # configs/chatglm3-6b-fp16-tp{N}.yaml (torch) → patch-repo, launch --detach (--world-size from the engine) →
@@ -303,7 +304,7 @@ if [[ " $PARTS " == *" overlap "* ]]; then
         python3 -m trtglm bench sampling --url http://127.0.0.1:18000 --metrics-url http://127.0.0.1:18002/metrics \
             --cases greedy,top-p $load --rounds "${OVERLAP_ROUNDS:-2}" --timeout 120 --out "$DEST/overlap-$label" 2>&1 \
             | grep -v "^round" | tee -a "$DEST/overlap.txt" || phase "$label: failed"
-        if [ "$label" = this ] && command -v py-spy > /dev/null; then
+        if [ "$label" = this ] && [ "${OVERLAP_EXTRAS:-1}" = 1 ] && command -v py-spy > /dev/null; then
             # Where the engine's host time goes under the same load: py-spy on the engine process, its frames by
             # samples (own, and with what they call).
             engine=$(pgrep -f "trtglm.backend.engine_process" | head -n 1 || true)
@@ -321,12 +322,14 @@ if [[ " $PARTS " == *" overlap "* ]]; then
         fi
         in_tree "$tree" stop --repo "$work/repo-$label" || true
     done
-    phase "the captured batch-64 decode step in-process, for the served step to be held against (bench tp --tp 1)"
-    python3 -m trtglm bench tp --tp 1 --dtype float16 --batches 1,64,256 ${OVERLAP_TP_FLAGS:-} --out "$DEST/overlap-tp1" 2>&1 \
-        | tail -n 12 | tee -a "$DEST/overlap.txt" || phase "bench tp failed"
-    phase "the executor and fast-runtime tests on the GPU (nothing compiles while serving)"
-    python3 -m pytest -q -p no:cacheprovider tests/runtime/test_fast_runtime.py -k "executor or compiles or mixed_step or paged or triton or attention" \
-        2>&1 | tail -n 15 | tee -a "$DEST/overlap.txt"
+    if [ "${OVERLAP_EXTRAS:-1}" = 1 ]; then
+        phase "the captured batch-64 decode step in-process, for the served step to be held against (bench tp --tp 1)"
+        python3 -m trtglm bench tp --tp 1 --dtype float16 --batches 1,64,256 ${OVERLAP_TP_FLAGS:-} --out "$DEST/overlap-tp1" \
+            2>&1 | tail -n 12 | tee -a "$DEST/overlap.txt" || phase "bench tp failed"
+        phase "the executor and fast-runtime tests on the GPU (nothing compiles while serving)"
+        python3 -m pytest -q -p no:cacheprovider tests/runtime/test_fast_runtime.py \
+            -k "executor or compiles or mixed_step or paged or triton or attention" 2>&1 | tail -n 15 | tee -a "$DEST/overlap.txt"
+    fi
     phase done
 fi
 if [[ " $PARTS " == *" wide "* ]]; then
@@ -337,15 +340,17 @@ if [[ " $PARTS " == *" wide "* ]]; then
     load=${WIDE_LOAD:---requests 1024 --concurrency 256 --prompt-len 128 --new-tokens 128}
     phase "model ${OVERLAP_MODEL:-synth-model 6b (fp16)}, build-engine $config at max_batch_size ${WIDE_BATCH:-256}"
     engine_6b "$work" "$config" "${OVERLAP_MODEL:-}" "$work/engine-wide" --set "build.max_batch_size=${WIDE_BATCH:-256}"
-    if launch_tree "$root" wide "$work" "$work/engine-wide"; then
-        grep -h "KV cache:" "$work"/logs-wide/* 2>/dev/null | head -n 1 | tee -a "$DEST/wide.txt" || true
-        phase "wide: served greedy and top-p, $load"
+    for tree in "$root" ${BASELINE_TREE:+"$(realpath "$BASELINE_TREE")"}; do  # this tree, then the baseline's
+        label=wide$([ "$tree" = "$root" ] || echo -baseline)
+        launch_tree "$tree" "$label" "$work" "$work/engine-wide" || continue
+        grep -h "KV cache:" "$work"/logs-"$label"/* 2>/dev/null | head -n 1 | tee -a "$DEST/wide.txt" || true
+        phase "$label: served greedy and top-p, $load"
         # shellcheck disable=SC2086  # a word list
         python3 -m trtglm bench sampling --url http://127.0.0.1:18000 --metrics-url http://127.0.0.1:18002/metrics \
-            --cases greedy,top-p $load --rounds "${WIDE_ROUNDS:-1}" --timeout 300 --out "$DEST/wide" 2>&1 \
-            | grep -v "^round" | tee -a "$DEST/wide.txt" || phase "wide: failed"
-        python3 -m trtglm stop --repo "$work/repo-wide" || true
-    fi
+            --cases greedy,top-p $load --rounds "${WIDE_ROUNDS:-1}" --timeout 300 --out "$DEST/$label" 2>&1 \
+            | grep -v "^round" | tee -a "$DEST/wide.txt" || phase "$label: failed"
+        in_tree "$tree" stop --repo "$work/repo-$label" || true
+    done
     phase done
 fi
 if [[ " $PARTS " == *" worldsizes "* ]]; then
