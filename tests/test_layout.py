@@ -20,7 +20,7 @@ ALLOWED = {
     "files": {"errors"},
     "request_config": {"errors"},
     "chatglm": {"errors", "files"},
-    "convert": {"chatglm", "conventions", "errors", "files"},
+    "convert": {"chatglm", "conventions", "errors", "files", "runtime.calibrate", "runtime.checkpoint", "runtime.quant"},
     "profile": {"chatglm", "errors", "conventions", "ports"},
     "engine": {"chatglm", "convert", "errors", "files", "profile"},
     "runtime": {"chatglm", "errors", "files", "conventions", "request_config"},

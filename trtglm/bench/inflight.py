@@ -210,7 +210,8 @@ def _model(fixture, preset: str, weight_only: str, num_slots: int, max_seq_len: 
         from trtglm.convert.writer import convert_checkpoint
 
         checkpoint = convert_checkpoint(Path(fixture), work / "checkpoint", dtype="float32", tp_size=1, pp_size=1,
-                                        weight_only=None, chatglm_version="auto", force=False)
+                                        weight_only=None, fp8=False, fp8_kv_cache=False, calibration_prompts=None,
+                                        chatglm_version="auto", force=False)
         if device.type == "cuda":
             from trtglm.runtime.fast import load_fast_model
 

@@ -35,7 +35,6 @@ Tolerances (the largest |Δlogit| accepted), per precision of the checkpoint:
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -46,8 +45,9 @@ from tqdm import tqdm
 
 from trtglm.chatglm.chat import chat_ids
 from trtglm.chatglm.config import ChatGLMConfig
+from trtglm.chatglm.prompt_file import load_tokenizer, read_prompt_ids
 from trtglm.chatglm.weights import HFWeights
-from trtglm.errors import ModelFileError, UsageError, VerificationError
+from trtglm.errors import UsageError, VerificationError
 from trtglm.runtime.checkpoint import CheckpointConfig, load_checkpoint
 from trtglm.runtime.generate import full_logits, generate
 from trtglm.runtime.model import load_model
@@ -171,7 +171,7 @@ def _reference(hf_cfg: ChatGLMConfig, weights: HFWeights, ckpt: CheckpointConfig
 def _inputs(hf_dir: Path, prompts: str | Path | None, vocab_size: int) -> list[tuple[str, list[int]]]:
     """(name, token ids) of every sequence to compare."""
     if prompts is not None:
-        return [(f"prompt {i + 1}", ids) for i, ids in enumerate(_prompt_file(Path(prompts), hf_dir))]
+        return [(f"prompt {i + 1}", ids) for i, ids in enumerate(read_prompt_ids(prompts, hf_dir, "--prompts"))]
     inputs = []
     if (hf_dir / "tokenizer.model").is_file():
         tokenizer = _tokenizer(hf_dir)
@@ -183,35 +183,8 @@ def _inputs(hf_dir: Path, prompts: str | Path | None, vocab_size: int) -> list[t
     return inputs
 
 
-def _prompt_file(path: Path, hf_dir: Path) -> list[list[int]]:
-    """A text file (one user prompt per line) or JSONL of {"messages": [...]} → chat input ids."""
-    try:
-        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"--prompts {path}: cannot read ({e})") from None
-    if not lines:
-        raise UsageError(f"--prompts {path}: no prompts")
-    tokenizer = _tokenizer(hf_dir)
-    if path.suffix != ".jsonl":
-        return [chat_ids(tokenizer, [{"role": "user", "content": line}]) for line in lines]
-    chats = []
-    for number, line in enumerate(lines, 1):
-        try:
-            messages = json.loads(line)["messages"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise UsageError(f"--prompts {path}:{number}: expected a JSON object with \"messages\"") from None
-        if messages and messages[-1].get("role") == "assistant":
-            messages = messages[:-1]  # a conversation with its answer: prompt with what comes before
-        chats.append(chat_ids(tokenizer, messages))
-    return chats
-
-
 def _tokenizer(hf_dir: Path):
-    from trtglm.chatglm.tokenizer import ChatGLMTokenizer
-
-    if not (hf_dir / "tokenizer.model").is_file():
-        raise ModelFileError(f"{hf_dir}: no tokenizer.model to encode the prompts with")
-    return ChatGLMTokenizer(hf_dir)
+    return load_tokenizer(hf_dir, "to encode the prompts with")
 
 
 # --- comparison ------------------------------------------------------------------------------
