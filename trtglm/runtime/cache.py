@@ -288,7 +288,8 @@ class _Packed:
 
 
 class PagedCache:
-    """keys/values[layer] `[blocks, kv_heads_per_rank, block_size, head_size]` (this rank's KV heads): position p of a
+    """keys/values[layer] `[blocks, kv_heads_per_rank, block_size, head_size]` (this rank's KV heads; in `dtype`, the
+    compute dtype or float8_e4m3fn, whose values stand for themselves times their layer's `scales`): position p of a
     slot lies in block `table[slot, p // block_size]`. A slot takes blocks as its sequence grows (`hold`, before a pass
     writes them) and gives them back when released, so memory goes to the positions sequences hold, not to
     num_slots × max_seq_len: `kv_tokens` positions in all (None: that product), which the executor shares out as
@@ -302,7 +303,8 @@ class PagedCache:
     SINK = 0
 
     def __init__(self, cfg: CheckpointConfig, num_slots: int, max_seq_len: int, dtype: torch.dtype,
-                 device: torch.device, block_size: int = TOKENS_PER_BLOCK, kv_tokens: int | None = None):
+                 device: torch.device, block_size: int = TOKENS_PER_BLOCK, kv_tokens: int | None = None,
+                 scales: Sequence[float] | None = None):
         if block_size < 1 or (kv_tokens is not None and kv_tokens < max_seq_len):
             raise UsageError(f"a paged KV cache needs block_size >= 1 and room for one whole sequence "
                              f"({max_seq_len} positions), not {block_size} and {kv_tokens}")
@@ -314,6 +316,7 @@ class PagedCache:
         shape = (first + sequence_blocks, cfg.kv_heads_per_rank, block_size, cfg.head_size)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.scales = list(scales or [1.0] * cfg.num_layers)  # an FP8 cache's, per layer: stored value × scale
         self.table = torch.full((num_slots + 1, self.blocks_per_slot), self.SINK, dtype=torch.int32, device=device)
         self.held: list[list[int]] = [[] for _ in range(num_slots + 1)]  # slot -> its blocks, first to last
         self.held[self.scratch] = list(range(1, first))
@@ -369,7 +372,8 @@ class PagedCache:
             device = self.table.device
             targets, sources = upload(self.held[slot][:count], device), upload(self.held[source][:count], device)
             for t in (*self.keys, *self.values):
-                t[targets] = t[sources]
+                raw = t.view(torch.uint8) if t.element_size() == 1 else t  # FP8 blocks copied as bytes
+                raw[targets] = raw[sources]
         self.set_lengths([slot], [length])
 
     def advance(self, slots: Sequence[int]) -> None:

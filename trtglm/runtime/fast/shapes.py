@@ -89,6 +89,9 @@ def resolve_dtype(dtype: str | torch.dtype | None, cfg: CheckpointConfig) -> tor
 def resolve_weight_only(weight_only: str | None, cfg: CheckpointConfig) -> str | None:
     if weight_only is None:
         return cfg.quant_algo
+    if cfg.fp8:
+        raise UsageError(f"the checkpoint's weights are FP8 (quant_algo FP8): weight_only must be left unset, not "
+                         f"{weight_only!r}")
     if weight_only not in WEIGHT_ONLY:
         raise UsageError(f"weight_only must be none, int8 or int4; not {weight_only!r}")
     return WEIGHT_ONLY[weight_only]
