@@ -102,7 +102,8 @@ def test_build_runs_trtllm_build_with_the_exact_argv(hf, tmp_path, stand_in):
                                      max_beam_width=1)
     assert manifest.mapping == RankMapping(tp_size=1, pp_size=1) and manifest.mapping.world_size == 1
     assert json.loads((out / "trtglm.json").read_text())["mapping"] == {"world_size": 1, "tp_size": 1, "pp_size": 1}
-    assert (manifest.dtype, manifest.quantization) == ("float16", {"weight_only": None, "quant_algo": None})
+    assert (manifest.dtype, manifest.quantization) == ("float16", {"weight_only": None, "quant_algo": None,
+                                                                   "kv_cache_quant_algo": None})
     assert checkpoint_dtype(out) == "float16"
 
 
@@ -123,7 +124,8 @@ def test_weight_only_reaches_the_checkpoint_not_the_build_flags(hf, tmp_path, st
     build_engine(TINY, model_dir=hf, output_dir=out, overrides={**TENSORRT, "convert.weight_only": "int8"})
     ckpt = json.loads((out / "checkpoint" / "config.json").read_text())
     assert ckpt["quantization"]["quant_algo"] == "W8A16"
-    assert read_manifest(out).quantization == {"weight_only": "int8", "quant_algo": "W8A16"}
+    assert read_manifest(out).quantization == {"weight_only": "int8", "quant_algo": "W8A16",
+                                               "kv_cache_quant_algo": None}
 
 
 def test_fresh_checkpoint_is_reused(hf, tmp_path, stand_in, caplog):

@@ -93,7 +93,7 @@ class Manifest:
     mapping: RankMapping
     limits: Limits
     tokenizer: TokenizerFacts
-    quantization: dict  # weight_only (the profile's), quant_algo (TensorRT-LLM's)
+    quantization: dict  # weight_only (the profile's), quant_algo and kv_cache_quant_algo (TensorRT-LLM's)
     checkpoint_dir: Path
     tokenizer_dir: Path
     engine_files: list  # beside trtglm.json
