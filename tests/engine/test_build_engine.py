@@ -20,8 +20,9 @@ from conftest import REPO, run_cli
 from support.cli_calls import build_engine
 from trtglm.convert.staging import staged_output
 from trtglm.engine.manifest import Limits, RankMapping, read_manifest
-from trtglm.errors import DependencyError, ModelFileError, OutputExistsError, TrtglmError
+from trtglm.errors import DependencyError, ModelFileError, OutputExistsError, TrtglmError, UsageError
 from trtglm.profile import load_profile
+from trtglm.runtime.checkpoint import load_checkpoint
 
 TINY = REPO / "configs" / "tiny.yaml"
 STAND_INS = REPO / "tests" / "stand_ins"
@@ -126,6 +127,41 @@ def test_weight_only_reaches_the_checkpoint_not_the_build_flags(hf, tmp_path, st
     assert ckpt["quantization"]["quant_algo"] == "W8A16"
     assert read_manifest(out).quantization == {"weight_only": "int8", "quant_algo": "W8A16",
                                                "kv_cache_quant_algo": None}
+
+
+def test_fp8_reaches_the_checkpoint_not_the_build_flags(hf, tmp_path, stand_in):
+    out = tmp_path / "engine"
+    stand_in.expect(expected_trtllm_argv(out))
+    build_engine(TINY, model_dir=hf, output_dir=out, overrides={**TENSORRT, "convert.fp8": True,
+                                                                 "convert.fp8_kv_cache": True})
+    ckpt = json.loads((out / "checkpoint" / "config.json").read_text())
+    assert ckpt["quantization"] == {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}
+    assert read_manifest(out).quantization == {"weight_only": None, "quant_algo": "FP8",
+                                               "kv_cache_quant_algo": "FP8"}
+
+
+def test_fp8_for_a_variant_without_it_in_tensorrt_llm_is_one_line(hf, tmp_path, stand_in):
+    with pytest.raises(UsageError, match="TensorRT-LLM's ChatGLM support matrix has no FP8 for chatglm3-6b-128k; "
+                                         r"build it for trtglm's runtime \(build.engine: torch\)"):
+        build_engine(TINY, model_dir=hf, output_dir=tmp_path / "e",
+                     overrides={**TENSORRT, "model.variant": "chatglm3-6b-128k", "convert.fp8": True})
+    assert stand_in.calls() == [] and not (tmp_path / "e").exists()
+
+
+def test_a_failed_fp8_calibration_leaves_no_engine_and_keeps_the_old_one(hf, tmp_path):
+    """An empty calibration set: one line, and the torch engine already built stays whole and in use."""
+    out = build_engine(TINY, model_dir=hf, output_dir=tmp_path / "engine")
+    before = read_manifest(out)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    fp8 = {"convert.fp8": True, "convert.dtype": "bfloat16", "convert.calibration_prompts": str(empty)}
+    with pytest.raises(UsageError, match=f"--calibration-prompts {empty}: no prompts"):
+        build_engine(TINY, model_dir=hf, output_dir=out, overrides=fp8, force=True)
+    assert read_manifest(out) == before and load_checkpoint(out / "checkpoint").config.quant_algo is None
+    assert not [p for p in out.iterdir() if ".tmp-" in p.name]
+    with pytest.raises(UsageError, match="no prompts"):
+        build_engine(TINY, model_dir=hf, output_dir=tmp_path / "fresh", overrides=fp8)
+    assert not (tmp_path / "fresh" / "trtglm.json").exists() and not (tmp_path / "fresh" / "checkpoint").exists()
 
 
 def test_fresh_checkpoint_is_reused(hf, tmp_path, stand_in, caplog):

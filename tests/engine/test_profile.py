@@ -106,6 +106,17 @@ def test_relative_model_dir_is_relative_to_the_repository_root(tmp_path, monkeyp
     assert load_profile(path).model.dir == str((tmp_path / "proj" / "models" / "m").resolve())
 
 
+def test_fp8_profile_and_its_calibration_prompts(tmp_path):
+    fp8 = load_profile(CONFIGS / "chatglm3-6b-fp8-tp1.yaml")
+    assert (fp8.quant_algo, fp8.kv_cache_quant_algo, fp8.convert.calibration_prompts) == ("FP8", "FP8", None)
+    assert (load_profile(CONFIGS / "chatglm3-6b-int8-tp1.yaml").quant_algo,
+            load_profile(CONFIGS / "chatglm3-6b-fp16-tp1.yaml").kv_cache_quant_algo) == ("W8A16", None)
+    path = write_profile(tmp_path / "proj", {"convert.fp8": True, "convert.calibration_prompts": "data/p.txt"})
+    assert load_profile(path).convert.calibration_prompts == str((tmp_path / "proj" / "data" / "p.txt").resolve())
+    given = load_profile(path, {"convert.calibration_prompts": "/x/p.jsonl"})  # an override is used as given
+    assert given.convert.calibration_prompts == "/x/p.jsonl"
+
+
 def test_defaults_fill_optional_keys(tmp_path):
     path = write_profile(tmp_path, deletions=["build.max_num_tokens", "build.tokens_per_block", "serve.http_port",
                                               "convert.pp_size", "convert.weight_only", "model.dir"])
@@ -167,6 +178,11 @@ INVALID = {
     "weight-only fp32": ({"convert.weight_only": "int8", "convert.dtype": "float32"}, [],
                          "convert.weight_only (int8) needs convert.dtype float16 or bfloat16"),
     "weight-only kind": ({"convert.weight_only": "int2"}, [], "convert.weight_only must be one of null, int8, int4"),
+    "fp8 and weight-only": ({"convert.fp8": True, "convert.weight_only": "int4"}, [],
+                            "convert.fp8 and convert.weight_only (int4) exclude one another"),
+    "fp8 fp32": ({"convert.fp8": True, "convert.dtype": "float32"}, [], "convert.fp8 needs convert.dtype float16"),
+    "fp8 kv alone": ({"convert.fp8_kv_cache": True}, [], "convert.fp8_kv_cache needs convert.fp8 true"),
+    "prompts alone": ({"convert.calibration_prompts": "p.txt"}, [], "convert.calibration_prompts needs convert.fp8"),
     "dtype": ({"convert.dtype": "fp16"}, [], "convert.dtype must be one of float16, bfloat16, float32"),
     "variant": ({"model.variant": "chatglm4"}, [], "model.variant must be one of"),
     "32k limit": ({"model.variant": "chatglm3-6b-32k", "build.max_batch_size": 3, "build.max_seq_len": 32768,
