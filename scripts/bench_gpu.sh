@@ -14,6 +14,7 @@
 #   PARTS="overlap inflight" [BASELINE_TREE=.baseline] scripts/bench_gpu.sh [DEST]
 #   PARTS="wide inflight" [BASELINE_TREE=.baseline] scripts/bench_gpu.sh [DEST]
 #   PARTS=worldsizes scripts/bench_gpu.sh [DEST]
+#   PARTS=fp8 scripts/bench_gpu.sh [DEST]
 #
 # PARTS picks the parts (each takes five to seven minutes on an H200): `runtime` (bench runtime),
 # `kernels` (bench matmul, pdl, prefill, step-parts, Nsight Compute), `inflight` (bench inflight: the
@@ -91,6 +92,19 @@
 # tiny-chatglm3 WS_CONFIG=configs/tiny.yaml TOKENIZER_DIR=$PWD/tests/fixtures/tiny-chatglm3 WS_SIZES="1 2" small loads.
 # WS_STAGE=synth (the random weights only, on the CPU: e.g. beside another part) or build (and the engines), for a
 # later worldsizes run in WS_WORK to go on from (an engine built from the same inputs is kept).
+# `fp8` (not in the default set; one H100 or H200, about five minutes): FP8 against bf16 in one process, `bench fp8` on
+# random ChatGLM3-6B-shaped weights (bf16, and FP8 with an FP8 KV cache calibrated as `convert --fp8` calibrates):
+# accuracy on real prompts (bench/fp8_prompts.txt, held out from the calibration prompts; logits' cosine similarity and
+# top-1 against bf16, teacher-forced on bf16's greedy continuations, and greedy agreement over 128 steps); speed, both
+# models built alike (CUDA graphs; tuned matmuls for bf16): 256 requests of 128 prompt ids → 128 tokens at 256 in
+# flight through the in-flight executor (in-process: a served run would build and launch two engines), the batch-1
+# decode step, one prefill of 8 × 1,024 tokens, weights held and KV-cache positions; each FP8 figure over bf16's
+# against its target. Then the FP8 tests on the GPU (torch._scaled_mm and the FP8 kernels against the emulation, the
+# fast model with its graphs against the dequantized reference, the fixture's chats served exactly). Results
+# DEST/fp8/fp8.json and DEST/fp8.txt. Knobs: FP8_FLAGS (more `bench fp8` flags, e.g. "--parts accuracy" or, for a real
+# model, "--baseline-checkpoint DIR --fp8-checkpoint DIR" with TOKENIZER_DIR its folder); a dry run on a CPU:
+# FP8_FLAGS="--device cpu --emulate-fp8 --layers 1 --steps 8 --requests 4 --concurrency 2 --prompt-len 16
+# --new-tokens 4 --prefill-prompts 2 --prefill-len 32" (minutes: the emulation dequantizes every weight per matmul).
 # `firstlaunch` (not in the default set): the README's GPU block as written (the model's place aside) on a machine
 # whose caches are empty, each command timed: synth-model 6b (bf16) → build-engine configs/chatglm3-6b-bf16-tp1.yaml
 # (build.engine auto; on a GPU it compiles and tunes the kernels into the engine's kernels/ folder) → patch-repo →
@@ -254,6 +268,13 @@ if [[ " $PARTS " == *" tp "* ]]; then
     fi
     python3 -m pytest -q -p no:cacheprovider tests/runtime/test_all_reduce.py tests/runtime/test_fast_tp.py \
         -k "gpus or cuda" 2>&1 | tail -n 15 | tee "$DEST/tp-tests.txt"
+fi
+if [[ " $PARTS " == *" fp8 "* ]]; then
+    # shellcheck disable=SC2086  # FP8_FLAGS is a word list
+    python3 -m trtglm bench fp8 --preset 6b --tokenizer-dir "$(tokenizer_65k)" --out "$DEST/fp8" ${FP8_FLAGS:-} 2>&1 \
+        | grep -v Warning | tee "$DEST/fp8.txt" || echo "bench fp8 failed" | tee -a "$DEST/fp8.txt"
+    python3 -m pytest -q -p no:cacheprovider tests/runtime/test_fp8_runtime.py tests/convert/test_fp8_convert.py \
+        tests/bench/test_fp8_bench.py 2>&1 | tail -n 15 | tee -a "$DEST/fp8.txt"
 fi
 if [[ " $PARTS " == *" serving "* ]]; then
     SERVING_SOURCE=${SERVING_SOURCE:---synth 6b}
