@@ -111,6 +111,9 @@ def verify_checkpoint(checkpoint: str | Path, hf_model: str | Path, *, prompts: 
     if max_tokens < 1:
         raise UsageError(f"--max-tokens must be at least 1, not {max_tokens}")
     ckpt = load_checkpoint(checkpoint)
+    if ckpt.config.fp8 or ckpt.config.fp8_kv_cache:
+        raise UsageError(f"{checkpoint} is an FP8 checkpoint: verify compares float and weight-only ones; compare it "
+                         "with the model unquantized by `trtglm bench fp8` (docs/benchmarks.md, FP8)")
     hf_cfg = ChatGLMConfig.from_model_dir(hf_model)
     check_consistency(ckpt.config, hf_cfg)
     inputs = _inputs(Path(hf_model), prompts, ckpt.config.vocab_size)

@@ -30,6 +30,11 @@ several rows, tensor-core kernels for float and for int8/int4 words. Block shape
 per (weight kind, row bucket, shape) by timing the candidates at start-up (`tune`, CUDA-graph
 replays on a cold L2 cache), cuBLAS included for float weights.
 
+FP8 (an FP8 checkpoint's, linear.py): `quantize_fp8` turns a matmul's input rows (or SwiGLU of them) into FP8 at the
+layer's static scale, for torch._scaled_mm; an FP8 KV cache (float8_e4m3fn, one scale per layer) is written by
+`rope_cache` and `rope_attention` at that scale, saturated, and read by both attention kernels as values of the
+compute dtype, the keys' scale folded into the softmax scale and the values' into each chunk's products.
+
 On Hopper and later every kernel here is launched with programmatic dependent launch (`pdl`): it
 may start while the kernel before it finishes, and the matmuls start reading their weights before
 they wait for that kernel's results (`_start`), which hides most of the gap between kernels.
@@ -163,7 +168,7 @@ def _to_cache(x, kv_scale, COMPUTE: tl.constexpr, CACHE: tl.constexpr, FP8_KV: t
     saturated at ±448 (conventions.FP8_MAX), as quant.to_fp8."""
     x = x.to(COMPUTE)
     if FP8_KV:
-        x = tl.clamp(x.to(tl.float32) / kv_scale, -448.0, 448.0)
+        x = tl.clamp(tl.div_rn(x.to(tl.float32), kv_scale), -448.0, 448.0)
     return x.to(CACHE)
 
 
@@ -387,8 +392,9 @@ def _rope_attention_kernel(qkv_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, 
         tl.store(k_ptr + newest_row + d, k_new, mask=stores)
         tl.store(v_ptr + newest_row + d, v_new, mask=stores)
         newest = (idx == pos)[:, None]
-        k = tl.where(newest, k_new[None, :], k).to(qkv_ptr.dtype.element_ty)
-        v = tl.where(newest, v_new[None, :], v).to(qkv_ptr.dtype.element_ty)
+        # an FP8 cache's values are read as values of the compute dtype (qkv's)
+        k = tl.where(newest, k_new.to(qkv_ptr.dtype.element_ty)[None, :], k.to(qkv_ptr.dtype.element_ty))
+        v = tl.where(newest, v_new.to(qkv_ptr.dtype.element_ty)[None, :], v.to(qkv_ptr.dtype.element_ty))
         # The dot products on tensor cores, this head's query as row 0 of a 16-row tile (the others zero).
         first = tl.arange(0, 16) == 0
         query = tl.where(first[:, None], q.to(k.dtype)[None, :], 0.0)
@@ -484,7 +490,7 @@ def _quantize_fp8_kernel(x_ptr, scale_ptr, out_ptr, F, x_stride, SWIGLU: tl.cons
     if SWIGLU:  # x holds [up; gate]: silu(gate) · up, rounded to the compute dtype as silu_mul's output is
         gate = tl.load(x_ptr + t * x_stride + F + i, mask=mask, other=0.0).to(tl.float32)
         x = (gate * tl.sigmoid(gate) * x.to(tl.float32)).to(x_ptr.dtype.element_ty)
-    y = tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0)  # conventions.FP8_MAX
+    y = tl.clamp(tl.div_rn(x.to(tl.float32), scale), -448.0, 448.0)  # IEEE division, as torch's; FP8_MAX
     tl.store(out_ptr + t * F + i, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

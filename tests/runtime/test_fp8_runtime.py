@@ -297,7 +297,43 @@ def test_quantize_kernel_is_to_fp8_cuda(rows, swiglu):
     else:
         expected = to_fp8(x, scale)
     got = kernels.quantize_fp8(x, scale, swiglu)
-    assert got.dtype == torch.float8_e4m3fn and torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    assert got.dtype == torch.float8_e4m3fn and got.shape == expected.shape
+    if not swiglu:  # the same IEEE division and round-to-nearest-even conversion: the same bytes
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+        return
+    # silu in Triton and in torch may differ in float32's last bit, and now and then that tips an FP8 rounding
+    differ = got.view(torch.uint8) != expected.view(torch.uint8)
+    step = expected.float().abs() * 2**-3 + 2**-9  # one e4m3 step (3 mantissa bits), or a subnormal's
+    assert differ.float().mean() < 1e-3 and ((got.float() - expected.float()).abs() <= step).all()
+
+
+@FP8_GPU
+@pytest.mark.parametrize("slots, positions", [([2], [0]), ([1], [300]), ([3], [599]), ([0, 3, 1], [5, 599, 256])])
+def test_fp8_kv_cache_kernels_match_their_definitions_cuda(slots, positions):
+    """The attention kernels over an FP8 cache of scale 0.03 against TorchOps: the new keys and values written as the
+    same bytes, the attention alike (rope_attention at one sequence, rope_cache and decode_attention at several)."""
+    from trtglm.runtime.fast import kernels
+    from trtglm.runtime.fast.ops import TorchOps
+
+    g = torch.Generator().manual_seed(1)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=g).to(torch.bfloat16).cuda()
+
+    heads, kv_heads, head, length, block, scale = 8, 2, 128, 600, 16, 0.03
+    angles = torch.arange(length)[:, None].float() * 0.1 ** torch.arange(32).float()
+    cos, sin = angles.cos().cuda(), angles.sin().cuda()
+    per_slot = -(-length // block)
+    table = (torch.randperm(4 * per_slot, generator=g) + 1).view(4, per_slot).to(torch.int32).cuda()
+    caches = [to_fp8(rnd(1 + 4 * per_slot, kv_heads, block, head), scale) for _ in range(2)]
+    copies = [c.clone() for c in caches]
+    qkv = rnd(len(slots), (heads + 2 * kv_heads) * head)
+    slots = torch.tensor(slots, device="cuda")
+    positions = torch.tensor(positions, dtype=torch.int32, device="cuda")
+    got = kernels.decode_qkv_attention(qkv, slots, positions, cos, sin, *caches, table, heads, scale)
+    want = TorchOps.decode_qkv_attention(qkv, slots, positions, cos, sin, *copies, table, heads, scale)
+    assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(caches, copies))
 
 
 def _fp8_layer(out_features: int, in_features: int, dtype: torch.dtype, bias: bool,
@@ -357,3 +393,10 @@ def test_gpus_without_fp8_refuse_fp8_checkpoints_cuda(fp8_checkpoint):
         pytest.skip("this GPU has FP8 tensor cores")
     with pytest.raises(UsageError, match="has no FP8 tensor cores"):
         load_fast_model(fp8_checkpoint(), device="cuda", **SMALL)
+
+
+def test_verify_points_fp8_checkpoints_to_bench_fp8(fp8_checkpoint, fixture_dir, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["verify", "--checkpoint", str(fp8_checkpoint()), "--hf-model", str(fixture_dir)])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exited.value.code == UsageError.exit_code and "is an FP8 checkpoint" in last and "bench fp8" in last
