@@ -441,3 +441,24 @@ def test_cli_dry_run_and_profile_errors(tmp_path, fixture_dir):
     bad = run_cli("build-engine", "--config", "configs/tiny.yaml", "--set", "build.max_input_len=600")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "build.max_input_len (600) must be < build.max_seq_len (512)" in bad.stderr
+
+
+def test_fp8_torch_engines_are_not_warmed_up_on_gpus_without_fp8(hf, tmp_path, monkeypatch, capsys):
+    """build-engine on a GPU warms a torch engine up; an FP8 one on a GPU without FP8 tensor cores is left whole and
+    cold (it runs on Ada and Hopper GPUs), not failed."""
+    import torch
+
+    from trtglm.cli.engine import warmup_applies
+
+    plain = build_engine(TINY, model_dir=hf, output_dir=tmp_path / "bf16", overrides={"convert.dtype": "bfloat16"})
+    fp8 = build_engine(TINY, model_dir=hf, output_dir=tmp_path / "fp8",
+                       overrides={"convert.dtype": "bfloat16", "convert.fp8": True})
+    for name, value in (("is_available", lambda: True), ("current_device", lambda: 0),
+                        ("get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")):
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.delenv("TRTGLM_DEVICE", raising=False)
+    for capability, fp8_warmed in (((8, 0), False), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert (warmup_applies(plain), warmup_applies(fp8)) == (True, fp8_warmed)
+    assert "not warmed up: an FP8 engine, and NVIDIA A100-SXM4-80GB (compute capability 8.0) has no FP8" in \
+        capsys.readouterr().out

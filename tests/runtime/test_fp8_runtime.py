@@ -32,6 +32,7 @@ from trtglm.runtime.generate import full_logits, generate
 from trtglm.runtime.model import load_model
 from trtglm.runtime.quant import fp8_linear, to_fp8
 from trtglm.runtime.request import Request
+from trtglm.runtime.slot_runtime import ShardedSlotModel
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 FP8_GPU = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
@@ -270,6 +271,14 @@ def serve(model, prompts: list[list[int]], tokenizer, new_tokens: int, device: s
     while executor.has_work():
         executor.step()
     return replies
+
+
+def test_portable_runtime_serves_the_fixtures_chats_exactly(fp8_checkpoint, chats):
+    """The executor over the dequantized reference (how FP8 engines serve on a CPU), tp 2, FP8 KV cache."""
+    tokenizer, prompts, answers = chats
+    model = ShardedSlotModel(load_model(fp8_checkpoint("bfloat16", 2, True)), num_slots=8, max_seq_len=256)
+    wrong = wrong_answers(tokenizer, serve(model, prompts, tokenizer, longest(tokenizer, answers)), answers)
+    assert not wrong, f"{len(wrong)}/{len(answers)} wrong, e.g. {wrong[0]}"
 
 
 def test_emulated_fast_runtime_serves_the_fixtures_chats_exactly(fp8_checkpoint, chats):

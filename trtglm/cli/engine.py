@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from trtglm.cli.flags import PosInt
+from trtglm.conventions import FP8
 from trtglm.errors import UsageError
 
 
@@ -61,6 +62,14 @@ def warmup_applies(engine_dir: Path) -> bool:
         return False
     if not one_gpu:
         print(f"{engine_dir}: tp > 1: its kernels are compiled and kept at its first launch", flush=True)
+    quantization = manifest.quantization
+    if one_gpu and FP8 in (quantization.get("quant_algo"), quantization.get("kv_cache_quant_algo")):
+        from trtglm.runtime.fast.linear import fp8_problem
+
+        problem = fp8_problem(torch.device("cuda", torch.cuda.current_device()))
+        if problem:  # the engine is whole; it runs (and compiles its kernels) on an Ada or Hopper GPU
+            print(f"{engine_dir}: not warmed up: an FP8 engine, and {problem}", flush=True)
+            return False
     return one_gpu
 
 
