@@ -372,7 +372,9 @@ def test_scaled_mm_matches_the_emulated_product_cuda(rows, dtype):
         expected = fp8_linear(products, layer.stored, layer.scale, layer.input_scale, layer.bias)
         got = layer(inputs, swiglu=swiglu)
         assert got.dtype == dtype and got.shape == expected.shape
-        ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5  # both sum in float32; the outputs round once to dtype
+        # both sum in float32 (in other orders: ~1e-4 of the largest output over 13,696 products); bfloat16 output
+        # rounds to 8 bits, and the bias is added after that rounding: 1.5 units of 2^-7 at most
+        ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-4
         assert torch.allclose(got.float(), expected.float(), rtol=ulp, atol=ulp * float(expected.abs().max())), swiglu
 
 
