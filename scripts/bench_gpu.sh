@@ -87,8 +87,8 @@
 # `bench sampling --cases greedy,top-p` (256 streamed requests of 128 prompt ids → 128 tokens at 64 in flight; the
 # largest world size also 1,024 at 256) → stop; then each world size's tokens/s against world size 1 at 64
 # (trtglm.bench.world_sizes). Results DEST/worldsizes-ws{N}-at{in flight}/sampling.json and DEST/worldsizes.txt.
-# Knobs: WS_WORK, WS_SIZES (default "1 2 4"), WS_MODEL, WS_CONFIG (one profile for every size, its tp and world
-# size set to each), WS_LOAD, WS_LOAD_WIDE, WS_ROUNDS (default 2); a dry run on a CPU: WS_MODEL=$PWD/tests/fixtures/
+# Knobs: WS_WORK, WS_SIZES (default "1 2 4"), WS_MODEL, WS_CONFIG (one profile for every size, its tp (hence
+# world size) set to each), WS_LOAD, WS_LOAD_WIDE, WS_ROUNDS (default 2); a dry run on a CPU: WS_MODEL=$PWD/tests/fixtures/
 # tiny-chatglm3 WS_CONFIG=configs/tiny.yaml TOKENIZER_DIR=$PWD/tests/fixtures/tiny-chatglm3 WS_SIZES="1 2" small loads.
 # WS_STAGE=synth (the random weights only, on the CPU: e.g. beside another part) or build (and the engines), for a
 # later worldsizes run in WS_WORK to go on from (an engine built from the same inputs is kept).
@@ -392,7 +392,7 @@ if [[ " $PARTS " == *" worldsizes "* ]]; then
         phase "world size $ws: build-engine $config ${WS_MODEL:-(random 6B fp16 weights)}"
         # shellcheck disable=SC2046  # a word list
         engine_6b "$work" "$config" "${WS_MODEL:-}" "$work/engine-ws$ws" \
-            $([ -z "${WS_CONFIG:-}" ] || printf -- '--set convert.tp_size=%s --set serve.world_size=%s' "$ws" "$ws")
+            $([ -z "${WS_CONFIG:-}" ] || printf -- '--set convert.tp_size=%s' "$ws")
         [ "${WS_STAGE:-all}" == all ] || continue
         launch_tree "$root" "ws$ws" "$work" "$work/engine-ws$ws" || continue
         loads=("$load")
