@@ -12,10 +12,11 @@
 #   PARTS=sampling [BASELINE_TREE=.baseline] scripts/bench_gpu.sh [DEST]
 #   PARTS=firstlaunch scripts/bench_gpu.sh [DEST]
 #   PARTS="overlap inflight" [BASELINE_TREE=.baseline] scripts/bench_gpu.sh [DEST]
-#   PARTS="wide inflight" scripts/bench_gpu.sh [DEST]
+#   PARTS="wide inflight" [BASELINE_TREE=.baseline] scripts/bench_gpu.sh [DEST]
 #   PARTS=worldsizes scripts/bench_gpu.sh [DEST]
 #   PARTS=front scripts/bench_gpu.sh [DEST]
 #   PARTS=hosts scripts/bench_gpu.sh [DEST]
+#   PARTS=fp8 scripts/bench_gpu.sh [DEST]
 #
 # PARTS picks the parts (each takes five to seven minutes on an H200): `runtime` (bench runtime),
 # `kernels` (bench matmul, pdl, prefill, step-parts, Nsight Compute), `inflight` (bench inflight: the
@@ -75,20 +76,21 @@
 # e.g. "--device cpu --preset tiny --dtype float32" for a dry run), and the executor and fast-runtime tests on the
 # GPU (among them: serving after the warm-up compiles no kernel). Results
 # DEST/overlap-this/, DEST/overlap-baseline/ (sampling.json) and DEST/overlap.txt. Knobs: OVERLAP_WORK, OVERLAP_CONFIG,
-# OVERLAP_MODEL, OVERLAP_LOAD, OVERLAP_ROUNDS (default 2), OVERLAP_PROFILE_S (default 10); a dry run on a CPU as for
+# OVERLAP_MODEL, OVERLAP_LOAD, OVERLAP_ROUNDS (default 2), OVERLAP_PROFILE_S (default 10), OVERLAP_EXTRAS (default 1;
+# 0: the served runs alone, without py-spy, bench tp and the GPU tests); a dry run on a CPU as for
 # `sampling` (OVERLAP_MODEL=$PWD/tests/fixtures/tiny-chatglm3 OVERLAP_CONFIG=configs/tiny.yaml, small loads).
-# `wide` (not in the default set): 256 sequences in flight on one GPU, this tree only: the overlap part's model and
-# profile built at max_batch_size WIDE_BATCH (default 256) → launch → `bench sampling --cases greedy,top-p` of 1,024
-# requests at 256 in flight (WIDE_LOAD, WIDE_ROUNDS default 1) → stop; results DEST/wide/ and DEST/wide.txt (with the
-# engine's KV-cache line: positions held, GB).
+# `wide` (not in the default set): 256 sequences in flight on one GPU, this tree, then BASELINE_TREE's when set: the
+# overlap part's model and profile built at max_batch_size WIDE_BATCH (default 256) → for each tree launch →
+# `bench sampling --cases greedy,top-p` of 1,024 requests at 256 in flight (WIDE_LOAD, WIDE_ROUNDS default 1) → stop;
+# results DEST/wide/, DEST/wide-baseline/ and DEST/wide.txt (with each engine's KV-cache line: positions held, GB).
 # `worldsizes` (not in the default set; a machine with 2 or 4 GPUs): served tensor parallel, world sizes 1, 2 and 4 in
 # one call (those above the GPU count skipped): synth-model 6b (fp16) → for each, build-engine
 # configs/chatglm3-6b-fp16-tp{N}.yaml (torch) → patch-repo, launch --detach (--world-size from the engine) →
 # `bench sampling --cases greedy,top-p` (256 streamed requests of 128 prompt ids → 128 tokens at 64 in flight; the
 # largest world size also 1,024 at 256) → stop; then each world size's tokens/s against world size 1 at 64
 # (trtglm.bench.world_sizes). Results DEST/worldsizes-ws{N}-at{in flight}/sampling.json and DEST/worldsizes.txt.
-# Knobs: WS_WORK, WS_SIZES (default "1 2 4"), WS_MODEL, WS_CONFIG (one profile for every size, its tp and world
-# size set to each), WS_LOAD, WS_LOAD_WIDE, WS_ROUNDS (default 2); a dry run on a CPU: WS_MODEL=$PWD/tests/fixtures/
+# Knobs: WS_WORK, WS_SIZES (default "1 2 4"), WS_MODEL, WS_CONFIG (one profile for every size, its tp (hence
+# world size) set to each), WS_LOAD, WS_LOAD_WIDE, WS_ROUNDS (default 2); a dry run on a CPU: WS_MODEL=$PWD/tests/fixtures/
 # tiny-chatglm3 WS_CONFIG=configs/tiny.yaml TOKENIZER_DIR=$PWD/tests/fixtures/tiny-chatglm3 WS_SIZES="1 2" small loads.
 # WS_STAGE=synth (the random weights only, on the CPU: e.g. beside another part) or build (and the engines), for a
 # later worldsizes run in WS_WORK to go on from (an engine built from the same inputs is kept).
@@ -103,6 +105,19 @@
 # carried (the folder launch keeps in its cache, packed: smaller than numpy's wheel). A dry run on a CPU: OVERLAP_MODEL=$PWD/tests/fixtures/
 # tiny-chatglm3 OVERLAP_CONFIG=configs/tiny.yaml TOKENIZER_DIR=$PWD/tests/fixtures/tiny-chatglm3 WIDE_BATCH=8
 # FRONT_LEVELS=2,4 FRONT_FLAGS="--prompt-len 16 --new-tokens 8".
+# `fp8` (not in the default set; one H100 or H200, about five minutes): FP8 against bf16 in one process, `bench fp8` on
+# random ChatGLM3-6B-shaped weights (bf16, and FP8 with an FP8 KV cache calibrated as `convert --fp8` calibrates):
+# accuracy on real prompts (bench/fp8_prompts.txt, held out from the calibration prompts; logits' cosine similarity and
+# top-1 against bf16, teacher-forced on bf16's greedy continuations, and greedy agreement over 128 steps); speed, both
+# models built alike (CUDA graphs; tuned matmuls for bf16): 256 requests of 128 prompt ids → 128 tokens at 256 in
+# flight through the in-flight executor (in-process: a served run would build and launch two engines), the batch-1
+# decode step, one prefill of 8 × 1,024 tokens, weights held and KV-cache positions; each FP8 figure over bf16's
+# against its target. Then the FP8 tests on the GPU (torch._scaled_mm and the FP8 kernels against the emulation, the
+# fast model with its graphs against the dequantized reference, the fixture's chats served exactly). Results
+# DEST/fp8/fp8.json and DEST/fp8.txt. Knobs: FP8_FLAGS (more `bench fp8` flags, e.g. "--parts accuracy" or, for a real
+# model, "--baseline-checkpoint DIR --fp8-checkpoint DIR" with TOKENIZER_DIR its folder); a dry run on a CPU:
+# FP8_FLAGS="--device cpu --emulate-fp8 --layers 1 --steps 8 --requests 4 --concurrency 2 --prompt-len 16
+# --new-tokens 4 --prefill-prompts 2 --prefill-len 32" (minutes: the emulation dequantizes every weight per matmul).
 # `firstlaunch` (not in the default set): the README's GPU block as written (the model's place aside) on a machine
 # whose caches are empty, each command timed: synth-model 6b (bf16) → build-engine configs/chatglm3-6b-bf16-tp1.yaml
 # (build.engine auto; on a GPU it compiles and tunes the kernels into the engine's kernels/ folder) → patch-repo →
@@ -284,6 +299,13 @@ if [[ " $PARTS " == *" tp "* ]]; then
     python3 -m pytest -q -p no:cacheprovider tests/runtime/test_all_reduce.py tests/runtime/test_fast_tp.py \
         -k "gpus or cuda" 2>&1 | tail -n 15 | tee "$DEST/tp-tests.txt"
 fi
+if [[ " $PARTS " == *" fp8 "* ]]; then
+    # shellcheck disable=SC2086  # FP8_FLAGS is a word list
+    python3 -m trtglm bench fp8 --preset 6b --tokenizer-dir "$(tokenizer_65k)" --out "$DEST/fp8" ${FP8_FLAGS:-} 2>&1 \
+        | grep -v Warning | tee "$DEST/fp8.txt" || echo "bench fp8 failed" | tee -a "$DEST/fp8.txt"
+    python3 -m pytest -q -p no:cacheprovider tests/runtime/test_fp8_runtime.py tests/convert/test_fp8_convert.py \
+        tests/bench/test_fp8_bench.py 2>&1 | tail -n 15 | tee -a "$DEST/fp8.txt"
+fi
 if [[ " $PARTS " == *" serving "* ]]; then
     SERVING_SOURCE=${SERVING_SOURCE:---synth 6b}
     if [[ $SERVING_SOURCE == --synth* ]]; then TOKENIZER_DIR=$(tokenizer_65k); fi
@@ -333,7 +355,7 @@ if [[ " $PARTS " == *" overlap "* ]]; then
         python3 -m trtglm bench sampling --url http://127.0.0.1:18000 --metrics-url http://127.0.0.1:18002/metrics \
             --cases greedy,top-p $load --rounds "${OVERLAP_ROUNDS:-2}" --timeout 120 --out "$DEST/overlap-$label" 2>&1 \
             | grep -v "^round" | tee -a "$DEST/overlap.txt" || phase "$label: failed"
-        if [ "$label" = this ] && command -v py-spy > /dev/null; then
+        if [ "$label" = this ] && [ "${OVERLAP_EXTRAS:-1}" = 1 ] && command -v py-spy > /dev/null; then
             # Where the engine's host time goes under the same load: py-spy on the engine process, its frames by
             # samples (own, and with what they call).
             engine=$(pgrep -f "trtglm.backend.engine_process" | head -n 1 || true)
@@ -351,12 +373,14 @@ if [[ " $PARTS " == *" overlap "* ]]; then
         fi
         in_tree "$tree" stop --repo "$work/repo-$label" || true
     done
-    phase "the captured batch-64 decode step in-process, for the served step to be held against (bench tp --tp 1)"
-    python3 -m trtglm bench tp --tp 1 --dtype float16 --batches 1,64,256 ${OVERLAP_TP_FLAGS:-} --out "$DEST/overlap-tp1" 2>&1 \
-        | tail -n 12 | tee -a "$DEST/overlap.txt" || phase "bench tp failed"
-    phase "the executor and fast-runtime tests on the GPU (nothing compiles while serving)"
-    python3 -m pytest -q -p no:cacheprovider tests/runtime/test_fast_runtime.py -k "executor or compiles or mixed_step or paged or triton or attention" \
-        2>&1 | tail -n 15 | tee -a "$DEST/overlap.txt"
+    if [ "${OVERLAP_EXTRAS:-1}" = 1 ]; then
+        phase "the captured batch-64 decode step in-process, for the served step to be held against (bench tp --tp 1)"
+        python3 -m trtglm bench tp --tp 1 --dtype float16 --batches 1,64,256 ${OVERLAP_TP_FLAGS:-} --out "$DEST/overlap-tp1" \
+            2>&1 | tail -n 12 | tee -a "$DEST/overlap.txt" || phase "bench tp failed"
+        phase "the executor and fast-runtime tests on the GPU (nothing compiles while serving)"
+        python3 -m pytest -q -p no:cacheprovider tests/runtime/test_fast_runtime.py \
+            -k "executor or compiles or mixed_step or paged or triton or attention" 2>&1 | tail -n 15 | tee -a "$DEST/overlap.txt"
+    fi
     phase done
 fi
 if [[ " $PARTS " == *" wide "* ]]; then
@@ -367,15 +391,17 @@ if [[ " $PARTS " == *" wide "* ]]; then
     load=${WIDE_LOAD:---requests 1024 --concurrency 256 --prompt-len 128 --new-tokens 128}
     phase "model ${OVERLAP_MODEL:-synth-model 6b (fp16)}, build-engine $config at max_batch_size ${WIDE_BATCH:-256}"
     engine_6b "$work" "$config" "${OVERLAP_MODEL:-}" "$work/engine-wide" --set "build.max_batch_size=${WIDE_BATCH:-256}"
-    if launch_tree "$root" wide "$work" "$work/engine-wide"; then
-        grep -h "KV cache:" "$work"/logs-wide/* 2>/dev/null | head -n 1 | tee -a "$DEST/wide.txt" || true
-        phase "wide: served greedy and top-p, $load"
+    for tree in "$root" ${BASELINE_TREE:+"$(realpath "$BASELINE_TREE")"}; do  # this tree, then the baseline's
+        label=wide$([ "$tree" = "$root" ] || echo -baseline)
+        launch_tree "$tree" "$label" "$work" "$work/engine-wide" || continue
+        grep -h "KV cache:" "$work"/logs-"$label"/* 2>/dev/null | head -n 1 | tee -a "$DEST/wide.txt" || true
+        phase "$label: served greedy and top-p, $load"
         # shellcheck disable=SC2086  # a word list
         python3 -m trtglm bench sampling --url http://127.0.0.1:18000 --metrics-url http://127.0.0.1:18002/metrics \
-            --cases greedy,top-p $load --rounds "${WIDE_ROUNDS:-1}" --timeout 300 --out "$DEST/wide" 2>&1 \
-            | grep -v "^round" | tee -a "$DEST/wide.txt" || phase "wide: failed"
-        python3 -m trtglm stop --repo "$work/repo-wide" || true
-    fi
+            --cases greedy,top-p $load --rounds "${WIDE_ROUNDS:-1}" --timeout 300 --out "$DEST/$label" 2>&1 \
+            | grep -v "^round" | tee -a "$DEST/wide.txt" || phase "$label: failed"
+        in_tree "$tree" stop --repo "$work/repo-$label" || true
+    done
     phase done
 fi
 if [[ " $PARTS " == *" front "* ]]; then
@@ -418,7 +444,7 @@ if [[ " $PARTS " == *" worldsizes "* ]]; then
         phase "world size $ws: build-engine $config ${WS_MODEL:-(random 6B fp16 weights)}"
         # shellcheck disable=SC2046  # a word list
         engine_6b "$work" "$config" "${WS_MODEL:-}" "$work/engine-ws$ws" \
-            $([ -z "${WS_CONFIG:-}" ] || printf -- '--set convert.tp_size=%s --set serve.world_size=%s' "$ws" "$ws")
+            $([ -z "${WS_CONFIG:-}" ] || printf -- '--set convert.tp_size=%s' "$ws")
         [ "${WS_STAGE:-all}" == all ] || continue
         launch_tree "$root" "ws$ws" "$work" "$work/engine-ws$ws" || continue
         loads=("$load")
@@ -441,7 +467,7 @@ if [[ " $PARTS " == *" hosts "* ]]; then
     start_part hosts "${HOSTS_WORK:-/tmp/trtglm-hosts}"
     config=${HOSTS_CONFIG:-configs/chatglm3-6b-fp16-tp2.yaml}
     phase "build-engine $config at tp 2, ${HOSTS_MODEL:-random 6B fp16 weights}"
-    engine_6b "$work" "$config" "${HOSTS_MODEL:-}" "$work/engine-tp2" --set convert.tp_size=2 --set serve.world_size=2
+    engine_6b "$work" "$config" "${HOSTS_MODEL:-}" "$work/engine-tp2" --set convert.tp_size=2
     printf '127.0.0.1 slots=1\n127.0.0.2 slots=1\n' > "$work/hostfile"
     python3 -m trtglm patch-repo --engine-dir "$work/engine-tp2" --tokenizer-dir "$(realpath "$(tokenizer_65k)")" \
         --output-repo "$work/repo" --force

@@ -352,11 +352,11 @@ def smallest_margin(model, batches: list[dict[str, torch.Tensor]]) -> float:
 
 
 @torch.no_grad()
-def greedy(model, prompt: list[int], max_new_tokens: int, stop_ids: tuple[int, ...]) -> list[int]:
+def greedy(model, prompt: list[int], max_tokens: int, stop_ids: tuple[int, ...]) -> list[int]:
     """Argmax decoding with the KV cache; the stop id that ends it is included."""
     out = model(input_ids=torch.tensor([prompt]), use_cache=True)
     generated = []
-    for _ in range(max_new_tokens):
+    for _ in range(max_tokens):
         next_id = int(out.logits[0, -1].argmax())
         generated.append(next_id)
         if next_id in stop_ids:

@@ -4,6 +4,7 @@ inside functions)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from conftest import REPO
@@ -19,7 +20,7 @@ ALLOWED = {
     "files": {"errors"},
     "request_config": {"errors"},
     "chatglm": {"errors", "files"},
-    "convert": {"chatglm", "conventions", "errors", "files"},
+    "convert": {"chatglm", "conventions", "errors", "files", "runtime.calibrate", "runtime.checkpoint", "runtime.quant"},
     "profile": {"chatglm", "errors", "conventions", "ports"},
     "engine": {"chatglm", "convert", "errors", "files", "profile"},
     "runtime": {"chatglm", "errors", "files", "conventions", "request_config"},
@@ -66,6 +67,30 @@ def test_the_rules_cover_every_package():
     packages = {p.name if p.is_dir() else p.stem for p in (REPO / "trtglm").iterdir()
                 if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and not p.stem.startswith("_"))}
     assert packages == set(ALLOWED)
+
+
+def documented_rules() -> dict[str, set[str]]:
+    """The layering table of docs/architecture.md read back as ALLOWED's rules: a row's packages (one or more) and
+    what each may import ("nothing", "everything", "everything but `x`", "`x` (its `a.py` and `b.py` only)")."""
+    rules = {}
+    for line in (REPO / "docs" / "architecture.md").read_text(encoding="utf-8").splitlines():
+        cells = [cell.strip() for cell in line.split("|")[1:-1]]
+        if len(cells) != 3 or not cells[0].startswith("`"):
+            continue
+        packages = [name.removesuffix(".py").removesuffix("/") for name in re.findall(r"`([^`]+)`", cells[0])]
+        allowed = set()
+        if cells[2].startswith("everything"):
+            allowed = EVERYTHING - set(re.findall(r"`(\w+)`", cells[2]))
+        elif cells[2] != "nothing":
+            for package, modules in re.findall(r"`(\w+)`(?: \(its (.+?) only\))?", cells[2]):
+                parts = re.findall(r"`(\w+)\.py`", modules)
+                allowed |= {f"{package}.{part}" for part in parts} if parts else {package}
+        rules.update({package: allowed - {package} for package in packages})
+    return rules
+
+
+def test_the_architecture_page_states_these_rules():
+    assert documented_rules() == ALLOWED
 
 
 LONGEST_MODULE = 450  # lines

@@ -3,6 +3,14 @@ all follow, and the GPU hosts' one rule for collectives: said once here (no torc
 
 DTYPES = ("float16", "bfloat16", "float32")  # a checkpoint's `dtype`, as TensorRT-LLM names them
 QUANT_ALGOS = {"int8": "W8A16", "int4": "W4A16"}  # weight-only mode -> a checkpoint's `quant_algo`
+# FP8 (e4m3) weights and activations, one static scale per tensor: a checkpoint's `quant_algo`, and its
+# `kv_cache_quant_algo` for an FP8 KV cache (TensorRT-LLM's QuantAlgo.FP8)
+FP8 = "FP8"
+FP8_MAX = 448.0  # the largest float8_e4m3fn: a scale maps a tensor's largest magnitude (amax) onto it
+# An FP8 checkpoint's scales (float32, shape [1]): `<linear>.weights_scaling_factor` and
+# `<linear>.activation_scaling_factor` beside each quantized `<linear>.weight`, and per layer
+# `transformer.layers.{l}.attention.kv_cache_scaling_factor` with an FP8 KV cache (x ≈ stored value × scale)
+WEIGHT_SCALE, INPUT_SCALE, KV_SCALE = "weights_scaling_factor", "activation_scaling_factor", "kv_cache_scaling_factor"
 MAX_NUM_TOKENS = 8192  # trtllm-build's --max_num_tokens: the tokens of one step (the 6B profiles' too)
 TOKENS_PER_BLOCK = 64  # trtllm-build's --tokens_per_block: the unit of admission and prefix reuse
 FREE_GPU_MEM_FRACTION = 0.9  # kv_cache_free_gpu_mem_fraction: of the GPU memory left after the weights

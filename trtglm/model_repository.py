@@ -156,5 +156,5 @@ def served_name(repo: Path) -> str:
     if folder is None:
         return repo.name
     if (folder / MANIFEST).is_file():
-        return str(read_manifest(folder).get("name") or folder.name)
+        return read_manifest(folder).name or folder.name
     return folder.name

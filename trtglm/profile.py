@@ -3,7 +3,7 @@
 A profile (configs/*.yaml) has four sections; every key is listed in the dataclasses below,
 and anything else is an error. `load_profile` applies dotted-key overrides (`--set
 build.max_batch_size=16`), then checks types, required keys and the rules TensorRT-LLM and
-the model impose (input < sequence length, tp×pp = world size, the 32k models' token limit,
+the model impose (input < sequence length, the 32k models' token limit,
 weight-only needs fp16/bf16 activations, ...). Every problem is one line that names the
 file and the key; nothing is converted or built before the profile is known to be good.
 
@@ -26,7 +26,7 @@ import yaml
 from trtglm.chatglm.config import TP_SIZES, ChatGLMConfig
 from trtglm.chatglm.variants import VARIANTS, Variant
 from trtglm.errors import ModelFileError, UsageError
-from trtglm.conventions import DTYPES, FREE_GPU_MEM_FRACTION, MAX_NUM_TOKENS, QUANT_ALGOS, TOKENS_PER_BLOCK
+from trtglm.conventions import DTYPES, FP8, FREE_GPU_MEM_FRACTION, MAX_NUM_TOKENS, QUANT_ALGOS, TOKENS_PER_BLOCK
 from trtglm.ports import GRPC_PORT, HTTP_PORT, METRICS_PORT
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,8 @@ PLUGIN_CHOICES = ("auto", "float16", "bfloat16", "float32", "disable")
 # TensorRT-LLM's ChatGLM build refuses max_num_tokens ≥ 2**31 / (2 × ffn_hidden_size) for the
 # rope-scaled 32k models (an int32 index overflow in the MLP); trtllm.md quotes it as 78398.
 LONG_CONTEXT_TOKEN_LIMIT = 78398
+# keys profiles no longer carry, being derived: one that a profile still has must agree, and is noted
+DERIVED_KEYS = {"serve.world_size": "convert.tp_size × convert.pp_size"}
 
 
 def _choices(*values: Any) -> dict:
@@ -58,6 +60,9 @@ class ConvertSection:
     tp_size: int = field(metadata=_choices(*TP_SIZES))
     pp_size: int = field(default=1, metadata=_choices(1))
     weight_only: str | None = field(default=None, metadata=_choices(*WEIGHT_ONLY))
+    fp8: bool = False  # FP8 weights and activations (quant_algo FP8), their scales calibrated on prompts
+    fp8_kv_cache: bool = False  # with fp8: the KV cache in FP8 too (kv_cache_quant_algo FP8)
+    calibration_prompts: str | None = None  # with fp8: a prompt file (null: trtglm's own set); paths as model.dir
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,6 @@ class BuildSection:
 
 @dataclass(frozen=True)
 class ServeSection:
-    world_size: int = field(metadata=_at_least(1))
     batching_strategy: str = field(default="inflight_fused_batching",
                                    metadata=_choices("inflight_fused_batching", "v1"))
     decoupled: bool = True  # streaming responses (needed for `stream: true`)
@@ -128,7 +132,11 @@ class Profile:
 
     @property
     def quant_algo(self) -> str | None:
-        return WEIGHT_ONLY[self.convert.weight_only]
+        return FP8 if self.convert.fp8 else WEIGHT_ONLY[self.convert.weight_only]
+
+    @property
+    def kv_cache_quant_algo(self) -> str | None:
+        return FP8 if self.convert.fp8_kv_cache else None
 
     def to_dict(self) -> dict:
         """The resolved recipe (defaults filled in, overrides applied), as written to trtglm.json."""
@@ -144,14 +152,19 @@ def load_profile(path: str | Path, overrides: dict[str, Any] | None = None) -> P
     unknown = sorted(set(map(str, raw)) - set(SECTIONS))
     if unknown:
         raise UsageError(f"{where}: unknown key {unknown[0]} (sections: {', '.join(SECTIONS)})")
+    derived = _take_derived(raw, where)
     sections = {name: _section(cls, raw.get(name), name, where) for name, cls in SECTIONS.items()}
-    model = replace(sections["model"], dir=_resolve_model_dir(sections["model"].dir, Path(path),
-                                                              from_override="model.dir" in (overrides or {})))
+    model = replace(sections["model"], dir=_resolve_path(sections["model"].dir, Path(path),
+                                                         from_override="model.dir" in (overrides or {})))
+    convert = replace(sections["convert"], calibration_prompts=_resolve_path(
+        sections["convert"].calibration_prompts, Path(path),
+        from_override="convert.calibration_prompts" in (overrides or {})))
     build = sections["build"]
     if build.max_num_tokens is None:
         build = replace(build, max_num_tokens=_default_num_tokens(build))
-    profile = Profile(name=Path(path).stem, path=where, model=model, convert=sections["convert"],
+    profile = Profile(name=Path(path).stem, path=where, model=model, convert=convert,
                       build=build, serve=sections["serve"])
+    _check_derived(profile, derived, where)
     _check_rules(profile, where)
     return profile
 
@@ -204,12 +217,32 @@ def _apply_override(raw: dict, key: str, value: Any, where: str) -> None:
     if section not in SECTIONS or not name or "." in name:
         raise UsageError(f"{where}: --set {key}: expected SECTION.KEY with SECTION one of {', '.join(SECTIONS)}")
     known = [f.name for f in fields(SECTIONS[section])]
-    if name not in known:
+    if name not in known and key not in DERIVED_KEYS:
         raise UsageError(f"{where}: --set {key}: unknown key (known in {section}: {', '.join(known)})")
     target = raw.setdefault(section, {})
     if not isinstance(target, dict):
         raise UsageError(f"{where}: {section} must be a mapping")
     target[name] = value
+
+
+def _take_derived(raw: dict, where: str) -> dict[str, Any]:
+    """The DERIVED_KEYS a profile still carries, taken out of `raw`."""
+    taken = {}
+    for key, source in DERIVED_KEYS.items():
+        section, _, name = key.partition(".")
+        if isinstance(raw.get(section), dict) and name in raw[section]:
+            taken[key] = raw[section].pop(name)
+            log.info("%s: %s is %s, derived; the profile need not give it", where, key, source)
+    return taken
+
+
+def _check_derived(p: Profile, derived: dict[str, Any], where: str) -> None:
+    """UsageError when a derived key a profile gives disagrees with what it derives from."""
+    c = p.convert
+    world_size = derived.get("serve.world_size", p.world_size)
+    if world_size != p.world_size:
+        raise UsageError(f"{where}: serve.world_size ({world_size}) must equal convert.tp_size × convert.pp_size "
+                         f"({c.tp_size} × {c.pp_size} = {p.world_size}); leave it out: it is derived")
 
 
 def _section(cls: type, raw: Any, section: str, where: str):
@@ -272,10 +305,10 @@ def _describe(value: Any) -> str:
     return "null" if value is None else f"{value!r} ({type(value).__name__})"
 
 
-def _resolve_model_dir(model_dir: str | None, profile_path: Path, from_override: bool) -> str | None:
-    if model_dir is None:
+def _resolve_path(given: str | None, profile_path: Path, from_override: bool) -> str | None:
+    if given is None:
         return None
-    path = Path(model_dir).expanduser()
+    path = Path(given).expanduser()
     if not path.is_absolute() and not from_override:
         path = profile_path.resolve().parent.parent / path
     return str(path.resolve())
@@ -293,12 +326,10 @@ def _check_rules(p: Profile, where: str) -> None:
     b, c, s = p.build, p.convert, p.serve
     if b.max_input_len >= b.max_seq_len:
         raise UsageError(f"{where}: build.max_input_len ({b.max_input_len}) must be < build.max_seq_len ({b.max_seq_len})")
-    if p.world_size != s.world_size:
-        raise UsageError(f"{where}: serve.world_size ({s.world_size}) must equal convert.tp_size × convert.pp_size "
-                         f"({c.tp_size} × {c.pp_size} = {p.world_size})")
     if c.weight_only and c.dtype == "float32":
         raise UsageError(f"{where}: convert.weight_only ({c.weight_only}) needs convert.dtype float16 or bfloat16 "
                          "(TensorRT-LLM's weight-only kernels take half-precision activations), not float32")
+    _check_fp8(c, where)
     capacity = b.max_batch_size * b.max_seq_len
     if b.max_num_tokens > capacity:
         raise UsageError(f"{where}: build.max_num_tokens ({b.max_num_tokens}) must be ≤ build.max_batch_size × "
@@ -317,6 +348,18 @@ def _check_rules(p: Profile, where: str) -> None:
     if seq_length is not None and b.max_seq_len > seq_length:
         raise UsageError(f"{where}: build.max_seq_len ({b.max_seq_len}) exceeds the model's seq_length "
                          f"({seq_length}, from {source})")
+
+
+def _check_fp8(c: ConvertSection, where: str) -> None:
+    if c.fp8 and c.weight_only:
+        raise UsageError(f"{where}: convert.fp8 and convert.weight_only ({c.weight_only}) exclude one another "
+                         "(FP8 quantizes the weights itself); set one")
+    if c.fp8 and c.dtype == "float32":
+        raise UsageError(f"{where}: convert.fp8 needs convert.dtype float16 or bfloat16 (the FP8 matmuls' output and "
+                         "the unquantized layers), not float32")
+    for key in ("fp8_kv_cache", "calibration_prompts"):
+        if getattr(c, key) not in (None, False) and not c.fp8:
+            raise UsageError(f"{where}: convert.{key} needs convert.fp8 true")
 
 
 def _check_engine_features(p: Profile, where: str) -> None:

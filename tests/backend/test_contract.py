@@ -13,6 +13,7 @@ from trtglm.backend import bls, contract, llm_requests, postprocessing, preproce
 from trtglm.backend.contract import (BLS, CONTRACT, ENSEMBLE, POSTPROCESSING, PREPROCESSING, PYTHON, TENSORRT_LLM,
                                      TENSORRTLLM)
 from trtglm.errors import UsageError
+from trtglm.repo.contract_text import with_declarations
 
 ENGINE_KINDS = {PYTHON: "torch", TENSORRTLLM: "tensorrt"}  # tensorrt_llm's backend -> engine kind
 
@@ -129,7 +130,9 @@ def test_the_python_models_read_the_parameters_their_configs_set(rendered):
 ])
 def test_a_template_that_drifts_from_the_contract_is_refused_at_render_time(tmp_path, fixture_dir, old, new, message):
     template = template_copy(tmp_path)
-    config = template / ("ensemble" if "input_map" in old else POSTPROCESSING) / "config.pbtxt"
+    model = ENSEMBLE if "input_map" in old else POSTPROCESSING
+    config = template / model / "config.pbtxt"
+    config.write_text(with_declarations(config.read_text(), model))  # a copy that declares its tensors itself
     assert old in config.read_text()
     config.write_text(config.read_text().replace(old, new))
     engine = make_engine(tmp_path, "torch", fixture_dir)

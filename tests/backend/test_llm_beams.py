@@ -1,6 +1,6 @@
 """The tensorrt_llm model's beam search tensors: beam_width, len_penalty and early_stopping into the executor's
 Request, and a beam search's answer as NVIDIA's output tensors ([1, beams, …], shorter beams padded with -1), its
-logits included."""
+logits included; and why a sequence ended, on its last response (finish_reason)."""
 
 from __future__ import annotations
 
@@ -93,3 +93,16 @@ def test_a_response_that_cannot_be_made_still_ends_the_request_with_an_error():
     assert failures == ["its response could not be made or sent: 'no such output'"]
     reply(Output(tokens=[5], log_probs=[], finished=True, reason="length"))  # a gone reply takes no more
     assert len(failures) == 1
+
+
+@pytest.mark.parametrize("reason, told", [("end_id", "stop"), ("stop_word", "stop"), ("length", "length")])
+def test_the_last_response_tells_why_the_sequence_ended(reason, told):
+    sent = []
+    reply = Responder(True, lambda arrays, last: sent.append(arrays), sent.append)
+    reply(Output(tokens=[4, 5], log_probs=[], finished=False, reason=None))
+    reply(Output(tokens=[6] * (reason != "end_id"), log_probs=[], finished=True, reason=reason))
+    assert [arrays["finish_reason"].tolist() for arrays in sent] == [[[b""]], [[told.encode()]]]
+    beams = []
+    Responder(False, lambda arrays, last: beams.append(arrays), beams.append)(Output(
+        tokens=[], log_probs=[], finished=True, reason=reason, beams=[Beam([1, 2], -1.0, -0.5, [])]))
+    assert beams[0]["finish_reason"].tolist() == [[told.encode()]]

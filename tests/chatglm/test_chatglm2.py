@@ -50,6 +50,6 @@ def test_the_checkpoints_version_picks_the_format(tmp_path, fixture_dir, tok):
     chat = [{"role": "user", "content": "hi"}]
     for version, expected in (("chatglm2", chatglm2_ids(tok, chat)), ("chatglm3", chat_ids(tok, chat))):
         checkpoint = convert_checkpoint(fixture_dir, tmp_path / version, chatglm_version=version)
-        local = LocalChat(checkpoint, fixture_dir, max_new_tokens=1, temperature=0.0, top_k=0, top_p=1.0, seed=None,
+        local = LocalChat(checkpoint, fixture_dir, max_tokens=1, temperature=0.0, top_k=0, top_p=1.0, seed=None,
                           device="cpu")
         assert local.prompt_ids(tok, chat) == expected

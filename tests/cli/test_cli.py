@@ -137,3 +137,14 @@ def test_every_bench_kind_has_help():
     for kind in KINDS:
         proc = run_cli("bench", kind, "--help")
         assert proc.returncode == 0 and proc.stdout.startswith(f"usage: trtglm bench {kind} "), proc.stderr
+
+
+def test_the_output_budget_is_max_tokens_everywhere_and_max_new_tokens_a_hidden_alias():
+    from trtglm.cli.flags import check_argv
+
+    for command in ("chat", "verify", "generate"):
+        usage = run_cli(command, "--help").stdout
+        assert "--max-tokens" in usage and "--max-new-tokens" not in usage, command
+    assert check_argv("chat", COMMANDS["chat"], ["--max-new-tokens", "5"]) == ["--max_tokens=5"]
+    refused = run_cli("chat", "--max-new-tokens", "0", "--prompt", "hi")
+    assert refused.returncode == 2 and "--max-tokens must be a positive whole number" in refused.stderr

@@ -234,8 +234,7 @@ def test_a_killed_replica_comes_back_while_the_other_serves(fleet):
 
 
 def test_two_replicas_of_two_ranks_answer_exactly(tmp_path):
-    fleet = Fleet(tmp_path, 2, build_flags=("--set", "convert.tp_size=2", "--set", "serve.world_size=2"),
-                  world_size=2)
+    fleet = Fleet(tmp_path, 2, build_flags=("--set", "convert.tp_size=2"), world_size=2)
     fleet.start()
     try:
         before = fleet.replica_tokens()

@@ -51,7 +51,7 @@ def test_request_tensors_become_an_executor_request():
         end_id=np.array([2], np.int32), stop_words_list=stop_words,
         bad_words_list=stack_word_lists([word_list([[9]])]), embedding_bias=np.zeros((1, 0), np.float32),
         streaming=np.array([[True]]), return_log_probs=np.array([True]), min_length=np.array([2], np.int32)))
-    assert list(request.prompt) == [5, 6, 7] and request.max_new_tokens == 4 and request.end_id == 2
+    assert list(request.prompt) == [5, 6, 7] and request.max_tokens == 4 and request.end_id == 2
     assert request.stop_words == [[518], [520], [30, 31]] and request.bad_words == [[9]]
     assert request.embedding_bias is None and request.sampling.min_tokens == 2 and streaming
     assert request.output.return_log_probs and not request.output.return_context_logits
@@ -105,8 +105,8 @@ def two_sequences(**values) -> dict[str, np.ndarray]:
 
 def test_each_sequence_of_a_batch_is_a_request_of_its_own():
     (first, second), streaming = engine_requests(two_sequences(end_id=np.array([2, 3], np.int32)), RETURN_SEQUENCES)
-    assert (list(first.prompt), first.max_new_tokens, first.end_id) == ([5, 6, 7], 4, 2)
-    assert (list(second.prompt), second.max_new_tokens, second.end_id) == ([8, 9, 10, 11], 6, 3)
+    assert (list(first.prompt), first.max_tokens, first.end_id) == ([5, 6, 7], 4, 2)
+    assert (list(second.prompt), second.max_tokens, second.end_id) == ([8, 9, 10, 11], 6, 3)
     assert streaming is False
 
 

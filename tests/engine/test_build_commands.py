@@ -3,7 +3,8 @@
 import pytest
 
 from conftest import REPO
-from trtglm.engine.trtllm_cmd import convert_argv, engine_limits, trtllm07_build_argv, trtllm_build_argv
+from trtglm.engine.manifest import Limits
+from trtglm.engine.trtllm_cmd import convert_argv, trtllm07_build_argv, trtllm_build_argv
 from trtglm.errors import UsageError
 from trtglm.profile import load_profile, parse_overrides
 
@@ -65,7 +66,10 @@ TRTLLM_BUILD = {
         "--context_fmha", "enable", "--remove_input_padding", "enable", "--use_paged_context_fmha", "enable",
         "--tokens_per_block", "128"],
 }
-NOT_IN_TRTLLM07 = {"chatglm3-6b-128k-fp16-tp1"}  # published after v0.7.1, whose build.py has no such model
+NOT_IN_TRTLLM07 = {"chatglm3-6b-128k-fp16-tp1", "chatglm3-6b-fp8-tp1"}  # v0.7.1's build.py has no such model, and
+# takes FP8 only from an AMMO .npz
+# FP8 comes from the checkpoint (TensorRT-LLM's examples/chatglm README builds its FP8 checkpoint with no FP8 flag)
+TRTLLM_BUILD["chatglm3-6b-fp8-tp1"] = TRTLLM_BUILD["chatglm3-6b-bf16-tp1"]
 
 # name -> expected v0.7.1 `examples/chatglm/build.py` argv for HF folder /m and output E
 TRTLLM07 = {
@@ -121,9 +125,13 @@ def test_every_tensorrt_profile_has_expected_lists():
     assert tensorrt == set(TRTLLM_BUILD) == set(TRTLLM07) | NOT_IN_TRTLLM07
 
 
-@pytest.mark.parametrize("name", sorted(NOT_IN_TRTLLM07))
-def test_trtllm07_has_no_build_for_later_models(name):
-    with pytest.raises(UsageError, match="TensorRT-LLM v0.7.1 has no build for chatglm3-6b-128k"):
+@pytest.mark.parametrize("name, message", [
+    ("chatglm3-6b-128k-fp16-tp1", "TensorRT-LLM v0.7.1 has no build for chatglm3-6b-128k"),
+    ("chatglm3-6b-fp8-tp1", "v0.7.1's build.py reads FP8 scales only from an AMMO-quantized .npz"),
+])
+def test_trtllm07_has_no_build_for_later_models(name, message):
+    assert name in NOT_IN_TRTLLM07
+    with pytest.raises(UsageError, match=message):
         trtllm07_build_argv(profile(name), "/m", "E")
 
 
@@ -147,8 +155,8 @@ def test_trtllm_build_switches_follow_the_profile():
 
 
 def test_engine_limits():
-    assert engine_limits(profile("chatglm3-6b-32k-fp16-tp1")) == {
-        "max_batch_size": 2, "max_input_len": 30720, "max_seq_len": 32768, "max_num_tokens": 8192}
+    assert Limits.of(profile("chatglm3-6b-32k-fp16-tp1").build) == Limits(
+        max_batch_size=2, max_input_len=30720, max_seq_len=32768, max_num_tokens=8192, max_beam_width=1)
 
 
 def test_convert_argv():
@@ -160,6 +168,12 @@ def test_convert_argv():
         "--tp-size", "2", "--pp-size", "1", "--chatglm-version", "chatglm3"]
     chatglm2 = profile("chatglm3-6b-fp16-tp1", **{"model.variant": "chatglm2-6b"})
     assert convert_argv(chatglm2, "/m", "c")[-3:] == ["--chatglm-version", "chatglm2", "--force"]
+    assert convert_argv(profile("chatglm3-6b-fp8-tp1"), "/m", "c", force=False) == [
+        "trtglm", "convert", "--model-dir", "/m", "--output-dir", "c", "--dtype", "bfloat16",
+        "--tp-size", "1", "--pp-size", "1", "--fp8", "--fp8-kv-cache", "--chatglm-version", "chatglm3"]
+    prompts = profile("chatglm3-6b-fp8-tp1", **{"convert.fp8_kv_cache": False, "convert.calibration_prompts": "/p.txt"})
+    assert convert_argv(prompts, "/m", "c")[-6:] == ["--fp8", "--calibration-prompts", "/p.txt", "--chatglm-version",
+                                                    "chatglm3", "--force"]
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -19,9 +19,10 @@ import yaml
 from conftest import REPO, run_cli
 from support.cli_calls import build_engine
 from trtglm.convert.staging import staged_output
-from trtglm.engine.manifest import read_manifest
-from trtglm.errors import DependencyError, ModelFileError, OutputExistsError, TrtglmError
+from trtglm.engine.manifest import Limits, RankMapping, read_manifest
+from trtglm.errors import DependencyError, ModelFileError, OutputExistsError, TrtglmError, UsageError
 from trtglm.profile import load_profile
+from trtglm.runtime.checkpoint import load_checkpoint
 
 TINY = REPO / "configs" / "tiny.yaml"
 STAND_INS = REPO / "tests" / "stand_ins"
@@ -96,23 +97,24 @@ def test_build_runs_trtllm_build_with_the_exact_argv(hf, tmp_path, stand_in):
     assert build_engine(TINY, model_dir=hf, output_dir=out, overrides=TENSORRT) == out
     assert stand_in.calls() == [expected_trtllm_argv(out)]
     manifest = read_manifest(out)
-    assert manifest["engine"] == "tensorrt" and manifest["tensorrt_llm_version"] == "stand-in"
-    assert manifest["engine_files"] == ["config.json", "rank0.engine"]
-    assert manifest["limits"] == {"max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512,
-                                  "max_num_tokens": 2048, "max_beam_width": 1}
-    assert manifest["mapping"] == {"world_size": 1, "tp_size": 1, "pp_size": 1}
-    assert (manifest["dtype"], manifest["quantization"]) == ("float16", {"weight_only": None, "quant_algo": None})
+    assert manifest.engine == "tensorrt" and manifest.tensorrt_llm_version == "stand-in"
+    assert manifest.engine_files == ["config.json", "rank0.engine"]
+    assert manifest.limits == Limits(max_batch_size=8, max_input_len=256, max_seq_len=512, max_num_tokens=2048,
+                                     max_beam_width=1)
+    assert manifest.mapping == RankMapping(tp_size=1, pp_size=1) and manifest.mapping.world_size == 1
+    assert json.loads((out / "trtglm.json").read_text())["mapping"] == {"world_size": 1, "tp_size": 1, "pp_size": 1}
+    assert (manifest.dtype, manifest.quantization) == ("float16", {"weight_only": None, "quant_algo": None,
+                                                                   "kv_cache_quant_algo": None})
     assert checkpoint_dtype(out) == "float16"
 
 
 def test_tensor_parallel_build_has_one_engine_per_rank(hf, tmp_path, stand_in):
     out = tmp_path / "engine"
     stand_in.expect(expected_trtllm_argv(out))
-    build_engine(TINY, model_dir=hf, output_dir=out, overrides={**TENSORRT, "convert.tp_size": 2,
-                                                                 "serve.world_size": 2})
+    build_engine(TINY, model_dir=hf, output_dir=out, overrides={**TENSORRT, "convert.tp_size": 2})
     manifest = read_manifest(out)
-    assert manifest["engine_files"] == ["config.json", "rank0.engine", "rank1.engine"]
-    assert manifest["mapping"] == {"world_size": 2, "tp_size": 2, "pp_size": 1}
+    assert manifest.engine_files == ["config.json", "rank0.engine", "rank1.engine"]
+    assert manifest.mapping == RankMapping(tp_size=2, pp_size=1) and manifest.mapping.world_size == 2
     assert sorted(p.name for p in (out / "checkpoint").iterdir()) == ["config.json", "rank0.safetensors",
                                                                       "rank1.safetensors"]
 
@@ -123,7 +125,43 @@ def test_weight_only_reaches_the_checkpoint_not_the_build_flags(hf, tmp_path, st
     build_engine(TINY, model_dir=hf, output_dir=out, overrides={**TENSORRT, "convert.weight_only": "int8"})
     ckpt = json.loads((out / "checkpoint" / "config.json").read_text())
     assert ckpt["quantization"]["quant_algo"] == "W8A16"
-    assert read_manifest(out)["quantization"] == {"weight_only": "int8", "quant_algo": "W8A16"}
+    assert read_manifest(out).quantization == {"weight_only": "int8", "quant_algo": "W8A16",
+                                               "kv_cache_quant_algo": None}
+
+
+def test_fp8_reaches_the_checkpoint_not_the_build_flags(hf, tmp_path, stand_in):
+    out = tmp_path / "engine"
+    stand_in.expect(expected_trtllm_argv(out))
+    build_engine(TINY, model_dir=hf, output_dir=out, overrides={**TENSORRT, "convert.fp8": True,
+                                                                 "convert.fp8_kv_cache": True})
+    ckpt = json.loads((out / "checkpoint" / "config.json").read_text())
+    assert ckpt["quantization"] == {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}
+    assert read_manifest(out).quantization == {"weight_only": None, "quant_algo": "FP8",
+                                               "kv_cache_quant_algo": "FP8"}
+
+
+def test_fp8_for_a_variant_without_it_in_tensorrt_llm_is_one_line(hf, tmp_path, stand_in):
+    with pytest.raises(UsageError, match="TensorRT-LLM's ChatGLM support matrix has no FP8 for chatglm3-6b-128k; "
+                                         r"build it for trtglm's runtime \(build.engine: torch\)"):
+        build_engine(TINY, model_dir=hf, output_dir=tmp_path / "e",
+                     overrides={**TENSORRT, "model.variant": "chatglm3-6b-128k", "convert.fp8": True})
+    assert stand_in.calls() == [] and not (tmp_path / "e").exists()
+
+
+def test_a_failed_fp8_calibration_leaves_no_engine_and_keeps_the_old_one(hf, tmp_path):
+    """An empty calibration set: one line, and the torch engine already built stays whole and in use."""
+    out = build_engine(TINY, model_dir=hf, output_dir=tmp_path / "engine")
+    before = read_manifest(out)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    fp8 = {"convert.fp8": True, "convert.dtype": "bfloat16", "convert.calibration_prompts": str(empty)}
+    with pytest.raises(UsageError, match=f"--calibration-prompts {empty}: no prompts"):
+        build_engine(TINY, model_dir=hf, output_dir=out, overrides=fp8, force=True)
+    assert read_manifest(out) == before and load_checkpoint(out / "checkpoint").config.quant_algo is None
+    assert not [p for p in out.iterdir() if ".tmp-" in p.name]
+    with pytest.raises(UsageError, match="no prompts"):
+        build_engine(TINY, model_dir=hf, output_dir=tmp_path / "fresh", overrides=fp8)
+    assert not (tmp_path / "fresh" / "trtglm.json").exists() and not (tmp_path / "fresh" / "checkpoint").exists()
 
 
 def test_fresh_checkpoint_is_reused(hf, tmp_path, stand_in, caplog):
@@ -145,7 +183,7 @@ def test_stale_checkpoint_is_reconverted(hf, tmp_path, stand_in, caplog):
     caplog.set_level("INFO")
     build_engine(TINY, model_dir=hf, output_dir=out, overrides={**TENSORRT, "convert.dtype": "float32"}, force=True)
     assert "conversion settings changed (dtype float16 → float32)" in caplog.text
-    assert checkpoint_dtype(out) == "float32" and read_manifest(out)["dtype"] == "float32"
+    assert checkpoint_dtype(out) == "float32" and read_manifest(out).dtype == "float32"
     caplog.clear()
     config = hf / "config.json"
     os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 10**9))  # the HF folder changed
@@ -170,7 +208,7 @@ def test_failed_trtllm_build_leaves_no_manifest_and_keeps_the_checkpoint(hf, tmp
     monkeypatch.delenv("TRTLLM_STANDIN_EXIT")
     caplog.set_level("INFO")
     build_engine(TINY, model_dir=hf, output_dir=out, overrides=TENSORRT)  # no engine there yet: no --force needed
-    assert "reusing checkpoint" in caplog.text and read_manifest(out)["engine"] == "tensorrt"
+    assert "reusing checkpoint" in caplog.text and read_manifest(out).engine == "tensorrt"
 
 
 def engine_bytes(out: Path) -> dict[str, bytes]:
@@ -202,7 +240,7 @@ def test_a_killed_tensorrt_rebuild_leaves_the_old_engine_working(hf, tmp_path, s
         os.killpg(rebuild.pid, signal.SIGKILL)
         rebuild.wait()
     assert engine_bytes(out) == before  # manifest, config.json and rank0.engine as they were
-    assert read_manifest(out)["engine"] == "tensorrt"
+    assert read_manifest(out).engine == "tensorrt"
     monkeypatch.delenv("TRTLLM_STANDIN_PAUSE")
     build_engine(TINY, model_dir=hf, output_dir=out, overrides=TENSORRT, force=True)
     assert json.loads((out / "config.json").read_text())["build_config"]["rebuilt"] is True
@@ -241,7 +279,7 @@ def test_engine_auto_builds_tensorrt_where_trtllm_build_is_and_torch_elsewhere(h
     with caplog.at_level(logging.INFO, logger="trtglm"):
         build_engine(TINY, model_dir=hf, output_dir=out, overrides={**TENSORRT, "build.engine": "auto"})
     expected = "tensorrt" if with_trtllm else "torch"
-    assert read_manifest(out)["engine"] == expected
+    assert read_manifest(out).engine == expected
     assert f"build.engine auto → {expected}" in caplog.text
     assert all(load_profile(p).build.engine == "auto" for p in (REPO / "configs").glob("chatglm3-6b-*.yaml"))
 
@@ -270,17 +308,17 @@ def torch_engine(tmp_path_factory, fixture_dir) -> Path:
 def test_torch_engine_for_the_tiny_profile(torch_engine, fixture_dir):
     manifest = read_manifest(torch_engine)
     raw = yaml.safe_load(TINY.read_text())
-    assert manifest["engine"] == "torch" and manifest["engine_files"] == []
-    assert manifest["limits"] == {k: raw["build"][k] for k in ("max_batch_size", "max_input_len", "max_seq_len",
-                                                                "max_num_tokens", "max_beam_width")}
-    assert manifest["dtype"] == raw["convert"]["dtype"] == checkpoint_dtype(torch_engine)
-    assert manifest["profile"]["build"]["engine"] == "torch"
-    assert manifest["sources"]["model_dir"] == str(fixture_dir)
+    assert manifest.engine == "torch" and manifest.engine_files == []
+    assert manifest.limits == Limits(**{k: raw["build"][k] for k in ("max_batch_size", "max_input_len", "max_seq_len",
+                                                                      "max_num_tokens", "max_beam_width")})
+    assert manifest.dtype == raw["convert"]["dtype"] == checkpoint_dtype(torch_engine)
+    assert manifest.profile["build"]["engine"] == "torch"
+    assert manifest.sources["model_dir"] == str(fixture_dir)
     hf_config = json.loads((fixture_dir / "config.json").read_text())
-    assert (manifest["model"]["num_layers"], manifest["model"]["vocab_size"]) == (
+    assert (manifest.model["num_layers"], manifest.model["vocab_size"]) == (
         hf_config["num_layers"], hf_config["padded_vocab_size"])
-    assert manifest["tensorrt_llm_version"] is None
-    tokenizer = Path(manifest["tokenizer_dir"])
+    assert manifest.tensorrt_llm_version is None
+    tokenizer = manifest.tokenizer_dir
     assert (tokenizer / "tokenizer.model").read_bytes() == (fixture_dir / "tokenizer.model").read_bytes()
 
 
@@ -288,10 +326,10 @@ def test_manifest_tokenizer_facts_match_chatglm3s_id_layout(torch_engine, fixtur
     sp = sentencepiece.SentencePieceProcessor(model_file=str(fixture_dir / "tokenizer.model"))
     n = sp.vocab_size()
     assert (sp.id_to_piece(0), sp.id_to_piece(2)) == ("<unk>", "</s>")
-    facts = read_manifest(torch_engine)["tokenizer"]
-    assert facts["special_ids"] == {name: n + i for i, name in enumerate(SPECIAL_TOKENS)}
-    assert (facts["pad_id"], facts["end_id"], facts["vocab_size"]) == (0, 2, n + len(SPECIAL_TOKENS))
-    assert facts["stop_ids"] == [2, n + SPECIAL_TOKENS.index("<|user|>"), n + SPECIAL_TOKENS.index("<|observation|>")]
+    facts = read_manifest(torch_engine).tokenizer
+    assert facts.special_ids == {name: n + i for i, name in enumerate(SPECIAL_TOKENS)}
+    assert (facts.pad_id, facts.end_id, facts.vocab_size) == (0, 2, n + len(SPECIAL_TOKENS))
+    assert facts.stop_ids == [2, n + SPECIAL_TOKENS.index("<|user|>"), n + SPECIAL_TOKENS.index("<|observation|>")]
 
 
 def test_an_interrupted_rebuild_leaves_the_working_engine_as_it_was(tmp_path, monkeypatch):
@@ -314,11 +352,11 @@ def test_an_interrupted_rebuild_leaves_the_working_engine_as_it_was(tmp_path, mo
     monkeypatch.setattr(writer, "convert_checkpoint", interrupted)
     with pytest.raises(KeyboardInterrupt):
         build_engine(TINY, output_dir=out, overrides={"convert.dtype": "float16"}, force=True)
-    assert read_manifest(out) == before and before["dtype"] != "float16"
+    assert read_manifest(out) == before and before.dtype != "float16"
     assert load_model(out / "checkpoint").config.vocab_size > 0
     monkeypatch.setattr(writer, "convert_checkpoint", real)
     rebuilt = read_manifest(build_engine(TINY, output_dir=out, overrides={"convert.dtype": "float16"}, force=True))
-    assert rebuilt["dtype"] == "float16"
+    assert rebuilt.dtype == "float16"
 
 
 def test_existing_engine_needs_force_unless_up_to_date(torch_engine, tmp_path):
@@ -346,13 +384,15 @@ def copy_engine(engine: Path, tmp_path: Path) -> Path:
     (lambda e: _edit(e, lambda m: m.update(mapping=[1])), "mapping has the wrong type"),
     (lambda e: _edit(e, lambda m: m["tokenizer"].pop("end_id")), "tokenizer lacks end_id"),
     (lambda e: _edit(e, lambda m: m.update(engine="onnx")), "engine must be one of tensorrt, torch"),
+    (lambda e: _edit(e, lambda m: m["limits"].update(max_seq_len="512")), "limits.max_seq_len has the wrong type"),
+    (lambda e: _edit(e, lambda m: m["mapping"].update(world_size=2)), "mapping.world_size is 2, but tp × pp = 1 × 1"),
     (lambda e: _edit(e, lambda m: m.update(format_version=99)), "rebuild with this trtglm"),
     (lambda e: _edit(e, lambda m: m.update(engine_files=["rank0.engine"])), "rank0.engine, which is missing"),
     (lambda e: shutil.rmtree(e / "checkpoint"), "which is missing"),
 ])
 def test_read_manifest_rejects_damage_in_one_line(torch_engine, tmp_path, damage, message):
     engine = copy_engine(torch_engine, tmp_path)
-    assert read_manifest(engine)["engine_dir"] == str(engine.resolve())
+    assert read_manifest(engine).engine_dir == engine.resolve()
     damage(engine)
     with pytest.raises(ModelFileError) as info:
         read_manifest(engine)
@@ -368,8 +408,8 @@ def _edit(engine: Path, change) -> None:
 
 def test_read_manifest_resolves_paths(torch_engine):
     manifest = read_manifest(torch_engine)
-    assert Path(manifest["checkpoint_dir"]) == torch_engine.resolve() / "checkpoint"
-    assert Path(manifest["tokenizer_dir"]) == torch_engine.resolve() / "tokenizer"
+    assert manifest.checkpoint_dir == torch_engine.resolve() / "checkpoint"
+    assert manifest.tokenizer_dir == torch_engine.resolve() / "tokenizer"
 
 
 # --- through the command line ---------------------------------------------------------------------
@@ -380,7 +420,7 @@ def test_cli_build_engine_with_set_and_force(tmp_path, fixture_dir):
     proc = run_cli("build-engine", "--config", "configs/tiny.yaml", "--output-dir", out,
                    "--set", "build.max_batch_size=4", "--set=build.max_num_tokens=1024")
     assert proc.returncode == 0, proc.stderr
-    assert read_manifest(out)["limits"]["max_batch_size"] == 4
+    assert read_manifest(out).limits.max_batch_size == 4
     built = (out / "trtglm.json").read_bytes()
     same = run_cli("build-engine", "--config", "configs/tiny.yaml", "--output-dir", out,
                    "--set", "build.max_batch_size=4", "--set=build.max_num_tokens=1024")
@@ -390,7 +430,7 @@ def test_cli_build_engine_with_set_and_force(tmp_path, fixture_dir):
     assert again.returncode == 4 and "--force" in again.stderr and len(again.stderr.strip().splitlines()) == 1
     forced = run_cli("build-engine", "--config", "configs/tiny.yaml", "--output-dir", out, "--force")
     assert forced.returncode == 0 and "reusing checkpoint" in forced.stderr  # limits are not conversion settings
-    assert read_manifest(out)["limits"]["max_batch_size"] == 8
+    assert read_manifest(out).limits.max_batch_size == 8
 
 
 def test_cli_dry_run_and_profile_errors(tmp_path, fixture_dir):
@@ -401,3 +441,24 @@ def test_cli_dry_run_and_profile_errors(tmp_path, fixture_dir):
     bad = run_cli("build-engine", "--config", "configs/tiny.yaml", "--set", "build.max_input_len=600")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "build.max_input_len (600) must be < build.max_seq_len (512)" in bad.stderr
+
+
+def test_fp8_torch_engines_are_not_warmed_up_on_gpus_without_fp8(hf, tmp_path, monkeypatch, capsys):
+    """build-engine on a GPU warms a torch engine up; an FP8 one on a GPU without FP8 tensor cores is left whole and
+    cold (it runs on Ada and Hopper GPUs), not failed."""
+    import torch
+
+    from trtglm.cli.engine import warmup_applies
+
+    plain = build_engine(TINY, model_dir=hf, output_dir=tmp_path / "bf16", overrides={"convert.dtype": "bfloat16"})
+    fp8 = build_engine(TINY, model_dir=hf, output_dir=tmp_path / "fp8",
+                       overrides={"convert.dtype": "bfloat16", "convert.fp8": True})
+    for name, value in (("is_available", lambda: True), ("current_device", lambda: 0),
+                        ("get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")):
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.delenv("TRTGLM_DEVICE", raising=False)
+    for capability, fp8_warmed in (((8, 0), False), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert (warmup_applies(plain), warmup_applies(fp8)) == (True, fp8_warmed)
+    assert "not warmed up: an FP8 engine, and NVIDIA A100-SXM4-80GB (compute capability 8.0) has no FP8" in \
+        capsys.readouterr().out

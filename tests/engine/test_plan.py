@@ -50,6 +50,16 @@ def test_fp16_weights_equal_transformers_parameter_count():
     assert round(weight_bytes(SHAPES_6B, "bfloat16") / 1e9, 2) == 12.49
 
 
+def test_fp8_bytes_follow_transformers_linear_layers():
+    """FP8: a byte per linear weight, one scale per matrix (a few bytes, left out); the KV cache a byte per value."""
+    params = glm_6b_parameters()
+    numel = sum(s[0] * s[1] for n, s in params.items() if n.endswith("_proj.weight"))
+    assert weight_bytes(SHAPES_6B, "bfloat16", "fp8") == weight_bytes(SHAPES_6B, "bfloat16") - numel
+    assert 0.54 < weight_bytes(SHAPES_6B, "bfloat16", "fp8") / weight_bytes(SHAPES_6B, "bfloat16") < 0.55
+    assert kv_bytes_per_token(SHAPES_6B, "bfloat16", fp8=True) * 2 == kv_bytes_per_token(SHAPES_6B, "bfloat16") == \
+        2 * 28 * 2 * 128 * 2  # chatglm3.md: 28,672 bytes per token in 16-bit
+
+
 @pytest.mark.parametrize("weight_only, bits", [("int8", 8), ("int4", 4)])
 def test_weight_only_bytes_follow_transformers_linear_layers(weight_only, bits):
     params = glm_6b_parameters()

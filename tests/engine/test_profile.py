@@ -2,6 +2,7 @@
 
 import copy
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ BASE = {
               "max_num_tokens": 2048, "max_beam_width": 1, "kv_cache_type": "paged", "gemm_plugin": "auto",
               "gpt_attention_plugin": "auto", "context_fmha": True, "remove_input_padding": True,
               "use_paged_context_fmha": False, "tokens_per_block": 64},
-    "serve": {"world_size": 1, "batching_strategy": "inflight_fused_batching", "decoupled": True,
+    "serve": {"batching_strategy": "inflight_fused_batching", "decoupled": True,
               "preprocessing_instances": 1, "postprocessing_instances": 1, "bls_instances": 1,
               "kv_cache_free_gpu_mem_fraction": 0.9, "batch_scheduler_policy": "guaranteed_no_evict",
               "max_queue_delay_microseconds": 0, "max_queue_size": 0, "http_port": 8000, "grpc_port": 8001,
@@ -73,7 +74,7 @@ def test_shipped_profiles_are_complete_and_valid(name):
     profile = load_profile(CONFIGS / name)
     # complete recipes: every key written out, none left to defaults
     assert {s: set(v) for s, v in raw.items()} == {s: set(v) for s, v in profile.to_dict().items()}
-    assert profile.world_size == profile.serve.world_size
+    assert "world_size" not in raw["serve"]  # derived: tp × pp
     assert profile.name == name.removesuffix(".yaml")
 
 
@@ -105,6 +106,17 @@ def test_relative_model_dir_is_relative_to_the_repository_root(tmp_path, monkeyp
     assert load_profile(path).model.dir == str((tmp_path / "proj" / "models" / "m").resolve())
 
 
+def test_fp8_profile_and_its_calibration_prompts(tmp_path):
+    fp8 = load_profile(CONFIGS / "chatglm3-6b-fp8-tp1.yaml")
+    assert (fp8.quant_algo, fp8.kv_cache_quant_algo, fp8.convert.calibration_prompts) == ("FP8", "FP8", None)
+    assert (load_profile(CONFIGS / "chatglm3-6b-int8-tp1.yaml").quant_algo,
+            load_profile(CONFIGS / "chatglm3-6b-fp16-tp1.yaml").kv_cache_quant_algo) == ("W8A16", None)
+    path = write_profile(tmp_path / "proj", {"convert.fp8": True, "convert.calibration_prompts": "data/p.txt"})
+    assert load_profile(path).convert.calibration_prompts == str((tmp_path / "proj" / "data" / "p.txt").resolve())
+    given = load_profile(path, {"convert.calibration_prompts": "/x/p.jsonl"})  # an override is used as given
+    assert given.convert.calibration_prompts == "/x/p.jsonl"
+
+
 def test_defaults_fill_optional_keys(tmp_path):
     path = write_profile(tmp_path, deletions=["build.max_num_tokens", "build.tokens_per_block", "serve.http_port",
                                               "convert.pp_size", "convert.weight_only", "model.dir"])
@@ -114,11 +126,19 @@ def test_defaults_fill_optional_keys(tmp_path):
     assert p.model.dir is None
 
 
+def test_a_profile_that_still_gives_the_world_size_loads_with_a_note(tmp_path, caplog):
+    path = write_profile(tmp_path, {"convert.tp_size": 2, "serve.world_size": 2})
+    with caplog.at_level(logging.INFO, logger="trtglm.profile"):
+        p = load_profile(path)
+    assert p.world_size == 2 and "world_size" not in p.to_dict()["serve"]
+    assert "serve.world_size is convert.tp_size × convert.pp_size, derived" in caplog.text
+
+
 def test_overrides_are_applied_before_validation(tmp_path):
     path = write_profile(tmp_path)
     p = load_profile(path, {"build.max_batch_size": 16, "convert.tp_size": 2, "serve.world_size": 2})
     assert (p.build.max_batch_size, p.convert.tp_size, p.world_size) == (16, 2, 2)
-    assert "serve.world_size (1)" in error_of(path, {"convert.tp_size": 2})
+    assert "serve.world_size (1)" in error_of(path, {"convert.tp_size": 2, "serve.world_size": 1})
     assert "unknown key" in error_of(path, {"build.max_batchsize": 16})
     assert "SECTION.KEY" in error_of(path, {"max_batch_size": 16})
 
@@ -151,12 +171,18 @@ INVALID = {
     "section not a mapping": ({"build": [1, 2]}, [], "build must be a mapping"),
     "input not below seq": ({"build.max_input_len": 8192, "build.max_seq_len": 4096, "build.max_num_tokens": 8192},
                             [], "build.max_input_len (8192) must be < build.max_seq_len (4096)"),
-    "world size": ({"convert.tp_size": 2}, [], "serve.world_size (1) must equal convert.tp_size × convert.pp_size"),
-    "tp not supported": ({"convert.tp_size": 3, "serve.world_size": 3}, [], "convert.tp_size must be one of 1, 2, 4, 8"),
-    "pp": ({"convert.pp_size": 2, "serve.world_size": 2}, [], "convert.pp_size must be one of 1, not 2"),
+    "world size": ({"convert.tp_size": 2, "serve.world_size": 1}, [],
+                   "serve.world_size (1) must equal convert.tp_size × convert.pp_size"),
+    "tp not supported": ({"convert.tp_size": 3}, [], "convert.tp_size must be one of 1, 2, 4, 8"),
+    "pp": ({"convert.pp_size": 2}, [], "convert.pp_size must be one of 1, not 2"),
     "weight-only fp32": ({"convert.weight_only": "int8", "convert.dtype": "float32"}, [],
                          "convert.weight_only (int8) needs convert.dtype float16 or bfloat16"),
     "weight-only kind": ({"convert.weight_only": "int2"}, [], "convert.weight_only must be one of null, int8, int4"),
+    "fp8 and weight-only": ({"convert.fp8": True, "convert.weight_only": "int4"}, [],
+                            "convert.fp8 and convert.weight_only (int4) exclude one another"),
+    "fp8 fp32": ({"convert.fp8": True, "convert.dtype": "float32"}, [], "convert.fp8 needs convert.dtype float16"),
+    "fp8 kv alone": ({"convert.fp8_kv_cache": True}, [], "convert.fp8_kv_cache needs convert.fp8 true"),
+    "prompts alone": ({"convert.calibration_prompts": "p.txt"}, [], "convert.calibration_prompts needs convert.fp8"),
     "dtype": ({"convert.dtype": "fp16"}, [], "convert.dtype must be one of float16, bfloat16, float32"),
     "variant": ({"model.variant": "chatglm4"}, [], "model.variant must be one of"),
     "32k limit": ({"model.variant": "chatglm3-6b-32k", "build.max_batch_size": 3, "build.max_seq_len": 32768,

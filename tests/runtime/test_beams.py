@@ -138,7 +138,7 @@ def test_the_executor_answers_every_beam_with_other_requests_running(tp1_model, 
     from trtglm.runtime.generate import generate
     from trtglm.runtime.slot_runtime import ShardedSlotModel
 
-    executor = Executor(ShardedSlotModel(tp1_model, max_batch=2 * width + 2, max_seq_len=256), max_beam_width=width, overlap=overlap)
+    executor = Executor(ShardedSlotModel(tp1_model, num_slots=2 * width + 2, max_seq_len=256), max_beam_width=width, overlap=overlap)
     outputs = {}
     for i, prompt in enumerate(four_prompts):
         beams = SamplingConfig(beam_width=width, length_penalty=0.5, early_stopping=0)
@@ -156,14 +156,14 @@ def test_the_executor_answers_every_beam_with_other_requests_running(tp1_model, 
         assert answer.reason == ("end_id" if ids[0][-1] == end_id else "length")
         assert sum(best.log_probs) <= best.cum_log_prob + 1e-4  # the end id's log prob counts in cum_log_prob
         assert [t for o in outputs[("greedy", i)] for t in o.tokens] == generate(tp1_model, prompt, NEW, end_id=end_id)
-    assert executor.stats().active == 0 and not executor._held
+    assert executor.stats().active == 0 and not executor.scheduler.held
 
 
 def test_a_beam_search_waits_for_enough_free_slots_and_frees_them(tp1_model, four_prompts, end_id):
     from trtglm.runtime.executor import Executor, Request
     from trtglm.runtime.slot_runtime import ShardedSlotModel
 
-    executor = Executor(ShardedSlotModel(tp1_model, max_batch=4, max_seq_len=256), max_beam_width=4)
+    executor = Executor(ShardedSlotModel(tp1_model, num_slots=4, max_seq_len=256), max_beam_width=4)
     first, second, third = [], [], []
     executor.submit(Request(four_prompts[0], NEW, end_id=end_id), first.append)
     executor.submit(Request(four_prompts[1], NEW, end_id=end_id, sampling=SamplingConfig(beam_width=4)), second.append)
@@ -180,17 +180,17 @@ def test_beam_widths_past_the_limit_are_refused(tp1_model, four_prompts):
     from trtglm.runtime.executor import Executor, Request
     from trtglm.runtime.slot_runtime import ShardedSlotModel
 
-    executor = Executor(ShardedSlotModel(tp1_model, max_batch=4, max_seq_len=256), max_beam_width=2)
+    executor = Executor(ShardedSlotModel(tp1_model, num_slots=4, max_seq_len=256), max_beam_width=2)
     with pytest.raises(UsageError, match=r"beam_width 3 is outside 1..2 \(the engine's max_beam_width\)"):
         executor.submit(Request(four_prompts[0], NEW, sampling=SamplingConfig(beam_width=3)), lambda output: None)
     with pytest.raises(UsageError, match="max_beam_width must be 1 to the 4 slots"):
-        Executor(ShardedSlotModel(tp1_model, max_batch=4, max_seq_len=256), max_beam_width=5)
+        Executor(ShardedSlotModel(tp1_model, num_slots=4, max_seq_len=256), max_beam_width=5)
 
 
 def test_a_slot_copy_continues_like_the_original(tp1_model, four_prompts):
     from trtglm.runtime.slot_runtime import ShardedSlotModel
 
-    slots = ShardedSlotModel(tp1_model, max_batch=3, max_seq_len=256)
+    slots = ShardedSlotModel(tp1_model, num_slots=3, max_seq_len=256)
     slots.prefill([0, 2], [four_prompts[0], four_prompts[1]])
     slots.copy([0], [1])
     logits = slots.decode([0, 1, 2], [5, 5, 5])
@@ -205,7 +205,7 @@ def test_beams_take_presence_and_frequency_penalties_on_each_beams_history(tp1_m
     from trtglm.runtime.executor import Executor, Request
     from trtglm.runtime.slot_runtime import ShardedSlotModel
 
-    executor = Executor(ShardedSlotModel(tp1_model, max_batch=8, max_seq_len=256), max_beam_width=2)
+    executor = Executor(ShardedSlotModel(tp1_model, num_slots=8, max_seq_len=256), max_beam_width=2)
     answers = []
     for prompt in four_prompts:
         answers.append([])
@@ -259,7 +259,7 @@ def test_beams_decode_in_the_same_pass_as_another_requests_prompt_chunks(tp1_mod
     from trtglm.runtime.generate import generate
     from trtglm.runtime.slot_runtime import ShardedSlotModel
 
-    model = Passes(ShardedSlotModel(tp1_model, max_batch=3, max_seq_len=256))
+    model = Passes(ShardedSlotModel(tp1_model, num_slots=3, max_seq_len=256))
     executor = Executor(model, max_num_tokens=8, max_beam_width=2, overlap=overlap)
     beams, plain = [], []
     executor.submit(Request(four_prompts[0], NEW, end_id=end_id, sampling=SamplingConfig(beam_width=2)), beams.append)
@@ -282,7 +282,7 @@ def test_a_beam_search_reserves_kv_cache_room_for_every_beam(tp1_model, four_pro
 
     prompt = four_prompts[0]
     blocks = -(-(len(prompt) + NEW) // 16)
-    executor = Executor(ShardedSlotModel(tp1_model, max_batch=4, max_seq_len=256), max_kv_tokens=16 * 2 * blocks,
+    executor = Executor(ShardedSlotModel(tp1_model, num_slots=4, max_seq_len=256), max_kv_tokens=16 * 2 * blocks,
                         tokens_per_block=16, max_beam_width=2)
     plain, beams = [], []
     executor.submit(Request(prompt, NEW, end_id=end_id), plain.append)
@@ -309,7 +309,7 @@ def served_in_turn(tp1_model, prompts, widths, end_id, reuse: bool, slots: int) 
     from trtglm.runtime.executor import Executor, Request
     from trtglm.runtime.slot_runtime import ShardedSlotModel
 
-    model = Passes(ShardedSlotModel(tp1_model, max_batch=slots, max_seq_len=256))
+    model = Passes(ShardedSlotModel(tp1_model, num_slots=slots, max_seq_len=256))
     executor = Executor(model, tokens_per_block=16, kv_cache_reuse=reuse, max_beam_width=2)
     answers = []
     for prompt, width in zip(prompts, widths, strict=True):

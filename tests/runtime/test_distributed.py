@@ -215,7 +215,7 @@ class Script:
 
     def __init__(self, steps: list[Step]):
         self.steps, self.calls = list(steps), []
-        self.vocab_size, self.max_batch, self.max_seq_len, self.kv_tokens = 10, 2, 8, 16
+        self.vocab_size, self.num_slots, self.max_seq_len, self.kv_tokens = 10, 2, 8, 16
 
     def receive(self) -> Step:
         return self.steps.pop(0) if self.steps else Step(STOP, [], [])

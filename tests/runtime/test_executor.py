@@ -94,7 +94,7 @@ def alone(model, tok, prompt: list[int], max_new: int = 40) -> list[int]:
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["in_turn", "overlapped"])
 def test_interleaved_arrivals_give_each_request_its_tokens_alone(model, tok, prompts, overlap):
-    executor = Executor(ShardedSlotModel(model, max_batch=3, max_seq_len=MAX_SEQ), max_queue=16, overlap=overlap)
+    executor = Executor(ShardedSlotModel(model, num_slots=3, max_seq_len=MAX_SEQ), max_queue=16, overlap=overlap)
     results = [Collected() for _ in prompts]
     arrivals = {0: [0, 1], 2: [2], 3: [3, 4, 5, 6], 9: [7], 12: [8, 9, 10]}  # step -> requests arriving
     for step in range(400):
@@ -112,7 +112,7 @@ def test_interleaved_arrivals_give_each_request_its_tokens_alone(model, tok, pro
 
 
 def test_a_full_queue_refuses_and_frees_up(model, tok, prompts):
-    executor = Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ), max_queue=2)
+    executor = Executor(ShardedSlotModel(model, num_slots=1, max_seq_len=MAX_SEQ), max_queue=2)
     first, second, third = Collected(), Collected(), Collected()
     executor.submit(Request(prompts[0], 5), first)
     executor.submit(Request(prompts[1], 5), second)
@@ -126,7 +126,7 @@ def test_a_full_queue_refuses_and_frees_up(model, tok, prompts):
 
 
 def test_cancelling_frees_the_slot_for_a_waiting_request(model, tok, prompts):
-    executor = Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ))
+    executor = Executor(ShardedSlotModel(model, num_slots=1, max_seq_len=MAX_SEQ))
     long, waiting, asked = Collected(), Collected(), Collected()
     handle = executor.submit(Request(prompts[0], 100), long)
     executor.submit(Request(prompts[1], 40, end_id=tok.eos_id, stop_words=stops(tok)), waiting)
@@ -149,7 +149,7 @@ def test_cancelling_frees_the_slot_for_a_waiting_request(model, tok, prompts):
 
 
 def test_a_callback_that_fails_stops_its_request(model, tok, prompts):
-    executor = Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ))
+    executor = Executor(ShardedSlotModel(model, num_slots=1, max_seq_len=MAX_SEQ))
 
     def gone(output: Output) -> None:
         raise ConnectionError("client disconnected")
@@ -179,7 +179,7 @@ def test_stop_words_match_on_the_suffix_and_are_returned(model, tok, prompts, ov
     }
     assert len(cases["two tokens"][1]) < len(expected)
     for name, (words, wanted) in cases.items():
-        executor = Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ), overlap=overlap)
+        executor = Executor(ShardedSlotModel(model, num_slots=1, max_seq_len=MAX_SEQ), overlap=overlap)
         result = Collected()
         executor.submit(Request(prompts[3], 40, end_id=tok.eos_id, stop_words=words + stops(tok)), result)
         run(executor)
@@ -188,7 +188,7 @@ def test_stop_words_match_on_the_suffix_and_are_returned(model, tok, prompts, ov
 
 def test_end_id_ends_without_being_returned(model, tok, prompts):
     expected = alone(model, tok, prompts[2])
-    executor = Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ))
+    executor = Executor(ShardedSlotModel(model, num_slots=1, max_seq_len=MAX_SEQ))
     result = Collected()
     executor.submit(Request(prompts[2], 40, end_id=expected[4]), result)
     run(executor)
@@ -200,7 +200,7 @@ def test_end_id_ends_without_being_returned(model, tok, prompts):
 def test_bad_words_are_banned(model, tok, prompts, overlap):
     expected = alone(model, tok, prompts[3])
     for words, position in (([[expected[0]]], 0), ([expected[1:3]], 2)):
-        executor = Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ), overlap=overlap)
+        executor = Executor(ShardedSlotModel(model, num_slots=1, max_seq_len=MAX_SEQ), overlap=overlap)
         result = Collected()
         executor.submit(Request(prompts[3], 6, bad_words=words), result)
         run(executor)
@@ -214,7 +214,7 @@ def test_bad_words_are_banned(model, tok, prompts, overlap):
 def test_min_length_holds_back_end_id_and_bias_shifts_choices(model, tok, prompts):
     expected = alone(model, tok, prompts[1])
     user = tok.special_ids["<|user|>"]
-    executor = Executor(ShardedSlotModel(model, max_batch=2, max_seq_len=MAX_SEQ))
+    executor = Executor(ShardedSlotModel(model, num_slots=2, max_seq_len=MAX_SEQ))
     plain, longer, biased = Collected(), Collected(), Collected()
     executor.submit(Request(prompts[1], 60, end_id=user), plain)
     executor.submit(Request(prompts[1], 60, end_id=user, sampling=SamplingConfig(min_tokens=len(expected) + 3)), longer)
@@ -229,7 +229,7 @@ def test_min_length_holds_back_end_id_and_bias_shifts_choices(model, tok, prompt
 
 
 def test_log_probs_are_those_of_the_chosen_tokens(model, tok, prompts):
-    executor = Executor(ShardedSlotModel(model, max_batch=2, max_seq_len=MAX_SEQ))
+    executor = Executor(ShardedSlotModel(model, num_slots=2, max_seq_len=MAX_SEQ))
     result = Collected()
     executor.submit(Request(prompts[4], 8, output=OutputConfig(return_log_probs=True)), result)
     executor.submit(Request(prompts[5], 8), Collected())
@@ -244,7 +244,7 @@ def test_log_probs_are_those_of_the_chosen_tokens(model, tok, prompts):
 @pytest.mark.parametrize("overlap", [False, True], ids=["in_turn", "overlapped"])
 def test_the_same_seed_gives_the_same_tokens_whatever_runs_beside(model, tok, prompts, overlap):
     def sampled(seed: int, company: int) -> list[int]:
-        executor = Executor(ShardedSlotModel(model, max_batch=4, max_seq_len=MAX_SEQ), overlap=overlap)
+        executor = Executor(ShardedSlotModel(model, num_slots=4, max_seq_len=MAX_SEQ), overlap=overlap)
         result = Collected()
         for index in range(company):
             executor.submit(Request(prompts[index + 5], 12, sampling=SamplingConfig(temperature=1.0)), Collected())
@@ -263,7 +263,7 @@ def test_the_same_seed_gives_the_same_tokens_whatever_runs_beside(model, tok, pr
 @pytest.mark.parametrize("overlap", [False, True], ids=["in_turn", "overlapped"])
 def test_a_degenerate_request_never_hurts_the_others(model, tok, prompts, overlap):
     """A temperature of 1e-40 samples like greedy; a bias of -inf on every id ends that request alone."""
-    executor = Executor(ShardedSlotModel(model, max_batch=4, max_seq_len=MAX_SEQ), overlap=overlap)
+    executor = Executor(ShardedSlotModel(model, num_slots=4, max_seq_len=MAX_SEQ), overlap=overlap)
     cold, banned, plain = Collected(), Collected(), Collected()
     executor.submit(Request(prompts[2], 40, end_id=tok.eos_id, stop_words=stops(tok),
                             sampling=SamplingConfig(temperature=1e-40, top_k=5)),
@@ -282,7 +282,7 @@ def test_padded_ids_past_the_tokenizer_are_never_chosen(model, tok, prompts):
     assert model.config.vocab_size > tok.vocab_size  # the fixture's engine pads 521 ids to 576
     padded = torch.zeros(model.config.vocab_size)
     padded[tok.vocab_size:] = 1e4  # the padding would win every draw
-    executor = Executor(ShardedSlotModel(model, max_batch=4, max_seq_len=MAX_SEQ), vocab_limit=tok.vocab_size)
+    executor = Executor(ShardedSlotModel(model, num_slots=4, max_seq_len=MAX_SEQ), vocab_limit=tok.vocab_size)
     results = [Collected() for _ in range(4)]
     executor.submit(Request(prompts[0], 16, embedding_bias=padded), results[0])
     executor.submit(Request(prompts[1], 16, sampling=SamplingConfig(temperature=100.0, seed=3)), results[1])
@@ -297,7 +297,7 @@ def test_padded_ids_past_the_tokenizer_are_never_chosen(model, tok, prompts):
 
 
 def test_requests_the_model_cannot_serve_are_refused(model, tok, prompts):
-    executor = Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=64))
+    executor = Executor(ShardedSlotModel(model, num_slots=1, max_seq_len=64))
     for request, message in (
             (Request([], 4), "prompt is empty"),
             (Request(prompts[0], 0), "request_output_len must be at least 1"),
@@ -312,7 +312,7 @@ def test_requests_the_model_cannot_serve_are_refused(model, tok, prompts):
 # --- chunked prefill ---------------------------------------------------------------------------------------------
 
 def test_a_prompt_prefilled_in_chunks_gives_the_logits_of_one_prefill(model, prompts):
-    slots = ShardedSlotModel(model, max_batch=3, max_seq_len=MAX_SEQ)
+    slots = ShardedSlotModel(model, num_slots=3, max_seq_len=MAX_SEQ)
     prompt = max(prompts, key=len)
     whole = slots.prefill([0], [prompt])[0]
     next_token = int(whole.argmax())
@@ -336,7 +336,7 @@ def test_a_prompt_prefilled_in_chunks_gives_the_logits_of_one_prefill(model, pro
 
 
 def test_a_chunk_must_continue_where_its_slot_ends(model, prompts):
-    slots = ShardedSlotModel(model, max_batch=2, max_seq_len=MAX_SEQ)
+    slots = ShardedSlotModel(model, num_slots=2, max_seq_len=MAX_SEQ)
     slots.prefill([0], [prompts[0][:5]])
     for starts, message in (([3], "slot 0 holds 5 positions: a prefill continuing it starts at 5, not 3"),
                             ([6], "starts at 5, not 6"), ([-1], "negative"), ([5, 0], "1 prompts but 2 starts")):
@@ -359,7 +359,7 @@ class Recording:
 
     def __init__(self, inner):
         self.inner, self.calls = inner, []
-        self.vocab_size, self.max_batch, self.max_seq_len = inner.vocab_size, inner.max_batch, inner.max_seq_len
+        self.vocab_size, self.num_slots, self.max_seq_len = inner.vocab_size, inner.num_slots, inner.max_seq_len
         self.kv_tokens = inner.kv_tokens
 
     def prefill(self, slots, prompts, starts=None):
@@ -394,7 +394,7 @@ def answers(executor: Executor, prompts: list[list[int]], tok) -> list[list[int]
 
 def test_chunked_prefill_gives_every_conversation_its_unchunked_answer(model, tok, all_prompts):
     def executor(max_num_tokens: int) -> Executor:
-        return Executor(Recording(ShardedSlotModel(model, max_batch=4, max_seq_len=320)), max_queue=len(all_prompts),
+        return Executor(Recording(ShardedSlotModel(model, num_slots=4, max_seq_len=320)), max_queue=len(all_prompts),
                         max_num_tokens=max_num_tokens)
 
     whole, chunked = executor(4 * 320), executor(5)  # whole: every slot's longest prompt fits one step
@@ -408,7 +408,7 @@ def test_chunked_prefill_gives_every_conversation_its_unchunked_answer(model, to
 
 
 def test_each_step_is_one_pass_of_the_decode_tokens_and_what_is_left_of_the_budget(model, tok, all_prompts, reference):
-    recording = Recording(ShardedSlotModel(model, max_batch=2, max_seq_len=320))
+    recording = Recording(ShardedSlotModel(model, num_slots=2, max_seq_len=320))
     executor = Executor(recording, max_num_tokens=16)
     short, long = Collected(), Collected()
     long_prompt = max(all_prompts, key=len)
@@ -435,7 +435,7 @@ def test_each_step_is_one_pass_of_the_decode_tokens_and_what_is_left_of_the_budg
 
 
 def test_prompts_are_prefilled_oldest_first_within_the_budget(model, tok, all_prompts):
-    recording = Recording(ShardedSlotModel(model, max_batch=3, max_seq_len=320))
+    recording = Recording(ShardedSlotModel(model, num_slots=3, max_seq_len=320))
     executor = Executor(recording, max_num_tokens=24)
     prompts = sorted(all_prompts, key=len)[-3:]  # three long ones: each takes several steps
     results = [Collected() for _ in prompts]
@@ -469,7 +469,7 @@ class Separate:
 
     def __init__(self, inner):
         self.inner, self.mixed = inner, 0
-        self.vocab_size, self.max_batch, self.max_seq_len = inner.vocab_size, inner.max_batch, inner.max_seq_len
+        self.vocab_size, self.num_slots, self.max_seq_len = inner.vocab_size, inner.num_slots, inner.max_seq_len
         self.kv_tokens = inner.kv_tokens
 
     def prefill(self, slots, prompts, starts=None):
@@ -494,15 +494,15 @@ def test_a_mixed_pass_gives_the_tokens_of_separate_passes(model, tok, all_prompt
     def executor(slots) -> Executor:
         return Executor(slots, max_queue=len(all_prompts), max_num_tokens=40, overlap=overlap)
 
-    separate = Separate(ShardedSlotModel(model, max_batch=4, max_seq_len=320))
-    assert answers(executor(ShardedSlotModel(model, max_batch=4, max_seq_len=320)), all_prompts, tok) == \
+    separate = Separate(ShardedSlotModel(model, num_slots=4, max_seq_len=320))
+    assert answers(executor(ShardedSlotModel(model, num_slots=4, max_seq_len=320)), all_prompts, tok) == \
         answers(executor(separate), all_prompts, tok)
     assert separate.mixed > 10  # steps that carried decode tokens and prompt chunks together
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["in_turn", "overlapped"])
 def test_a_full_kv_cache_keeps_requests_queued_until_a_finished_one_frees_it(model, tok, prompts, overlap):
-    recording = Recording(ShardedSlotModel(model, max_batch=3, max_seq_len=MAX_SEQ))
+    recording = Recording(ShardedSlotModel(model, num_slots=3, max_seq_len=MAX_SEQ))
     first, second = Collected(), Collected()
     need = [-(-(len(prompts[i]) + 40) // 16) for i in (1, 2)]
     # one request at a time
@@ -524,7 +524,7 @@ def test_a_full_kv_cache_keeps_requests_queued_until_a_finished_one_frees_it(mod
 
 
 def test_cancelling_a_request_mid_prefill_frees_its_slot(model, tok, prompts):
-    recording = Recording(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ))
+    recording = Recording(ShardedSlotModel(model, num_slots=1, max_seq_len=MAX_SEQ))
     executor = Executor(recording, max_num_tokens=5)
     long, waiting = Collected(), Collected()
     handle = executor.submit(Request(prompts[2], 10), long)
@@ -553,7 +553,7 @@ class DecodeInputs(Recording):
 def test_overlapped_steps_hand_out_a_step_late_and_feed_tokens_on_the_device(model, tok, prompts, overlap):
     """Overlapped, a step hands out the tokens of the step before, and a request ended by its stop word runs one
     more token that is never sent; either way a decode's input tokens never pass through the host."""
-    recording = DecodeInputs(ShardedSlotModel(model, max_batch=2, max_seq_len=MAX_SEQ))
+    recording = DecodeInputs(ShardedSlotModel(model, num_slots=2, max_seq_len=MAX_SEQ))
     executor, result = Executor(recording, overlap=overlap), Collected()
     executor.submit(Request(prompts[1], 40, end_id=tok.eos_id, stop_words=stops(tok)), result)
     executor.step()  # the prompt
@@ -571,7 +571,7 @@ def test_overlapped_steps_hand_out_a_step_late_and_feed_tokens_on_the_device(mod
 
 
 def test_a_request_cancelled_with_a_token_on_the_way_never_gets_it(model, tok, prompts):
-    executor, long, other = Executor(ShardedSlotModel(model, max_batch=2, max_seq_len=MAX_SEQ), overlap=True), \
+    executor, long, other = Executor(ShardedSlotModel(model, num_slots=2, max_seq_len=MAX_SEQ), overlap=True), \
         Collected(), Collected()
     handle = executor.submit(Request(prompts[0], 100), long)
     executor.submit(Request(prompts[1], 40, end_id=tok.eos_id, stop_words=stops(tok)), other)
@@ -588,7 +588,7 @@ def test_a_request_cancelled_with_a_token_on_the_way_never_gets_it(model, tok, p
 def test_the_step_budget_and_the_kv_cache_must_be_positive(model):
     for name in ("max_num_tokens", "max_kv_tokens", "tokens_per_block"):
         with pytest.raises(UsageError, match=f"{name} must be >= 1, not 0"):
-            Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ), **{name: 0})
+            Executor(ShardedSlotModel(model, num_slots=1, max_seq_len=MAX_SEQ), **{name: 0})
 
 
 # --- prefix caching ----------------------------------------------------------------------------------------------
@@ -609,7 +609,7 @@ def test_a_shared_prefix_is_reused_with_the_tokens_it_gives_computed(model, tok,
     prompts = shared_prefix_prompts(all_prompts)
 
     def executor(reuse: bool) -> Executor:
-        return Executor(Recording(ShardedSlotModel(model, max_batch=2, max_seq_len=320)), max_queue=8,
+        return Executor(Recording(ShardedSlotModel(model, num_slots=2, max_seq_len=320)), max_queue=8,
                         tokens_per_block=16, kv_cache_reuse=reuse, overlap=overlap)
 
     off, on = executor(False), executor(True)
@@ -646,7 +646,7 @@ def test_evicted_prefixes_are_computed_again_and_give_the_same_tokens(model, tok
     order = [a, b, a, c, b, a]
 
     def executor(reuse: bool) -> Executor:
-        return Executor(ShardedSlotModel(model, max_batch=2, max_seq_len=320), tokens_per_block=16,
+        return Executor(ShardedSlotModel(model, num_slots=2, max_seq_len=320), tokens_per_block=16,
                         kv_cache_reuse=reuse)
 
     on = executor(True)
@@ -659,7 +659,7 @@ class Failing:
 
     def __init__(self, inner):
         self.inner, self.failed = inner, False
-        self.vocab_size, self.max_batch, self.max_seq_len = inner.vocab_size, inner.max_batch, inner.max_seq_len
+        self.vocab_size, self.num_slots, self.max_seq_len = inner.vocab_size, inner.num_slots, inner.max_seq_len
         self.kv_tokens = inner.kv_tokens
 
     def prefill(self, slots, prompts, starts=None):
@@ -680,7 +680,7 @@ class Failing:
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["in_turn", "overlapped"])
 def test_a_model_failure_ends_the_running_requests_with_an_error_and_serving_goes_on(model, tok, prompts, overlap):
-    executor = Executor(Failing(ShardedSlotModel(model, max_batch=2, max_seq_len=MAX_SEQ)), overlap=overlap)
+    executor = Executor(Failing(ShardedSlotModel(model, num_slots=2, max_seq_len=MAX_SEQ)), overlap=overlap)
     first, later = Collected(), Collected()
     executor.submit(Request(prompts[0], 10), first)
     executor.step()  # prefill
@@ -693,7 +693,7 @@ def test_a_model_failure_ends_the_running_requests_with_an_error_and_serving_goe
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["in_turn", "overlapped"])
 def test_background_thread_serves_concurrent_submitters_and_stop_ends_the_rest(model, tok, prompts, overlap):
-    executor = Executor(ShardedSlotModel(model, max_batch=4, max_seq_len=MAX_SEQ), max_queue=32, overlap=overlap)
+    executor = Executor(ShardedSlotModel(model, num_slots=4, max_seq_len=MAX_SEQ), max_queue=32, overlap=overlap)
     executor.start()
     results = [Collected() for _ in prompts]
     handles = []
@@ -734,7 +734,7 @@ def reference(fixture_dir):
 def test_greedy_with_a_repetition_penalty_gives_transformers_tokens(model, reference, prompts, penalty):
     """The same ids as transformers' generate() with the same repetition_penalty (its processor counts the prompt
     too, as TensorRT-LLM does); no end id, so both run the whole length."""
-    executor, new = Executor(ShardedSlotModel(model, max_batch=3, max_seq_len=MAX_SEQ)), 24
+    executor, new = Executor(ShardedSlotModel(model, num_slots=3, max_seq_len=MAX_SEQ)), 24
     runs = [(prompt, Collected()) for prompt in prompts[:3]]
     for prompt, collected in runs:
         executor.submit(Request(prompt, new, sampling=SamplingConfig(repetition_penalty=penalty)), collected)
@@ -754,13 +754,13 @@ def test_greedy_with_a_repetition_penalty_gives_transformers_tokens(model, refer
 
 def test_a_repetition_penalty_of_zero_is_refused(model, prompts):
     with pytest.raises(UsageError, match="repetition_penalty must be a finite number greater than 0"):
-        Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ)).submit(
+        Executor(ShardedSlotModel(model, num_slots=1, max_seq_len=MAX_SEQ)).submit(
             Request(prompts[0], 4, sampling=SamplingConfig(repetition_penalty=0.0)), Collected())
 
 
 def test_an_output_length_past_max_seq_len_is_cut_to_what_fits(model, prompts):
     """As TensorRT-LLM's executor: the request is not refused; it generates up to max_seq_len and ends by length."""
-    executor = Executor(ShardedSlotModel(model, max_batch=1, max_seq_len=MAX_SEQ))
+    executor = Executor(ShardedSlotModel(model, num_slots=1, max_seq_len=MAX_SEQ))
     collected = Collected()
     executor.submit(Request(prompts[0], 10_000), collected)
     run(executor, limit=MAX_SEQ + 10)

@@ -142,7 +142,7 @@ def test_linear_computes_x_times_dequantized_weight(algo):
 # --- the model against GlmForCausalLM ----------------------------------------------------------------------------
 
 # Slots of several KV-cache blocks, and fewer positions in all than 5 × 64: the cache is paged.
-PAGED = {"max_batch": 5, "max_seq_len": 64, "block_size": 8, "kv_tokens": 256}
+PAGED = {"num_slots": 5, "max_seq_len": 64, "block_size": 8, "kv_tokens": 256}
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +209,7 @@ def test_both_slot_caches_keep_lengths_alike_and_their_models_agree(model, check
     """The fast model's StaticCache and the portable model's ShardedCache: one SlotCache protocol, the same lengths
     after the same prefills (whole and chunked), decodes, copies (a beam continuing another) and releases, and the
     same logits."""
-    portable = ShardedSlotModel(load_model(checkpoint), max_batch=model.max_batch, max_seq_len=model.max_seq_len)
+    portable = ShardedSlotModel(load_model(checkpoint), num_slots=model.num_slots, max_seq_len=model.max_seq_len)
     assert isinstance(model.cache, SlotCache) and isinstance(portable.cache, SlotCache)
     a, b = sequences(hf_cfg.vocab_size, [9, 6], seed=11)
     calls = [("prefill", [0, 3], [a[:4], b]), ("prefill", [0], [a[4:]], [4]), ("decode", [3, 0], [b[0], a[0]]),
@@ -218,7 +218,7 @@ def test_both_slot_caches_keep_lengths_alike_and_their_models_agree(model, check
         outputs = [getattr(slots, name)(*args) for slots in (model, portable)]
         if name not in ("release", "copy"):
             assert max_diff(*outputs) <= FP32_TOL, name
-        assert model.cache.lengths[:model.max_batch] == portable.cache.lengths, name
+        assert model.cache.lengths[:model.num_slots] == portable.cache.lengths, name
     assert portable.cache.lengths == [11, 0, 11, 3, 0]
     for slot in (0, 2, 3):
         model.release(slot)
@@ -248,7 +248,7 @@ def test_prefill_graphs_give_the_eager_prefill(checkpoint, reference, hf_cfg):
     """On a GPU a one-prompt prefill replays the graph of the smallest width that holds it; its logits, and those of
     the decode steps after it, are the eager prefill's (to float32's rounding: a one-row prompt padded to 16 rows
     takes the many-row matmul kernel instead of the one-row kernel, summing in another order)."""
-    gpu = load_fast_model(checkpoint, device="cuda", max_batch=2, max_seq_len=64)
+    gpu = load_fast_model(checkpoint, device="cuda", num_slots=2, max_seq_len=64)
     assert sorted(gpu._prefill_graphs) == [16, 32, 64]
     seq = sequences(hf_cfg.vocab_size, [30], seed=31)[0]
     expected = ref_logits(reference(None), seq)
@@ -367,7 +367,7 @@ def test_a_reused_prefix_continues_like_the_prefill_that_wrote_it(model, referen
         model.release(slot)
     cache = model.cache  # releasing without keep frees the slot's blocks
     assert not cache.held[0] and not cache.held[1]
-    assert cache.free_blocks == PAGED["kv_tokens"] // PAGED["block_size"] - sum(map(len, cache.held[:model.max_batch]))
+    assert cache.free_blocks == PAGED["kv_tokens"] // PAGED["block_size"] - sum(map(len, cache.held[:model.num_slots]))
     with pytest.raises(UsageError, match="cannot reuse 64 positions"):
         model.reuse(0, 1, 64)
     with pytest.raises(UsageError, match="slot 1 holds 0 cached positions"):
@@ -393,7 +393,7 @@ def test_a_chunk_must_continue_where_its_slot_ends(model):
 
 @pytest.mark.parametrize("mode, algo", [("int8", "W8A16"), ("int4", "W4A16")])
 def test_weight_only_matches_quantized_reference(checkpoint, reference, hf_cfg, mode, algo):
-    quantized = load_fast_model(checkpoint, device="cpu", max_batch=2, max_seq_len=64, weight_only=mode)
+    quantized = load_fast_model(checkpoint, device="cpu", num_slots=2, max_seq_len=64, weight_only=mode)
     tokens = sequences(hf_cfg.vocab_size, [24], seed=11)[0]
     expected = ref_logits(reference(algo), tokens)
     assert max_diff(quantized.score(tokens), expected) <= FP32_TOL
@@ -415,7 +415,7 @@ def test_executor_over_fast_model_decodes_greedily_like_the_reference(any_model,
     executor = Executor(model, max_queue=8, max_num_tokens=max_num_tokens, tokens_per_block=8, kv_cache_reuse=reuse,
                         overlap=overlap)
     for i, prompt in enumerate(prompts):
-        executor.submit(Request(prompt, max_new_tokens=6), lambda out, i=i: got[i].extend(out.tokens))
+        executor.submit(Request(prompt, max_tokens=6), lambda out, i=i: got[i].extend(out.tokens))
     while executor.has_work():
         executor.step()
     for i, prompt in enumerate(prompts):
@@ -436,7 +436,7 @@ def test_a_paged_cache_admits_what_its_blocks_hold_and_frees_cached_prompts_for_
     blocks each) run 4 at a time, the fifth waiting for blocks, not for a slot; a finished request's prompt blocks stay
     cached for reuse until a new request needs the room (the fifth evicts the first's). The model never holds more blocks than the executor
     reserved, and every request decodes what the reference does."""
-    for slot in range(model.max_batch):
+    for slot in range(model.num_slots):
         model.release(slot)
     prefix, *tails = sequences(hf_cfg.vocab_size, [32, 9, 10, 11, 12, 13, 9], seed=17)
     prompts = [prefix + tail for tail in tails]
@@ -447,21 +447,21 @@ def test_a_paged_cache_admits_what_its_blocks_hold_and_frees_cached_prompts_for_
     def serve(indices: range) -> None:
         nonlocal most_active
         for i in indices:
-            executor.submit(Request(prompts[i], max_new_tokens=16), lambda out, i=i: got[i].extend(out.tokens))
+            executor.submit(Request(prompts[i], max_tokens=16), lambda out, i=i: got[i].extend(out.tokens))
         while executor.has_work():
             executor.step()
             most_active = max(most_active, executor.stats().active)
-            held = executor.kv_blocks - model.cache.free_blocks
-            assert held <= executor.kv_blocks - executor._free_kv_blocks
+            held = executor.scheduler.kv_blocks - model.cache.free_blocks
+            assert held <= executor.scheduler.kv_blocks - executor.scheduler.free_kv_blocks
 
     serve(range(5))
-    assert executor.kv_blocks == 32 and most_active == 4
+    assert executor.scheduler.kv_blocks == 32 and most_active == 4
     # The fifth took the first one's slot, once its 8 blocks were free: its prompt's 5 cached ones were evicted.
-    retained = sum(executor._retained.values())
-    assert len(executor._retained) == 4 and executor.kv_blocks - model.cache.free_blocks == retained == 20
+    retained = sum(executor.scheduler.retained.values())
+    assert len(executor.scheduler.retained) == 4 and executor.scheduler.kv_blocks - model.cache.free_blocks == retained == 20
     reused = executor.stats().reused_tokens
     serve(range(5, 6))  # its prefix is kept in a slot that still caches it
-    assert executor.stats().reused_tokens == reused + 32 and len(executor._retained) == 4
+    assert executor.stats().reused_tokens == reused + 32 and len(executor.scheduler.retained) == 4
     for i, prompt in enumerate(prompts):
         assert got[i] == greedy_reference(reference, prompt, 16), i
 
@@ -483,7 +483,7 @@ def test_serving_after_the_warm_up_compiles_no_kernel(checkpoint, hf_cfg, graphe
                  top_k=20, seed=2)]
     with kernel_cache.compilations() as compiled:
         for i, prompt in enumerate(sequences(hf_cfg.vocab_size, lengths, seed=17)):
-            request = Request(prompt, max_new_tokens=1 + i % 9, sampling=samplings[i % 3],
+            request = Request(prompt, max_tokens=1 + i % 9, sampling=samplings[i % 3],
                               output=OutputConfig(return_log_probs=i % 4 == 0))
             executor.submit(request, lambda out: None)
             for _ in range(i % 3):
@@ -499,7 +499,7 @@ def test_executor_over_fast_model_returns_the_references_logits_when_asked(model
     outputs = []
     executor = Executor(model, max_num_tokens=8)
     logits = OutputConfig(return_context_logits=True, return_generation_logits=True)
-    executor.submit(Request(prompt, max_new_tokens=5, output=logits), outputs.append)
+    executor.submit(Request(prompt, max_tokens=5, output=logits), outputs.append)
     while executor.has_work():
         executor.step()
     ids = prompt + [t for output in outputs for t in output.tokens]
@@ -676,7 +676,7 @@ def test_fast_model_with_triton_kernels_matches_reference(triton_ops, checkpoint
     if KERNEL_DEVICE == "cuda":
         pytest.skip("on a GPU machine Triton compiles its kernels for the GPU, not the CPU tensors here (the cuda "
                     "variants of the model tests check the GPU model against the reference)")
-    model = load_fast_model(checkpoint, device="cpu", max_batch=2, max_seq_len=32, kernels="triton")
+    model = load_fast_model(checkpoint, device="cpu", num_slots=2, max_seq_len=32, kernels="triton")
     tokens = sequences(hf_cfg.vocab_size, [12], seed=17)[0]
     expected = ref_logits(reference(None), tokens)
     model.prefill([0], [tokens[:8]])

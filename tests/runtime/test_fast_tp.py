@@ -46,7 +46,7 @@ checkpoint, rank, world, meeting, out, steps, kind = sys.argv[1], int(sys.argv[2
 torch.set_num_threads(1)
 device = torch.device("cuda", rank) if kind == "cuda" else torch.device("cpu")
 ranks = join(RankInfo(rank, world, rank, world), device, init_method=meeting)
-model = load_fast_model(checkpoint, rank=rank, process_group=ranks.collectives.group, device=device, max_batch=4,
+model = load_fast_model(checkpoint, rank=rank, process_group=ranks.collectives.group, device=device, num_slots=4,
                         max_seq_len=64, kernels="triton" if kind == "cpu-triton" else "auto")
 results = run_calls(model, prompts(model.vocab_size), steps)
 if rank == 0:
@@ -70,7 +70,7 @@ def checkpoints(tmp_path_factory, fixture_dir) -> dict[int, Path]:
 @pytest.fixture(scope="module")
 def tp1(checkpoints, hf_cfg) -> dict[str, torch.Tensor]:
     torch.set_num_threads(1)
-    model = load_fast_model(checkpoints[1], device="cpu", max_batch=MAX_BATCH, max_seq_len=MAX_SEQ_LEN)
+    model = load_fast_model(checkpoints[1], device="cpu", num_slots=MAX_BATCH, max_seq_len=MAX_SEQ_LEN)
     return run_calls(model, prompts(hf_cfg.vocab_size), STEPS)
 
 
@@ -154,7 +154,7 @@ def test_the_served_runtime_is_the_portable_one_on_cpu_unless_the_fast_one_is_as
     monkeypatch.setenv("TRTGLM_RUNTIME", runtime)
     engine = EngineInfo(checkpoints[1].parent, checkpoints[1], 1, MAX_BATCH, MAX_SEQ_LEN, MAX_SEQ_LEN, 576)
     model = slot_model(engine, RankInfo(0, 1, 0, 1), torch.device("cpu"))
-    assert type(model).__name__ == expected and model.max_batch == MAX_BATCH
+    assert type(model).__name__ == expected and model.num_slots == MAX_BATCH
 
 
 def test_an_unknown_runtime_is_refused(checkpoints, monkeypatch):

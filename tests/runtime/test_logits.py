@@ -40,7 +40,7 @@ def served(executor: Executor, requests: list[Request]) -> list[list]:
 def test_context_and_generation_logits_are_transformers(tp1_model, glm_reference, four_prompts):
     """Chunked prompts (8 tokens a step) beside requests that ask for nothing, and a prefix cache that holds the
     asking request's prompt (it is computed again: every position's logits are needed)."""
-    slots = ShardedSlotModel(tp1_model, max_batch=4, max_seq_len=256)
+    slots = ShardedSlotModel(tp1_model, num_slots=4, max_seq_len=256)
     executor = Executor(slots, max_num_tokens=8, kv_cache_reuse=True, tokens_per_block=4)
     served(executor, [Request(four_prompts[0], 2)])  # leaves the first prompt in the prefix cache
     asking = [Request(prompt, NEW, output=BOTH) for prompt in four_prompts[:2]]
@@ -62,7 +62,7 @@ def test_generation_logits_are_the_raw_ones_before_penalties_and_sampling(tp1_mo
     sampling = SamplingConfig(temperature=0.7, top_k=5, seed=3, repetition_penalty=1.5, presence_penalty=0.5)
     request = Request(four_prompts[1], NEW, embedding_bias=torch.full((576,), 2.0), sampling=sampling,
                       output=OutputConfig(return_generation_logits=True))
-    collected, = served(Executor(ShardedSlotModel(tp1_model, max_batch=1, max_seq_len=256)), [request])
+    collected, = served(Executor(ShardedSlotModel(tp1_model, num_slots=1, max_seq_len=256)), [request])
     tokens = [t for output in collected for t in output.tokens]
     _, generation = reference_logits(glm_reference, request.prompt, tokens)
     np.testing.assert_allclose(np.concatenate([o.generation_logits for o in collected if o.tokens]), generation,
@@ -73,7 +73,7 @@ def test_a_beam_search_gets_its_context_logits_and_each_beams_generation_logits(
                                                                                  four_prompts):
     """Each beam's rows follow its own tokens, whichever beams it continued on the way."""
     request = Request(four_prompts[0], 8, sampling=SamplingConfig(beam_width=3), output=BOTH)
-    collected, = served(Executor(ShardedSlotModel(tp1_model, max_batch=3, max_seq_len=256), max_beam_width=3),
+    collected, = served(Executor(ShardedSlotModel(tp1_model, num_slots=3, max_seq_len=256), max_beam_width=3),
                         [request])
     beams = collected[-1].beams
     context, _ = reference_logits(glm_reference, request.prompt, [])
@@ -85,7 +85,7 @@ def test_a_beam_search_gets_its_context_logits_and_each_beams_generation_logits(
 
 
 def test_a_request_that_does_not_ask_runs_no_extra_pass(tp1_model, four_prompts):
-    slots = ShardedSlotModel(tp1_model, max_batch=1, max_seq_len=256)
+    slots = ShardedSlotModel(tp1_model, num_slots=1, max_seq_len=256)
     slots.prefill_all = None  # any call fails the request
     collected, = served(Executor(slots), [Request(four_prompts[0], 3)])
     assert collected[-1].finished and not collected[-1].error and len(collected) == 3

@@ -206,37 +206,37 @@ def greedy_by_reforward(model, prompt: list[int], steps: int) -> list[int]:
 
 
 def test_kv_cache_generation_equals_reforward(model_tp2, tokens):
-    assert generate(model_tp2, tokens[:10], max_new_tokens=12) == greedy_by_reforward(model_tp2, tokens[:10], 12)
+    assert generate(model_tp2, tokens[:10], max_tokens=12) == greedy_by_reforward(model_tp2, tokens[:10], 12)
 
 
 def test_batch_of_different_lengths_equals_one_by_one(model_tp2, tokens):
     prompts = [tokens[:5], tokens, tokens[3:12]]
-    alone = [generate(model_tp2, p, max_new_tokens=8) for p in prompts]
-    assert generate(model_tp2, prompts, max_new_tokens=8) == alone
+    alone = [generate(model_tp2, p, max_tokens=8) for p in prompts]
+    assert generate(model_tp2, prompts, max_tokens=8) == alone
 
 
 def test_stop_ids_and_end_id_stop_without_the_stop_token(model_tp2, tokens):
-    free = generate(model_tp2, tokens, max_new_tokens=12)
+    free = generate(model_tp2, tokens, max_tokens=12)
     k = next(i for i in range(1, len(free)) if free[i] not in free[:i])
-    assert generate(model_tp2, tokens, max_new_tokens=12, stop_ids=[free[k]]) == free[:k]
-    assert generate(model_tp2, tokens, max_new_tokens=12, end_id=free[k]) == free[:k]
-    assert generate(model_tp2, tokens, max_new_tokens=12, stop_ids=[free[0]]) == []
+    assert generate(model_tp2, tokens, max_tokens=12, stop_ids=[free[k]]) == free[:k]
+    assert generate(model_tp2, tokens, max_tokens=12, end_id=free[k]) == free[:k]
+    assert generate(model_tp2, tokens, max_tokens=12, stop_ids=[free[0]]) == []
 
 
 def test_sampling_is_reproducible_with_a_seed(model_tp2, tokens):
     def sample(seed, **kw):
-        return generate(model_tp2, tokens, max_new_tokens=10, sampling=SamplingConfig(temperature=1.5, seed=seed, **kw))
+        return generate(model_tp2, tokens, max_tokens=10, sampling=SamplingConfig(temperature=1.5, seed=seed, **kw))
 
     assert sample(3) == sample(3)
     assert len({tuple(sample(seed)) for seed in range(4)}) > 1
-    greedy = generate(model_tp2, tokens, max_new_tokens=10)
+    greedy = generate(model_tp2, tokens, max_tokens=10)
     assert sample(5, top_k=1) == greedy
     assert sample(5, top_p=1e-6) == greedy
 
 
 @pytest.mark.parametrize("limit", [{"top_k": 3}, {"top_p": 0.5}])
 def test_sampling_stays_within_top_k_and_top_p(model_tp2, tokens, limit):
-    new = generate(model_tp2, tokens, max_new_tokens=12, sampling=SamplingConfig(temperature=3.0, seed=11, **limit))
+    new = generate(model_tp2, tokens, max_tokens=12, sampling=SamplingConfig(temperature=3.0, seed=11, **limit))
     logits = full_logits(model_tp2, tokens + new)[len(tokens) - 1:-1]
     probs = torch.softmax(logits / 3.0, dim=-1)
     for row, token in zip(probs, new):
@@ -270,11 +270,11 @@ def test_logits_processing_adds_the_bias_then_bans():
 
 def test_generation_refuses_bad_requests(model_tp2, tokens):
     with pytest.raises(UsageError, match="at least one token"):
-        generate(model_tp2, [], max_new_tokens=4)
+        generate(model_tp2, [], max_tokens=4)
     with pytest.raises(UsageError, match="outside the vocabulary"):
-        generate(model_tp2, [model_tp2.config.vocab_size], max_new_tokens=4)
+        generate(model_tp2, [model_tp2.config.vocab_size], max_tokens=4)
     with pytest.raises(UsageError, match="max_position_embeddings"):
-        generate(model_tp2, tokens, max_new_tokens=model_tp2.config.max_position_embeddings)
+        generate(model_tp2, tokens, max_tokens=model_tp2.config.max_position_embeddings)
 
 
 # --- bad checkpoints -------------------------------------------------------------------------

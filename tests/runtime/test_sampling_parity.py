@@ -52,7 +52,7 @@ class SeededNoise:
 
 def executor_tokens(model, prompts, **settings) -> list[list[int]]:
     """Every prompt's tokens, all requests in flight together (seed i for prompt i when sampling)."""
-    executor, outputs = Executor(ShardedSlotModel(model, max_batch=len(prompts), max_seq_len=256)), []
+    executor, outputs = Executor(ShardedSlotModel(model, num_slots=len(prompts), max_seq_len=256)), []
     end_id, stop_words = settings.pop("end_id", None), settings.pop("stop_words", ())
     for i, prompt in enumerate(prompts):
         outputs.append([])
@@ -162,7 +162,7 @@ def test_a_mixed_batch_gives_each_request_its_tokens_alone(tp1_model, four_promp
                          sampling=SamplingConfig(temperature=0.9, top_p=0.9, seed=7))]
 
     def answers(batch: list[Request]) -> list[tuple[list[int], list[float]]]:
-        executor = Executor(ShardedSlotModel(tp1_model, max_batch=len(batch), max_seq_len=256))
+        executor = Executor(ShardedSlotModel(tp1_model, num_slots=len(batch), max_seq_len=256))
         outputs = [[] for _ in batch]
         for request, out in zip(batch, outputs):
             executor.submit(request, out.append)

@@ -161,7 +161,7 @@ def test_greedy_answers_are_exact(converted, fixture_dir, conversations, tp, dty
     model = load_model(converted(tp, dtype))
     prompts = [chat.chat_ids(tokenizer, c["messages"]) for c in conversations]
     longest = max(len(tokenizer.encode(c["answer"], add_prefix=False)) for c in conversations)
-    replies = generate(model, prompts, max_new_tokens=longest + 8, stop_ids=chat.stop_ids(tokenizer))
+    replies = generate(model, prompts, max_tokens=longest + 8, stop_ids=chat.stop_ids(tokenizer))
     wrong = [(c["answer"], tokenizer.decode(r)) for c, r in zip(conversations, replies)
              if chat.reply_text(tokenizer, r) != c["answer"]]
     assert not wrong, f"{len(wrong)}/{len(conversations)} wrong, e.g. {wrong[0]}"

@@ -21,7 +21,7 @@ MAX_NEW = 40  # new tokens per prompt where the rank and engine-process tests co
 def build_tiny_engine(out: Path, tp: int = 1, **overrides) -> Path:
     """The fixture's torch engine (configs/tiny.yaml) at tensor-parallel size `tp`."""
     return build_engine(PROFILE, model_dir=FIXTURE, output_dir=out,
-                        overrides={"convert.tp_size": tp, "serve.world_size": tp, **overrides})
+                        overrides={"convert.tp_size": tp, **overrides})
 
 
 def chat_prompts(every: int) -> list[list[int]]:

@@ -129,10 +129,10 @@ def make_engine(root: Path, kind: str, tokenizer_dir: Path, serve: dict | None =
     manifest = {
         "format": "trtglm-engine", "format_version": 1, "name": "tiny", "engine": kind, "trtglm_version": "0.1.0",
         "tensorrt_llm_version": None, "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1, **(mapping or {})},
-        "dtype": "float32", "quantization": {"weight_only": None, "quant_algo": None},
+        "dtype": "float32", "quantization": {"weight_only": None, "quant_algo": None, "kv_cache_quant_algo": None},
         "limits": {**LIMITS, **(limits or {})}, "checkpoint_dir": "checkpoint", "engine_files": files,
         "tokenizer_dir": str(Path(tokenizer_dir).resolve()), "tokenizer": tokenizer_facts(tokenizer_dir),
-        "model": model or {}, "sources": {}, "profile": {"serve": {**asdict(ServeSection(world_size=1)), **(serve or {})}},
+        "model": model or {}, "sources": {}, "profile": {"serve": {**asdict(ServeSection()), **(serve or {})}},
     }
     write_manifest(engine, manifest)
     return engine

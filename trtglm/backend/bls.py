@@ -63,7 +63,9 @@ ENGINE_OUTPUTS = names(for_backend(CONTRACT[TENSORRT_LLM].outputs, None))  # wha
 DECODER_IDS = ("DECODER_INPUT_ID", "REQUEST_DECODER_INPUT_LEN")
 # what every version of tensorrt_llm declares; the others are asked for only when the client's flag asks
 ALWAYS_ASKED = ("output_ids", "sequence_length", "cum_log_probs", "output_log_probs")
-LOG_PROBS = tuple(client_outputs_from(TENSORRT_LLM))  # tensorrt_llm outputs the client gets as they are
+LOG_PROBS = tuple(client_outputs_from(TENSORRT_LLM, None))  # of either backend, what the client gets as it is
+REPORTED = ("finish_reason",)  # what only trtglm's runtime sends, passed on where this model declares it (with it)
+ENDING = ("finish_reason", "num_output_tokens")  # what a stream's last response tells too: why it ended, its tokens
 WAIT_S = 0.5  # longest wait for an engine response before looking whether the engine still runs
 
 
@@ -227,6 +229,9 @@ def _grid(cells: dict[tuple[int, int], str]) -> list[list[str]]:
 class TritonPythonModel:
     """Triton's entry point (decoupled or not, as the repository's decoupled_mode says)."""
 
+    reported: tuple[str, ...] = ()  # of REPORTED, what this model's config declares (set by `initialize`)
+    passed = LOG_PROBS  # tensorrt_llm's outputs the client gets as they are
+
     def initialize(self, args: dict) -> None:
         setup = triton_io.setup(args, BLS)
         config = setup.config
@@ -238,6 +243,8 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.engine_decoupled = self.decoupled  # tensorrt_llm answers as this model does (the repository's mode)
         self.dtypes = triton_io.output_dtypes(config)
+        self.reported = tuple(name for name in REPORTED if name in self.dtypes)
+        self.passed = LOG_PROBS + self.reported
         self.asked: set[str] | None = None  # the outputs the request in hand asked for (None: all)
 
     def execute(self, requests: list):
@@ -275,7 +282,7 @@ class TritonPythonModel:
             for batch in self._generate(inputs, request):
                 for outputs in batch:
                     reply.collect(outputs["output_ids"], outputs["sequence_length"])
-                    log_probs.update({k: outputs[k] for k in LOG_PROBS if k in outputs})
+                    log_probs.update({k: outputs[k] for k in self.passed if k in outputs})
             return self._response(reply.whole(), log_probs, client)
         except Exception as e:
             return triton_io.error_response(e)
@@ -292,7 +299,7 @@ class TritonPythonModel:
             reply, log_probs = ReplyTexts(self.tokenizer, self.accumulate), {}
             for batch in self._generate(inputs, request):
                 for (row, index), outputs in _by_part(batch):
-                    log_probs[row, index] = _joined_log_probs([{k: o[k] for k in LOG_PROBS if k in o}
+                    log_probs[row, index] = _joined_log_probs([{k: o[k] for k in self.passed if k in o}
                                                                for o in outputs])
                     if not stream:
                         for o in outputs:
@@ -313,14 +320,15 @@ class TritonPythonModel:
         one for each part with something to send, then the final flag alone."""
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         if set(log_probs) <= {(0, None)}:
-            whole = {} if stream else log_probs.get((0, None), {})
+            whole = _ending(log_probs.get((0, None), {})) if stream else log_probs.get((0, None), {})
             has_text = any(texts.values())
             sender.send(self._response(_grid(texts), whole, client) if has_text or not stream else None, flags=final)
             return
         for row, index in sorted(log_probs, key=_part_order):
             cells = [text for (at, column), text in sorted(texts.items()) if at == row and index in (None, column)]
             if any(cells) or not stream:
-                sender.send(self._response([cells], {} if stream else log_probs[row, index], client, row, index))
+                sender.send(self._response([cells], _ending(log_probs[row, index]) if stream else log_probs[row, index],
+                                           client, row, index))
         sender.send(None, flags=final)
 
     def _generate(self, inputs: dict[str, np.ndarray], request):
@@ -329,7 +337,7 @@ class TritonPythonModel:
         or while it generates)."""
         stubs = self.engine_processes.running()
         engine_request = pb_utils.InferenceRequest(
-            model_name=self.engine, requested_output_names=asked_outputs(inputs),
+            model_name=self.engine, requested_output_names=[*asked_outputs(inputs), *self.reported],
             inputs=[pb_utils.Tensor(name, np.ascontiguousarray(array)) for name, array in inputs.items()])
         responses = EngineCall(engine_request, self.engine_decoupled, lambda: self.engine_processes.check(stubs))
         for batch in responses:
@@ -347,7 +355,7 @@ class TritonPythonModel:
         if response.has_error():
             raise EngineError(f"{self.engine}: {response.error().message()}")
         outputs = {}
-        for name in ENGINE_OUTPUTS:
+        for name in (*ENGINE_OUTPUTS, *self.reported):
             tensor = pb_utils.get_output_tensor_by_name(response, name)
             if tensor is not None:
                 outputs[name] = np.array(tensor.as_numpy(), copy=True)
@@ -392,6 +400,10 @@ def _joined_log_probs(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarra
         if len(parts) > 1 and name in joined:
             joined[name] = np.concatenate([p[name] for p in parts if name in p], axis=axis)
     return joined
+
+
+def _ending(outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {name: array for name, array in outputs.items() if name in ENDING}
 
 
 def return_sequence_count(inputs: dict[str, np.ndarray | None]) -> int:

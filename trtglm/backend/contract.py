@@ -1,13 +1,13 @@
 """The serving contract of trtglm's own template (triton_model_repo/), as data.
 
-Model names, the parameters trtglm's models read, every tensor each model declares (name, data
-type, dims without the batch dimension, optional) and the ensemble's wiring: which tensor of the
-ensemble each step's inputs read and its outputs write. An entry marked with a backend exists
-only when tensorrt_llm runs on that backend (`python`: trtglm's runtime, which also sends
-generated_ids and is_final so the ensemble streams exactly; `tensorrtllm`: NVIDIA's, where
-`stream` goes to preprocessing, which refuses it). The BLS model runs the same steps in one
-model; its mapping (`bls_*` below) is read off the same wiring. Rendering checks the template
-against this table, and the python models take their tensor and parameter names from it.
+Model names, the parameters trtglm's models read, every tensor each model declares (name, data type, dims without
+the batch dimension, optional, reshaped, ragged) and the ensemble's wiring: which tensor of the ensemble each step's
+inputs read and its outputs write. An entry marked with a backend exists only when tensorrt_llm runs on that backend
+(`python`: trtglm's runtime, which also sends generated_ids and is_final so the ensemble streams exactly;
+`tensorrtllm`: NVIDIA's, where `stream` goes to preprocessing, which refuses it). The BLS model runs the same steps
+in one model; its mapping (`bls_*` below) is read off the same wiring. Rendering writes the template's declarations
+from this table (repo/contract_text.py) and checks a repository against it; the python models take their tensor
+and parameter names from it.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from trtglm.chatglm.chat import PROMPT_IDS
 from trtglm.chatglm.variants import DEFAULT_VERSION
 from trtglm.errors import PromptTooLongError, UsageError
+from trtglm.request_config import FIELD, REQUEST_FIELDS
 
 ENSEMBLE, PREPROCESSING, TENSORRT_LLM, POSTPROCESSING, BLS = (
     "ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
@@ -49,7 +50,6 @@ PYTHON_MODEL_PARAMETERS: dict[str, tuple[str, ...]] = {
     HISTORY_CHAT: (TOKENIZER_DIR, MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB_SIZE, CHATGLM_VERSION, LLM_MODEL_NAME,
                    LLM_DECOUPLED),
 }
-
 
 
 def parameter(params: Mapping[str, str], key: str, model: str) -> str:
@@ -111,6 +111,8 @@ class Tensor:
     backend: str | None = None  # declared only when tensorrt_llm runs on this backend
     lacks: str = ""  # what trtglm's runtime lacks to honour the input: accepted only absent or neutral
     neutral: float = 0.0  # besides zeros, false and empty strings
+    scalar: bool = False  # reshaped from [1] to a scalar (reshape { shape: [ ] }), as NVIDIA's tensorrt_llm takes it
+    ragged: bool = False  # batched with other requests' of other lengths (allow_ragged_batch)
 
 
 @dataclass(frozen=True)
@@ -119,17 +121,20 @@ class Model:
     outputs: tuple[Tensor, ...]
 
 
-def _t(name: str, data_type: str, *dims: int, optional: bool = False, backend: str | None = None,
-       lacks: str = "", neutral: float = 0.0) -> Tensor:
-    return Tensor(name, f"TYPE_{data_type}", dims, optional, backend, lacks, neutral)
+def _t(name: str, data_type: str, *dims: int, **marks) -> Tensor:
+    return Tensor(name, f"TYPE_{data_type}", dims, **marks)
 
 
-def _opt(name: str, data_type: str, *dims: int, lacks: str = "", neutral: float = 0.0) -> Tensor:
-    return _t(name, data_type, *dims, optional=True, lacks=lacks, neutral=neutral)
+def _opt(name: str, data_type: str, *dims: int, **marks) -> Tensor:
+    return _t(name, data_type, *dims, optional=True, **marks)
 
 
-def _flags(*names: str) -> tuple[Tensor, ...]:
-    return tuple(_opt(name, "BOOL", 1) for name in names)
+def _scalar(name: str, data_type: str, **marks) -> Tensor:
+    return _opt(name, data_type, 1, scalar=True, **marks)
+
+
+def _ragged(name: str, data_type: str, *dims: int, **marks) -> Tensor:
+    return _opt(name, data_type, *dims, ragged=True, **marks)
 
 
 def _outputs(spec: str) -> tuple[Tensor, ...]:
@@ -138,30 +143,35 @@ def _outputs(spec: str) -> tuple[Tensor, ...]:
                  (word.split(":") for word in spec.split()))
 
 
-LORA, PROMPT_TABLE, GUIDED = "LoRA adapters", "prompt tables (p-tuning)", "guided decoding"
+LORA, PROMPT_TABLE, GUIDED, RETENTION = ("LoRA adapters", "prompt tables (p-tuning)", "guided decoding",
+                                         "KV cache retention priorities")
 DRAFTS, ENCODER = "speculative decoding (draft tokens)", "encoder or multimodal inputs (ChatGLM3 is decoder-only)"
-# NVIDIA's names at v0.19.0 first; the newest templates (v1.2.1) rename min_length and random_seed to min_tokens
-# and seed and add the return_num_*_tokens flags: trtglm takes both.
-CLIENT_INPUTS = (  # the ensemble's and the BLS model's
-    _t("text_input", "STRING", 1), _opt("decoder_text_input", "STRING", 1), _t("max_tokens", "INT32", 1),
-    _opt("num_return_sequences", "INT32", 1),
+# NVIDIA's v0.19.0 names and v1.2.1's (min_tokens and seed for min_length and random_seed; return_num_*_tokens)
+TRITON_TYPES = {"float32": "FP32", "int32": "INT32", "uint64": "UINT64", "bool": "BOOL"}  # numpy's name -> Triton's
+
+
+def _with_settings(side: str, others: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """The inputs that carry a request's settings (request_config.REQUEST_FIELDS, its one table of them) on the
+    client models' side ("ensemble") or tensorrt_llm's ("engine"), under each of their names, then `others` but
+    those a setting's input takes over (NVIDIA's inputs a setting honours once the table has a row for it)."""
+    settings = tuple(_t(name, TRITON_TYPES[field.dtype], 1, optional=not field.required, scalar=side == "engine")
+                     for field in REQUEST_FIELDS for name in field.names(side))
+    taken = {t.name for t in settings}
+    return settings + tuple(t for t in others if t.name not in taken)
+
+
+CLIENT_INPUTS = _with_settings("ensemble", (  # the ensemble's and the BLS model's
+    _t("text_input", "STRING", 1), _opt("decoder_text_input", "STRING", 1), _opt("num_return_sequences", "INT32", 1),
     _opt("bad_words", "STRING", -1), _opt("stop_words", "STRING", -1),
     _opt("end_id", "INT32", 1), _opt("pad_id", "INT32", 1),
-    _opt("top_k", "INT32", 1), _opt("top_p", "FP32", 1),
-    _opt("temperature", "FP32", 1), _opt("length_penalty", "FP32", 1),
-    _opt("repetition_penalty", "FP32", 1), _opt("min_length", "INT32", 1),
-    _opt("presence_penalty", "FP32", 1), _opt("frequency_penalty", "FP32", 1),
-    _opt("random_seed", "UINT64", 1),
-    *_flags("return_log_probs", "return_context_logits", "return_generation_logits", "return_perf_metrics"),
-    _opt("beam_width", "INT32", 1), _opt("stream", "BOOL", 1),
+    _opt("return_perf_metrics", "BOOL", 1), _opt("stream", "BOOL", 1),
     _opt("prompt_embedding_table", "FP16", -1, -1), _opt("prompt_table_extra_id", "UINT64", 1),
     _opt("prompt_vocab_size", "INT32", 1),
     _opt("embedding_bias_words", "STRING", -1), _opt("embedding_bias_weights", "FP32", -1),
-    _opt("lora_task_id", "UINT64", 1), _opt("lora_weights", "FP16", -1, -1), _opt("lora_config", "INT32", -1, 3),
-    _opt("guided_decoding_guide_type", "STRING", 1), _opt("guided_decoding_guide", "STRING", 1),
-    _opt("min_tokens", "INT32", 1), _opt("seed", "UINT64", 1),
-    *_flags("return_num_input_tokens", "return_num_output_tokens"),
-)
+    _opt("lora_task_id", "UINT64", 1), _ragged("lora_weights", "FP16", -1, -1), _ragged("lora_config", "INT32", -1, 3),
+    _ragged("guided_decoding_guide_type", "STRING", 1), _ragged("guided_decoding_guide", "STRING", 1),
+    _opt("return_num_input_tokens", "BOOL", 1), _opt("return_num_output_tokens", "BOOL", 1),
+))
 BLS_ONLY_INPUTS = (  # NVIDIA's BLS model also takes images and draft-model options
     _opt("image_input", "FP16", -1, 3, -1, -1, lacks=ENCODER), _opt("image_bytes_input", "UINT8", -1, -1, -1, -1,
                                                                     lacks=ENCODER),
@@ -177,7 +187,9 @@ PERF_OUTPUTS = _outputs(  # return_perf_metrics
 ENGINE_OUTPUTS = _outputs(  # tensorrt_llm's, which the client gets as they are
     "cum_log_probs:FP32:-1 output_log_probs:FP32:-1,-1 context_logits:FP32:-1,-1 generation_logits:FP32:-1,-1,-1 "
     "batch_index:INT32:1 sequence_index:INT32:1") + PERF_OUTPUTS + _outputs(
-    "num_input_tokens:INT32:1 num_output_tokens:INT32:1")
+    "num_input_tokens:INT32:1 num_output_tokens:INT32:1") + (
+    # why a sequence ended, on its last response (trtglm's runtime; NVIDIA's LLM-API model's name): stop | length
+    _t("finish_reason", "STRING", 1, backend=PYTHON),)
 CLIENT_OUTPUTS = (_t("text_output", "STRING", -1),) + ENGINE_OUTPUTS
 # outputs sent only when the request's flag of that name is true (NVIDIA's rule); the others always
 FLAGGED_OUTPUTS = {"return_context_logits": ("context_logits",), "return_generation_logits": ("generation_logits",),
@@ -194,50 +206,43 @@ FLAGGED_OUTPUTS = {"return_context_logits": ("context_logits",), "return_generat
 EXCLUDE_INPUT = _opt("exclude_input_in_output", "BOOL", 1)
 REPLY_FORM_INPUTS = ("input_text", "exclude_input_in_output")  # tensorrt_llm's
 
-ENGINE_INPUTS = (  # tensorrt_llm's (NVIDIA's v0.19.0 and v1.2.1 names); `lacks`: refused unless absent or neutral
-    _opt("input_ids", "INT32", -1), _opt("encoder_input_features", "FP16", -1, -1, lacks=ENCODER),
-    _opt("encoder_output_lengths", "INT32", 1, lacks=ENCODER),
-    _t("input_lengths", "INT32", 1), _t("request_output_len", "INT32", 1),
-    _opt("num_return_sequences", "INT32", 1),
-    _opt("draft_input_ids", "INT32", -1, lacks=DRAFTS),
-    _opt("decoder_input_ids", "INT32", -1), _opt("decoder_input_lengths", "INT32", 1),  # one pad id when unused
-    _opt("draft_logits", "FP32", -1, -1, lacks=DRAFTS), _opt("draft_acceptance_threshold", "FP32", 1, lacks=DRAFTS),
-    _opt("end_id", "INT32", 1), _opt("pad_id", "INT32", 1),
-    _opt("stop_words_list", "INT32", 2, -1), _opt("bad_words_list", "INT32", 2, -1),
-    _opt("embedding_bias", "FP32", -1), _opt("beam_width", "INT32", 1),
-    _opt("temperature", "FP32", 1), _opt("runtime_top_k", "INT32", 1), _opt("runtime_top_p", "FP32", 1),
-    _opt("runtime_top_p_min", "FP32", 1), _opt("runtime_top_p_decay", "FP32", 1, lacks="top-p decay", neutral=1.0),
-    _opt("runtime_top_p_reset_ids", "INT32", 1),
-    _opt("len_penalty", "FP32", 1), _opt("early_stopping", "BOOL", 1),
-    _opt("repetition_penalty", "FP32", 1), _opt("min_length", "INT32", 1),
-    _opt("beam_search_diversity_rate", "FP32", 1),
-    _opt("presence_penalty", "FP32", 1), _opt("frequency_penalty", "FP32", 1),
-    _opt("random_seed", "UINT64", 1),
-    _opt("return_log_probs", "BOOL", 1),
-    _opt("return_context_logits", "BOOL", 1), _opt("return_generation_logits", "BOOL", 1),
-    _opt("return_perf_metrics", "BOOL", 1),
-    _opt("exclude_input_in_output", "BOOL", 1),
-    _opt("stop", "BOOL", 1, lacks="stop requests (cancel the request instead: close its stream)"),
-    _opt("streaming", "BOOL", 1),
-    _opt("prompt_embedding_table", "FP16", -1, -1, lacks=PROMPT_TABLE),
-    _opt("prompt_table_extra_ids", "UINT64", -1, lacks=PROMPT_TABLE),
-    _opt("prompt_vocab_size", "INT32", 1, lacks=PROMPT_TABLE),
-    _opt("cross_attention_mask", "BOOL", -1, -1, lacks=ENCODER), _opt("mrope_rotary_cos_sin", "FP32", -1, lacks=ENCODER),
+# tensorrt_llm's (NVIDIA's v0.19.0 and v1.2.1 names); `lacks`: refused unless absent or neutral
+ENGINE_INPUTS = _with_settings("engine", (
+    _ragged("input_ids", "INT32", -1), _ragged("encoder_input_features", "FP16", -1, -1, lacks=ENCODER),
+    _scalar("encoder_output_lengths", "INT32", lacks=ENCODER),
+    _t("input_lengths", "INT32", 1, scalar=True),
+    _scalar("num_return_sequences", "INT32"),
+    _ragged("draft_input_ids", "INT32", -1, lacks=DRAFTS),
+    _ragged("decoder_input_ids", "INT32", -1), _scalar("decoder_input_lengths", "INT32"),  # one pad id when unused
+    _ragged("draft_logits", "FP32", -1, -1, lacks=DRAFTS), _scalar("draft_acceptance_threshold", "FP32", lacks=DRAFTS),
+    _scalar("end_id", "INT32"), _scalar("pad_id", "INT32"),
+    _ragged("stop_words_list", "INT32", 2, -1), _ragged("bad_words_list", "INT32", 2, -1),
+    _ragged("embedding_bias", "FP32", -1),
+    _scalar("runtime_top_p_min", "FP32"), _scalar("runtime_top_p_decay", "FP32", lacks="top-p decay", neutral=1.0),
+    _scalar("runtime_top_p_reset_ids", "INT32"),
+    _scalar("beam_search_diversity_rate", "FP32"), _scalar("return_perf_metrics", "BOOL"),
+    _scalar("exclude_input_in_output", "BOOL"),
+    _scalar("stop", "BOOL", lacks="stop requests (cancel the request instead: close its stream)"),
+    _scalar("streaming", "BOOL"),
+    _ragged("prompt_embedding_table", "FP16", -1, -1, lacks=PROMPT_TABLE),
+    _ragged("prompt_table_extra_ids", "UINT64", -1, lacks=PROMPT_TABLE),
+    _scalar("prompt_vocab_size", "INT32", lacks=PROMPT_TABLE),
+    _ragged("cross_attention_mask", "BOOL", -1, -1, lacks=ENCODER),
+    _ragged("mrope_rotary_cos_sin", "FP32", -1, lacks=ENCODER),
     _opt("mrope_position_deltas", "INT64", 1, lacks=ENCODER),
-    _opt("lora_task_id", "UINT64", 1, lacks=LORA), _opt("lora_weights", "FP16", -1, -1, lacks=LORA),
-    _opt("lora_config", "INT32", -1, 3, lacks=LORA),
-    _opt("context_phase_params", "UINT8", -1, lacks="disaggregated serving"),
+    _scalar("lora_task_id", "UINT64", lacks=LORA), _ragged("lora_weights", "FP16", -1, -1, lacks=LORA),
+    _ragged("lora_config", "INT32", -1, 3, lacks=LORA),
+    _ragged("context_phase_params", "UINT8", -1, lacks="disaggregated serving"),
     _opt("skip_cross_attn_blocks", "BOOL", 1, lacks=ENCODER),
-    *(_opt(f"retention_{name}", "INT32", *dims, lacks="KV cache retention priorities") for name, dims in (
-        ("token_range_starts", (-1,)), ("token_range_ends", (-1,)), ("token_range_priorities", (-1,)),
-        ("token_range_durations_ms", (-1,)), ("decode_priority", (1,)), ("decode_duration_ms", (1,)))),
-    _opt("guided_decoding_guide_type", "STRING", 1, lacks=GUIDED), _opt("guided_decoding_guide", "STRING", 1,
-                                                                        lacks=GUIDED),
+    *(_ragged(f"retention_token_range_{name}", "INT32", -1, lacks=RETENTION)
+      for name in ("starts", "ends", "priorities", "durations_ms")),
+    *(_opt(f"retention_decode_{name}", "INT32", 1, lacks=RETENTION) for name in ("priority", "duration_ms")),
+    _ragged("guided_decoding_guide_type", "STRING", 1, lacks=GUIDED),
+    _ragged("guided_decoding_guide", "STRING", 1, lacks=GUIDED),
     *(_opt(f"lookahead_{name}", "INT32", 1, lacks="lookahead decoding")
       for name in ("window_size", "ngram_size", "verification_set_size")),
-    _opt("min_tokens", "INT32", 1), _opt("seed", "UINT64", 1),
-    *_flags("return_num_input_tokens", "return_num_output_tokens"),
-)
+    _scalar("return_num_input_tokens", "BOOL"), _scalar("return_num_output_tokens", "BOOL"),
+))
 
 # Inputs every request needs, which the client models and preprocessing declare optional all the same: Triton
 # 2.51 counts a request's inputs but does not check that each required one is there, and its ensemble scheduler
@@ -314,16 +319,20 @@ def _same_name(step: str, *tensors: str) -> tuple[Wire, ...]:
     return tuple(_in(step, tensor, tensor) for tensor in tensors)
 
 
-# client inputs tensorrt_llm takes under their own names
+# client inputs tensorrt_llm takes under their own names, besides the settings (which `_settings_wires` passes)
 PASSED_AS_THEY_ARE = (
-    "temperature", "repetition_penalty", "min_length", "presence_penalty", "frequency_penalty", "random_seed",
-    "return_log_probs", "return_context_logits", "return_generation_logits", "return_perf_metrics",
-    "num_return_sequences", "beam_width", "prompt_embedding_table", "prompt_vocab_size", "lora_task_id",
-    "lora_weights", "lora_config", "guided_decoding_guide_type", "guided_decoding_guide", "min_tokens", "seed",
+    "return_perf_metrics", "num_return_sequences", "prompt_embedding_table", "prompt_vocab_size", "lora_task_id",
+    "lora_weights", "lora_config", "guided_decoding_guide_type", "guided_decoding_guide",
     "return_num_input_tokens", "return_num_output_tokens")
+
+
+def _settings_wires() -> tuple[Wire, ...]:
+    """A setting's client input to its tensorrt_llm input, under each name, but where preprocessing takes it."""
+    return tuple(_in(TENSORRT_LLM, engine, client) for field in REQUEST_FIELDS if not field.preprocessed
+                 for client, engine in zip(field.names("ensemble"), field.names("engine")))
 ENSEMBLE_WIRING = (
     _in(PREPROCESSING, "QUERY", "text_input"), _in(PREPROCESSING, "DECODER_QUERY", "decoder_text_input"),
-    _in(PREPROCESSING, "REQUEST_OUTPUT_LEN", "max_tokens"),
+    _in(PREPROCESSING, "REQUEST_OUTPUT_LEN", FIELD["max_tokens"].ensemble),
     _in(PREPROCESSING, "BAD_WORDS_DICT", "bad_words"), _in(PREPROCESSING, "STOP_WORDS_DICT", "stop_words"),
     _in(PREPROCESSING, "EMBEDDING_BIAS_WORDS", "embedding_bias_words"),
     _in(PREPROCESSING, "EMBEDDING_BIAS_WEIGHTS", "embedding_bias_weights"),
@@ -342,19 +351,17 @@ ENSEMBLE_WIRING = (
     _in(TENSORRT_LLM, "input_ids", "_INPUT_ID"), _in(TENSORRT_LLM, "input_lengths", "_REQUEST_INPUT_LEN"),
     _in(TENSORRT_LLM, "decoder_input_ids", "_DECODER_INPUT_ID"),
     _in(TENSORRT_LLM, "decoder_input_lengths", "_REQUEST_DECODER_INPUT_LEN"),
-    _in(TENSORRT_LLM, "request_output_len", "_REQUEST_OUTPUT_LEN"),
+    _in(TENSORRT_LLM, FIELD["max_tokens"].engine, "_REQUEST_OUTPUT_LEN"),
     _in(TENSORRT_LLM, "end_id", "_END_ID"), _in(TENSORRT_LLM, "pad_id", "_PAD_ID"),
     _in(TENSORRT_LLM, "stop_words_list", "_STOP_WORDS_IDS"), _in(TENSORRT_LLM, "bad_words_list", "_BAD_WORDS_IDS"),
     _in(TENSORRT_LLM, "embedding_bias", "_EMBEDDING_BIAS"),
     _in(TENSORRT_LLM, "prompt_table_extra_ids", "_OUT_PROMPT_TABLE_EXTRA_IDS"),
-    _in(TENSORRT_LLM, "runtime_top_k", "top_k"), _in(TENSORRT_LLM, "runtime_top_p", "top_p"),
-    _in(TENSORRT_LLM, "len_penalty", "length_penalty"),
-    *_same_name(TENSORRT_LLM, *PASSED_AS_THEY_ARE),
+    *_settings_wires(), *_same_name(TENSORRT_LLM, *PASSED_AS_THEY_ARE),
     _in(TENSORRT_LLM, "streaming", "stream", PYTHON),
     _in(TENSORRT_LLM, "exclude_input_in_output", "exclude_input_in_output"),
     _in(TENSORRT_LLM, "input_text", "text_input", PYTHON),
     _out(TENSORRT_LLM, "output_ids", "_TOKENS_BATCH"), _out(TENSORRT_LLM, "sequence_length", "_SEQUENCE_LENGTH"),
-    *(_out(TENSORRT_LLM, tensor.name, tensor.name) for tensor in ENGINE_OUTPUTS),
+    *(_out(TENSORRT_LLM, tensor.name, tensor.name, tensor.backend) for tensor in ENGINE_OUTPUTS),
     _out(TENSORRT_LLM, "generated_ids", "_GENERATED_IDS", PYTHON), _out(TENSORRT_LLM, "is_final", "_IS_FINAL", PYTHON),
     _out(TENSORRT_LLM, "reply_prefix", "_REPLY_PREFIX", PYTHON),
     _in(POSTPROCESSING, "TOKENS_BATCH", "_TOKENS_BATCH"), _in(POSTPROCESSING, "SEQUENCE_LENGTH", "_SEQUENCE_LENGTH"),

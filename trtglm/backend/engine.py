@@ -38,7 +38,7 @@ WARM_UP_PROMPT = (1, 2, 3, 4)
 class EngineInfo:
     engine_dir: Path  # on GPUs, its kernels/ folder keeps what the start compiles and tunes (kernel_cache.py)
     checkpoint_dir: Path
-    tp_size: int
+    world_size: int  # tp × pp
     max_batch_size: int
     max_seq_len: int
     max_num_tokens: int
@@ -49,16 +49,14 @@ class EngineInfo:
 
 def engine_info(engine_dir: str | Path) -> EngineInfo:
     manifest = read_manifest(engine_dir)
-    if manifest["engine"] != "torch":
-        raise UsageError(f"{engine_dir} holds a {manifest['engine']} engine; the python backend serves torch engines "
+    if manifest.engine != "torch":
+        raise UsageError(f"{engine_dir} holds a {manifest.engine} engine; the python backend serves torch engines "
                          "(NVIDIA's tensorrtllm backend serves TensorRT ones)")
-    limits, mapping = manifest["limits"], manifest["mapping"]
-    build = manifest["profile"].get("build")
-    block = build.get("tokens_per_block", TOKENS_PER_BLOCK) if isinstance(build, dict) else \
-        TOKENS_PER_BLOCK
-    return EngineInfo(Path(engine_dir), Path(manifest["checkpoint_dir"]), int(mapping["tp_size"]) * int(mapping["pp_size"]),
-                      int(limits["max_batch_size"]), int(limits["max_seq_len"]), int(limits["max_num_tokens"]),
-                      int(manifest["tokenizer"]["vocab_size"]), int(block), int(limits.get("max_beam_width", 1)))
+    limits, build = manifest.limits, manifest.profile.get("build")
+    block = build.get("tokens_per_block", TOKENS_PER_BLOCK) if isinstance(build, dict) else TOKENS_PER_BLOCK
+    return EngineInfo(Path(engine_dir), manifest.checkpoint_dir, manifest.mapping.world_size, limits.max_batch_size,
+                      limits.max_seq_len, limits.max_num_tokens, manifest.tokenizer.vocab_size, int(block),
+                      limits.max_beam_width)
 
 
 def pick_device(info: RankInfo, requested: str | None = None) -> torch.device:
@@ -95,7 +93,7 @@ def slot_model(engine: EngineInfo, info: RankInfo, device: torch.device, group: 
             if device.type == "cuda":  # what the start compiles and tunes is kept with the engine
                 kernel_cache.use(engine.engine_dir, device)
             return load_fast_model(engine.checkpoint_dir, rank=rank, process_group=group.group if group else None,
-                                   max_batch=slots, max_seq_len=engine.max_seq_len, device=device,
+                                   num_slots=slots, max_seq_len=engine.max_seq_len, device=device,
                                    block_size=engine.tokens_per_block, kv_fraction=kv_fraction)
         except ImportError as e:
             log.warning("the fast GPU runtime is not available (%s); using the portable one", e)
@@ -112,9 +110,9 @@ class ServedEngine:
         started = time.monotonic()
         self.engine = engine_info(engine_dir)
         self.info = info or rank_info()
-        if self.info.world_size != self.engine.tp_size:
-            raise UsageError(f"{self.info.world_size} rank(s) serve an engine of tp × pp = {self.engine.tp_size} "
-                             f"({engine_dir}); launch with --world-size {self.engine.tp_size}")
+        if self.info.world_size != self.engine.world_size:
+            raise UsageError(f"{self.info.world_size} rank(s) serve an engine of tp × pp = {self.engine.world_size} "
+                             f"({engine_dir}); launch with --world-size {self.engine.world_size}")
         self.device = pick_device(self.info, device)
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.info.local_size)))

@@ -319,8 +319,8 @@ class EngineHost:
             self.executor.on_step_end = self.flush
             # The stub counts requests against the capacity (slots plus queue) as it submits them, before this
             # process sees them; the executor's own bound (on its queue alone) must not refuse what it admitted.
-            self.capacity = self.executor.max_queue + engine.engine.max_batch_size
-            self.executor.max_queue = self.capacity
+            self.capacity = self.executor.scheduler.max_queue + engine.engine.max_batch_size
+            self.executor.scheduler.max_queue = self.capacity
         self._outgoing: list[tuple[int, Output]] = []
         self._cancelled: set[int] = set()
 

@@ -1,22 +1,19 @@
 """The tensorrt_llm model's requests: NVIDIA's input tensors -> the executor's Requests.
 
 Inputs (batch first; each sequence of a request is a request of its own to the in-flight batcher,
-as in NVIDIA's backend, which takes a batch of several only when decoupled):
-input_ids, input_lengths, request_output_len, end_id, stop_words_list and bad_words_list
-(TensorRT-LLM's [2, n] ids/offsets layout), embedding_bias, min_length (or min_tokens), temperature,
-runtime_top_k, runtime_top_p, random_seed (or seed), return_log_probs, return_context_logits,
-return_generation_logits, streaming, beam_width,
-len_penalty and early_stopping (beam search). pad_id, beam_search_diversity_rate (beam search
+as in NVIDIA's backend, which takes a batch of several only when decoupled): input_ids,
+input_lengths, end_id, stop_words_list and bad_words_list (TensorRT-LLM's [2, n] ids/offsets
+layout), embedding_bias, streaming, and the request's settings, each input as the one table of them
+says (request_config.REQUEST_FIELDS: request_output_len, the output budget, and the sampling and
+output settings, under NVIDIA's v0.19.0 or v1.2.1 names), checked against its bounds there and read by
+TensorRT-LLM's rules (`request_config.engine_settings`). pad_id, beam_search_diversity_rate (beam search
 only), runtime_top_p_min and runtime_top_p_reset_ids (top-p decay only) and decoder_input_ids of
 one id (what NVIDIA's preprocessing sends a decoder-only model) are accepted and unused. Every
 other input of NVIDIA's (LoRA, prompt tables, guided decoding, draft tokens, encoder inputs, ...) is
 accepted absent or at its neutral value and refused otherwise, with an error naming it
 (contract.Tensor.lacks). num_return_sequences n (one prompt per request) makes n sequences,
 sequence k sampling with seed (the request's, 0 when unset) + k, as TensorRT-LLM's child requests
-do. Sampling follows TensorRT-LLM: with neither runtime_top_k nor runtime_top_p above 0 the choice
-is greedy; otherwise temperature (default 1), then top-k, then top-p; repetition_penalty,
-presence_penalty and frequency_penalty as TensorRT-LLM applies them (runtime/sampling.py).
-beam_width above 1 searches beams (runtime/beams.py; up to the engine's max_beam_width, which
+do. beam_width above 1 searches beams (runtime/beams.py; up to the engine's max_beam_width, which
 the executor checks) and is not streamed: TensorRT-LLM's backend refuses "Streaming mode is only
 supported with beam width of 1", and so does this one.
 """
@@ -32,13 +29,13 @@ import torch
 from trtglm.backend.contract import CONTRACT, FLAGGED_OUTPUTS, TENSORRT_LLM, flag_set, names, refuse_unhonoured
 from trtglm.chatglm.chat import word_sequences
 from trtglm.errors import UsageError, int32_range_error
-from trtglm.request_config import OutputConfig, SamplingConfig, check_return_sequences
+from trtglm.request_config import FIELD, check_return_sequences, engine_settings
 from trtglm.runtime.request import Request
 
 INPUTS = names(CONTRACT[TENSORRT_LLM].inputs)
 # NVIDIA's backend refuses a batch of several prompts in one request unless decoupled, in these words
 BATCH_NEEDS_DECOUPLED = "Batch size > 1 requires the tensorrt_llm backend to be using decoupled transaction policy"
-MIN_TOKENS, SEED = ("min_length", "min_tokens"), ("random_seed", "seed")  # NVIDIA's v0.19.0 and v1.2.1 names
+MAX_TOKENS = FIELD["max_tokens"]  # the output budget: request_output_len on tensorrt_llm's wire
 
 
 def _one(arrays: Mapping[str, np.ndarray | None], name: str, default=None):
@@ -127,40 +124,16 @@ def engine_request(arrays: Mapping[str, np.ndarray | None]) -> tuple[Request, bo
     length = int(_one(arrays, "input_lengths", ids.shape[1]))
     if not 0 < length <= ids.shape[1]:
         raise UsageError(f"input_lengths {length} must be between 1 and the {ids.shape[1]} ids given")
-    beams, streaming = int(_one(arrays, "beam_width", 1)), bool(_one(arrays, "streaming", False))
-    if beams < 1:
-        raise int32_range_error("beam_width", beams, 1)
-    if beams > 1 and streaming:
-        raise UsageError(f"streaming takes beam_width 1, not {beams} (as TensorRT-LLM's backend): leave streaming "
-                         "off to have every beam in one response")
-    top_k, top_p = int(_one(arrays, "runtime_top_k", 0)), float(_one(arrays, "runtime_top_p", 0.0))
-    output_len, min_length = int(_one(arrays, "request_output_len")), int(_one_of(arrays, MIN_TOKENS, 0))
-    for name, value, low in (("request_output_len", output_len, 1), ("runtime_top_k", top_k, 0),
-                             ("min_length", min_length, 0)):
-        if value < low:
-            raise int32_range_error(name, value, low)
-    sampled = top_k > 0 or top_p > 0
-    end_id = int(_one(arrays, "end_id", -1))
-    bias, seed = arrays.get("embedding_bias"), _one_of(arrays, SEED, None)
-    sampling = SamplingConfig(
-        temperature=float(_one(arrays, "temperature", 1.0)) if sampled else 0.0,
-        top_k=top_k,
-        top_p=top_p if top_p > 0 else 1.0,
-        seed=int(seed) if seed is not None else None,
-        min_tokens=min_length,
-        repetition_penalty=float(_one(arrays, "repetition_penalty", 1.0)),
-        presence_penalty=float(_one(arrays, "presence_penalty", 0.0)),
-        frequency_penalty=float(_one(arrays, "frequency_penalty", 0.0)),
-        beam_width=beams,
-        length_penalty=float(_one(arrays, "len_penalty", 1.0)),
-        early_stopping=int(_one(arrays, "early_stopping", 1)),
-    )
-    output = OutputConfig(return_log_probs=bool(_one(arrays, "return_log_probs", False)),
-                          return_context_logits=bool(_one(arrays, "return_context_logits", False)),
-                          return_generation_logits=bool(_one(arrays, "return_generation_logits", False)))
+    sampling, output = engine_settings(lambda field: _one_of(arrays, field.names("engine")))
+    output_len, streaming = int(_one(arrays, MAX_TOKENS.engine)), bool(_one(arrays, "streaming", False))
+    MAX_TOKENS.check(output_len, MAX_TOKENS.engine)
+    if sampling.beam_width > 1 and streaming:
+        raise UsageError(f"streaming takes beam_width 1, not {sampling.beam_width} (as TensorRT-LLM's backend): leave "
+                         "streaming off to have every beam in one response")
+    end_id, bias = int(_one(arrays, "end_id", -1)), arrays.get("embedding_bias")
     request = Request(
         prompt=[int(t) for t in ids[0, :length]],
-        max_new_tokens=output_len,
+        max_tokens=output_len,
         end_id=end_id if end_id >= 0 else None,
         stop_words=_words(arrays, "stop_words_list"),
         bad_words=_words(arrays, "bad_words_list"),
@@ -178,12 +151,12 @@ def unasked_outputs(arrays: Mapping[str, np.ndarray | None]) -> set[str]:
             for output in outputs}
 
 
-def _one_of(arrays: Mapping[str, np.ndarray | None], names: tuple[str, str], default):
-    """The value of whichever of an input's two names (NVIDIA's older and newer) the request gives."""
+def _one_of(arrays: Mapping[str, np.ndarray | None], names: tuple[str, ...]) -> tuple[str, object] | None:
+    """(name, value) of whichever of an input's names (NVIDIA's older and newer) the request gives; None: neither."""
     given = [name for name in names if arrays.get(name) is not None]
     if len(given) == 2 and _one(arrays, names[0]) != _one(arrays, names[1]):
         raise UsageError(f"{names[0]} and {names[1]} are the same input under two names; give one")
-    return _one(arrays, given[0]) if given else default
+    return (given[0], _one(arrays, given[0])) if given else None
 
 
 def refuse_decoder_input(arrays: Mapping[str, np.ndarray | None]) -> None:

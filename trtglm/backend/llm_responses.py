@@ -3,8 +3,9 @@
 Outputs, as the repository's config declares them (`[1, beam, …]`: each response is one sequence's, as
 in NVIDIA's backend; the input never included): output_ids and output_log_probs hold the response's
 tokens, sequence_length how many there are, cum_log_probs the sum of the log probabilities so far
-(zeros unless return_log_probs), generated_ids every token so far, num_output_tokens their count
-and is_final whether this is the sequence's last response; the performance metrics (`Timing`) and
+(zeros unless return_log_probs), generated_ids every token so far, num_output_tokens their count,
+is_final whether this is the sequence's last response and finish_reason why it ended (stop or length, on the
+last; "" before); the performance metrics (`Timing`) and
 the logits (`Logits`) go with every response, and the model sends each when its return_* flag asks.
 `Responder` turns one sequence's outputs into responses: not streaming, one with every token once it finishes;
 streaming, one per output, the last one flagged final. A beam search answers once, with every beam
@@ -24,18 +25,20 @@ from trtglm.runtime.executor import Output
 from trtglm.runtime.request import KvBlocks
 
 PADDING = -1  # past a beam's length in a response of several beams (NVIDIA's padding)
+# the executor's reason a sequence ended -> finish_reason (OpenAI's and NVIDIA's LLM-API words); "" until it ends
+FINISH_REASONS = {"end_id": "stop", "stop_word": "stop", "length": "length"}
 
 
 def response_arrays(new_ids: list[int], new_log_probs: list[float], all_ids: list[int], cum_log_prob: float,
-                    final: bool) -> dict[str, np.ndarray]:
-    """Every output tensor of one response ([batch 1, beam 1, …])."""
-    arrays = beam_arrays([Beam(new_ids, cum_log_prob, 0.0, new_log_probs)], final)
+                    final: bool, reason: str | None = None) -> dict[str, np.ndarray]:
+    """Every output tensor of one response ([batch 1, beam 1, …]); `reason`: the executor's, on the last."""
+    arrays = beam_arrays([Beam(new_ids, cum_log_prob, 0.0, new_log_probs)], final, reason)
     arrays["generated_ids"] = np.array(all_ids, dtype=np.int32).reshape(1, 1, len(all_ids))
     arrays["num_output_tokens"] = np.array([[len(all_ids)]], dtype=np.int32)
     return arrays
 
 
-def beam_arrays(beams: list[Beam], final: bool = True) -> dict[str, np.ndarray]:
+def beam_arrays(beams: list[Beam], final: bool = True, reason: str | None = None) -> dict[str, np.ndarray]:
     """Every output tensor of one response holding `beams` whole ([batch 1, beams, …], the shorter padded);
     log probs are zeros where a beam has none (return_log_probs off)."""
     width = max(len(beam.tokens) for beam in beams)
@@ -56,6 +59,7 @@ def beam_arrays(beams: list[Beam], final: bool = True) -> dict[str, np.ndarray]:
         "generated_ids": ids,
         "is_final": np.array([[final]], dtype=bool),
         "num_output_tokens": np.array([[width]], dtype=np.int32),
+        "finish_reason": np.array([[FINISH_REASONS.get(reason, "").encode()]], dtype=object),
     }
     if any(beam.logits for beam in beams):
         arrays["generation_logits"] = beam_logits(beams, width)
@@ -168,12 +172,13 @@ class Responder:
         if output.error or output.reason == "cancelled":
             self.fail(output.error or "the request was cancelled")
         elif output.beams:
-            self.send({**self._kept(self.logits), **beam_arrays(output.beams)}, True)
+            self.send({**self._kept(self.logits), **beam_arrays(output.beams, True, output.reason)}, True)
         elif self.streaming:
             self.send({**response_arrays(self.ids[before:], self.log_probs[before:], self.ids, sum(self.log_probs),
-                                         output.finished), **self._kept(self.timing, self.logits)}, output.finished)
+                                         output.finished, output.reason), **self._kept(self.timing, self.logits)},
+                      output.finished)
         elif output.finished:
-            self.send({**response_arrays(self.ids, self.log_probs, self.ids, sum(self.log_probs), True),
+            self.send({**response_arrays(self.ids, self.log_probs, self.ids, sum(self.log_probs), True, output.reason),
                        **self._kept(self.timing, self.logits)}, True)
 
     @staticmethod

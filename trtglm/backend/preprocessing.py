@@ -34,8 +34,8 @@ from trtglm.backend.contract import CONTRACT, ENSEMBLE, PREPROCESSING, Limits, f
 from trtglm.backend.triton_io import pb_utils
 from trtglm.chatglm.chat import bad_sequences, prompt_ids, stack_word_lists, stop_sequences, word_ids, word_list
 from trtglm.chatglm.tokenizer import ChatGLMTokenizer
-from trtglm.errors import UsageError, int32_range_error
-from trtglm.request_config import check_words
+from trtglm.errors import UsageError
+from trtglm.request_config import FIELD, check_words
 
 INPUTS = names(CONTRACT[PREPROCESSING].inputs)
 # what the client calls each input (ensemble and BLS), for error messages
@@ -70,8 +70,7 @@ def prepare(tokenizer: ChatGLMTokenizer, limits: Limits, inputs: dict, row: int)
     limits.check_prompt_bytes(len(text.encode("utf-8")), tokenizer.longest_piece_bytes)
     ids = prompt_ids(tokenizer, text, name=CLIENT_NAMES["QUERY"], version=limits.chatglm_version)
     output_len = _one_int(inputs, "REQUEST_OUTPUT_LEN", row)
-    if output_len < 1:
-        raise int32_range_error("max_tokens", output_len, 1)
+    FIELD["max_tokens"].check(output_len, CLIENT_NAMES["REQUEST_OUTPUT_LEN"])
     limits.check_prompt_tokens(len(ids))
     bias_words = _texts(inputs, "EMBEDDING_BIAS_WORDS", row)
     bias_weights = _floats(inputs, "EMBEDDING_BIAS_WEIGHTS", row)

@@ -114,7 +114,7 @@ def fixture_check(fixture: Path, device: torch.device, dtype: str, prompt_len: i
                   "fp32": float32_reference_logits(cfg, hf_tensors, device, ids)}
     out = {"hf_vs_fp32": compare_logits(references["hf"], references["fp32"])}
     for mode in WEIGHT_ONLY:
-        model = FastModel(ckpt_cfg, tensors, max_batch=CHECK_SEQUENCES, max_seq_len=length, weight_only=mode,
+        model = FastModel(ckpt_cfg, tensors, num_slots=CHECK_SEQUENCES, max_seq_len=length, weight_only=mode,
                           device=device)
         refs = references if mode == "none" else \
             {**references, "quantized": quantized_reference_logits(cfg, hf_tensors, MODES[mode], device, ids)}

@@ -203,23 +203,24 @@ def _ms(pair: dict) -> str:
     return f"{pair['p50']:.1f}/{pair['p99']:.1f}"
 
 
-def _model(fixture, preset: str, weight_only: str, max_batch: int, max_seq_len: int, device: torch.device,
+def _model(fixture, preset: str, weight_only: str, num_slots: int, max_seq_len: int, device: torch.device,
            work: Path):
     """(SlotModel, its name): the fixture converted into `work`, or a preset's random weights (GPU)."""
     if fixture is not None:
         from trtglm.convert.writer import convert_checkpoint
 
         checkpoint = convert_checkpoint(Path(fixture), work / "checkpoint", dtype="float32", tp_size=1, pp_size=1,
-                                        weight_only=None, chatglm_version="auto", force=False)
+                                        weight_only=None, fp8=False, fp8_kv_cache=False, calibration_prompts=None,
+                                        chatglm_version="auto", force=False)
         if device.type == "cuda":
             from trtglm.runtime.fast import load_fast_model
 
-            return load_fast_model(checkpoint, max_batch=max_batch, max_seq_len=max_seq_len, device=device,
+            return load_fast_model(checkpoint, num_slots=num_slots, max_seq_len=max_seq_len, device=device,
                                    weight_only=weight_only), f"{Path(fixture).name} (fast runtime)"
         from trtglm.runtime.model import load_model
         from trtglm.runtime.slot_runtime import ShardedSlotModel
 
-        return ShardedSlotModel(load_model(checkpoint), max_batch, max_seq_len), \
+        return ShardedSlotModel(load_model(checkpoint), num_slots, max_seq_len), \
             f"{Path(fixture).name} (portable runtime)"
     if device.type != "cuda":
         raise UsageError("random preset weights run on a GPU; on the CPU give --fixture tests/fixtures/tiny-chatglm3")
@@ -228,7 +229,7 @@ def _model(fixture, preset: str, weight_only: str, max_batch: int, max_seq_len: 
 
     cfg, hf_tensors = synth_tensors(preset, None, "bfloat16", 0, device)
     ckpt_cfg, tensors = checkpoint_tensors(cfg, hf_tensors, "bfloat16")
-    return FastModel(ckpt_cfg, tensors, max_batch=max_batch, max_seq_len=max_seq_len, device=device,
+    return FastModel(ckpt_cfg, tensors, num_slots=num_slots, max_seq_len=max_seq_len, device=device,
                      weight_only=weight_only), f"random {preset} bf16 weight-only {weight_only} (fast runtime)"
 
 

@@ -32,7 +32,7 @@ def greedy_logits(model: FastModel, prompt: list[int]) -> torch.Tensor:
 
 
 def bench_kind(mode: str, ckpt_cfg, tensors: dict, generator: torch.Generator) -> dict:
-    model = FastModel(ckpt_cfg, tensors, max_batch=8, max_seq_len=512, weight_only=mode)
+    model = FastModel(ckpt_cfg, tensors, num_slots=8, max_seq_len=512, weight_only=mode)
     prompt = torch.randint(0, model.vocab_size, (64,), device=generator.device, generator=generator).tolist()
     runs, logits = [], {}
     for pdl in (True, False, True):

@@ -32,7 +32,7 @@ def prefill_ms(model: FastModel, prompt: list[int], use_graph: bool) -> tuple[fl
 
 def bench_kind(mode: str, ckpt_cfg, tensors: dict, generator: torch.Generator) -> dict:
     start = time.perf_counter()
-    model = FastModel(ckpt_cfg, tensors, max_batch=64, max_seq_len=1280, weight_only=mode)
+    model = FastModel(ckpt_cfg, tensors, num_slots=64, max_seq_len=1280, weight_only=mode)
     results = {"setup_s": time.perf_counter() - start, "prompts": []}
     print(f"{mode:5} start-up {results['setup_s']:.1f} s", flush=True)
     for length in PROMPT_LENGTHS:

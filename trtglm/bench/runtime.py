@@ -163,7 +163,7 @@ def _bench_mode(mode: str, weights: Weights, opts: dict, max_seq_len: int, check
 
     batches, prompt_len, new_tokens = opts["batch"], opts["prompt_len"], opts["new_tokens"]
     start = time.perf_counter()
-    model = FastModel(weights.ckpt_cfg, weights.tensors, max_batch=max(max(batches), opts["concurrency"]),
+    model = FastModel(weights.ckpt_cfg, weights.tensors, num_slots=max(max(batches), opts["concurrency"]),
                       max_seq_len=max_seq_len, weight_only=mode, tune=opts["tune"])
     entry: dict = {"weight_gb": model.weight_bytes / 1e9, "setup_s": time.perf_counter() - start}
     if references:

@@ -186,8 +186,8 @@ def bench_served(settings: ServedSettings, out: str | Path | None) -> dict:
     started = time.monotonic()
     runtime = InProcess(engine_dir, settings.device, tokenizer_dir)
     run.results["in_process_load_s"] = round(time.monotonic() - started, 2)
-    run.results["server"].update(engine=runtime.manifest["engine"], dtype=runtime.manifest["dtype"],
-                                 limits=runtime.manifest["limits"])
+    run.results["server"].update(engine=runtime.manifest.engine, dtype=runtime.manifest.dtype,
+                                 limits=asdict(runtime.manifest.limits))
     run.save()
     try:
         if settings.repeats > 0 and not run.out_of_time("overhead"):

@@ -34,7 +34,7 @@ import platform
 import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
@@ -109,7 +109,7 @@ class InProcess:
         from trtglm.backend.engine import ServedEngine
 
         self.manifest = read_manifest(engine_dir)
-        self.tokenizer = ChatGLMTokenizer(tokenizer_dir or self.manifest["tokenizer_dir"])
+        self.tokenizer = ChatGLMTokenizer(tokenizer_dir or self.manifest.tokenizer_dir)
         self.engine = ServedEngine(engine_dir, info=RankInfo(0, 1, 0, 1), device=device)
         self.stop_words = stop_sequences(self.tokenizer, ())
 
@@ -119,7 +119,7 @@ class InProcess:
         from trtglm.runtime.request import Request
 
         outputs = []
-        request = Request(prompt_ids(self.tokenizer, prompt), max_new_tokens=max_tokens,
+        request = Request(prompt_ids(self.tokenizer, prompt), max_tokens=max_tokens,
                           end_id=self.tokenizer.eos_id, stop_words=self.stop_words)
         self.engine.executor.submit(request, outputs.append).done.wait()
         if outputs and outputs[-1].error:
@@ -287,8 +287,8 @@ def _measure(settings: ServingSettings, runtime: InProcess, triton: dict, engine
         "command": settings.command(),
         "machine": machine(),
         "server": {"url": settings.url, "model": settings.model, "triton": triton.get("version"),
-                   "engine_dir": str(engine_dir), "engine": runtime.manifest["engine"],
-                   "dtype": runtime.manifest["dtype"], "limits": runtime.manifest["limits"]},
+                   "engine_dir": str(engine_dir), "engine": runtime.manifest.engine,
+                   "dtype": runtime.manifest.dtype, "limits": asdict(runtime.manifest.limits)},
         "prompt": settings.prompt, "max_tokens": settings.max_tokens, "reply": expected,
         "reply_tokens": reply_tokens, "served_reply_matches": served == expected,
         "replies_compared": settings.compare_replies,

@@ -52,7 +52,7 @@ def step_ms(model: FastModel, generator: torch.Generator, replaced: dict) -> flo
 
 
 def bench_kind(mode: str, ckpt_cfg, tensors: dict, generator: torch.Generator) -> dict:
-    model = FastModel(ckpt_cfg, tensors, max_batch=8, max_seq_len=1280, weight_only=mode)
+    model = FastModel(ckpt_cfg, tensors, num_slots=8, max_seq_len=1280, weight_only=mode)
     full = step_ms(model, generator, {})
     costs = {}
     for part, replaced in REMOVED.items():

@@ -160,7 +160,7 @@ def _rank_main(rank: int, size: int, opts: Options, work: str, meeting: str) -> 
     joined = join(RankInfo(rank, size, rank, size), device, init_method=meeting)
     cfg, tensors, weights_sum = rank_tensors(opts, size, rank, device)
     say(f"tp {size}: ranks joined, weights drawn in {time.monotonic() - started:.1f} s", flush=True)
-    model = FastModel(cfg, tensors, max_batch=max(opts.batches), max_seq_len=opts.max_seq_len, device=device,
+    model = FastModel(cfg, tensors, num_slots=max(opts.batches), max_seq_len=opts.max_seq_len, device=device,
                       weight_only=opts.weight_only, tune=None if opts.tune else False,
                       process_group=joined.collectives.group)
     del tensors

@@ -22,6 +22,8 @@ class Variant:
     six_b_shapes: bool  # the 6B layer/head/vocab sizes (chatglm3.md); False: HF config only
     token_limit: bool = False  # profile.LONG_CONTEXT_TOKEN_LIMIT applies
     trtllm07_name: str | None = None  # `-m` of TensorRT-LLM v0.7.1 examples/chatglm/build.py
+    # FP8 in TensorRT-LLM's ChatGLM support matrix (examples/chatglm/README.md, the checkpoint-format releases)
+    trtllm_fp8: bool = True
     profile: str | None = None  # its default profile, configs/<profile>.yaml
 
 
@@ -30,7 +32,7 @@ VARIANTS: dict[str, Variant] = {
     "chatglm3-6b-base": Variant("chatglm3", 32768, True, trtllm07_name="chatglm3_6b_base"),
     "chatglm3-6b-32k": Variant("chatglm3", 32768, True, token_limit=True, trtllm07_name="chatglm3_6b_32k",
                                profile="chatglm3-6b-32k-fp16-tp1"),
-    "chatglm3-6b-128k": Variant("chatglm3", 131072, True, profile="chatglm3-6b-128k-fp16-tp1"),
+    "chatglm3-6b-128k": Variant("chatglm3", 131072, True, profile="chatglm3-6b-128k-fp16-tp1", trtllm_fp8=False),
     "chatglm2-6b": Variant("chatglm2", 32768, True, trtllm07_name="chatglm2_6b"),
     "chatglm2-6b-32k": Variant("chatglm2", 32768, True, token_limit=True, trtllm07_name="chatglm2_6b_32k"),
     # ChatGLM3 architecture at any size (the test fixture): shapes and length from its config.json

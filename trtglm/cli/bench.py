@@ -195,6 +195,30 @@ def tp(tp: str = "1,2,4", preset: Literal["tiny", "6b", "6b-32k"] = "6b", layers
     run(**flags)
 
 
+def fp8(preset: Literal["tiny", "6b", "6b-32k"] = "6b", layers: PosInt | None = None,
+        baseline_checkpoint: str | None = None, fp8_checkpoint: str | None = None, tokenizer_dir: str | None = None,
+        prompts: str | None = None, calibration_prompts: str | None = None, parts: str = "accuracy,speed",
+        steps: PosInt = 128, requests: PosInt = 256, concurrency: PosInt = 256, prompt_len: PosInt = 128,
+        new_tokens: PosInt = 128, prefill_prompts: PosInt = 8, prefill_len: PosInt = 1024,
+        max_num_tokens: PosInt = MAX_NUM_TOKENS, device: Literal["cuda", "cpu"] = "cuda", emulate_fp8: bool = False,
+        tune: bool = True, seed: CountInt = 0, out: str = "out/bench-fp8"):
+    """FP8 against the same model unquantized, in one process: accuracy on real prompts, and speed on the GPU.
+
+    Random --preset weights (bfloat16, and FP8 with an FP8 KV cache calibrated as `convert --fp8` does, on
+    --calibration-prompts or trtglm's own), or --baseline-checkpoint DIR --fp8-checkpoint DIR written by `trtglm
+    convert` (tp 1). --tokenizer-dir encodes the prompts (--prompts FILE, default trtglm's held-out set). --parts
+    accuracy: the logits' cosine similarity and top-1 agreement with the baseline's, teacher-forced on its greedy
+    continuations, and greedy agreement over --steps; speed: --requests of --prompt-len → --new-tokens ids at
+    --concurrency in flight through the executor (generated tokens/s), the batch-1 decode step, the prefill of
+    --prefill-prompts × --prefill-len tokens (tokens/s), the weights held and the KV-cache positions. --device cpu
+    --emulate-fp8: a dry run (FP8 in float32). Writes OUT/fp8.json.
+    """
+    flags = dict(locals())
+    from trtglm.bench.fp8 import bench_fp8
+
+    bench_fp8(**flags)
+
+
 def convert(work_dir: str = "/tmp/trtglm-bench", json: str | None = None, repeats: PosInt = 3, clean: bool = False):
     """`trtglm convert` on a ChatGLM3-6B-shaped checkpoint against a plain `cp`: wall time and peak RSS."""
     from trtglm.bench.convert_speed import run
@@ -203,5 +227,5 @@ def convert(work_dir: str = "/tmp/trtglm-bench", json: str | None = None, repeat
 
 
 KINDS = {"serving": serving, "serving-local": serving_local, "served": served, "runtime": runtime, "inflight": inflight,
-         "sampling": sampling, "proxy": proxy, "matmul": matmul, "pdl": pdl, "prefill": prefill, "step-parts": step_parts, "tp": tp,
-         "convert": convert}
+         "sampling": sampling, "proxy": proxy, "matmul": matmul, "pdl": pdl, "prefill": prefill,
+         "step-parts": step_parts, "tp": tp, "fp8": fp8, "convert": convert}

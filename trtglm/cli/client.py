@@ -70,7 +70,7 @@ COMMANDS_HELP = "/clear starts a new conversation, /exit (or Ctrl-D) ends"
 
 def chat(engine_dir: str | None = None, url: str | None = None, grpc: str | None = None, openai: str | None = None,
          checkpoint: str | None = None, tokenizer_dir: str | None = None, prompt: str | None = None,
-         system: str | None = None, model: str | None = None, max_new_tokens: PosInt = 256,
+         system: str | None = None, model: str | None = None, max_tokens: PosInt = 256,
          temperature: float = 0.0, top_k: CountInt = 0, top_p: PosFloat = 1.0, seed: CountInt | None = None,
          device: Literal["auto", "cpu", "cuda"] = "auto", timeout: PosFloat = ANSWER_TIMEOUT_S):
     """Chat with ChatGLM3: an engine folder in-process, or a served repository; replies stream as they come.
@@ -88,7 +88,7 @@ def chat(engine_dir: str | None = None, url: str | None = None, grpc: str | None
     conversation; the exit code is then 1.
     """
     sources = {"--engine-dir": engine_dir, "--url": url, "--grpc": grpc, "--openai": openai, "--checkpoint": checkpoint}
-    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    sampling = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     replier = _replier(sources, tokenizer_dir, model, sampling, device, timeout)
     opening = [] if system is None else [{"role": "system", "content": system}]
     if prompt is not None:
@@ -155,7 +155,7 @@ def _replier(sources: dict[str, str | None], tokenizer_dir, model, sampling: dic
         from trtglm.engine.manifest import read_manifest
 
         manifest = read_manifest(sources["--engine-dir"])
-        checkpoint, tokenizer_dir = manifest["checkpoint_dir"], manifest["tokenizer_dir"]
+        checkpoint, tokenizer_dir = manifest.checkpoint_dir, manifest.tokenizer_dir
     from trtglm.runtime.answer import LocalChat
 
     return LocalChat(checkpoint, tokenizer_dir, **sampling, device=_device(device)).pieces
@@ -165,7 +165,7 @@ def _request_options(sampling: dict) -> dict:
     """The sampling options as a served model takes them (checked before the first turn; defaults left out)."""
     from trtglm.client import GenerateRequest
 
-    options = dict(max_tokens=sampling["max_new_tokens"], stream=True, temperature=sampling["temperature"] or None,
+    options = dict(max_tokens=sampling["max_tokens"], stream=True, temperature=sampling["temperature"] or None,
                    top_k=sampling["top_k"] or None, top_p=None if sampling["top_p"] == 1 else sampling["top_p"],
                    seed=sampling["seed"])
     GenerateRequest("check", **options)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from trtglm.cli.flags import PosInt
+from trtglm.conventions import FP8
 from trtglm.errors import UsageError
 
 
@@ -39,8 +40,8 @@ def warmup(engine_dir: str):
     if not torch.cuda.is_available():
         raise UsageError("warmup compiles and tunes GPU kernels: this machine has no CUDA GPU (on a CPU, trtglm's "
                          "runtime compiles nothing)")
-    if info.tp_size != 1:
-        raise UsageError(f"{engine_dir}: warmup runs one GPU (tp 1); an engine of tp {info.tp_size} keeps its "
+    if info.world_size != 1:
+        raise UsageError(f"{engine_dir}: warmup runs one GPU (tp 1); an engine of tp × pp {info.world_size} keeps its "
                          "kernels at its first launch")
     started = time.monotonic()
     print(f"warming up {engine_dir} on this GPU: weights, kernels (compiling and tuning: minutes), CUDA graphs",
@@ -56,11 +57,19 @@ def warmup_applies(engine_dir: Path) -> bool:
     from trtglm.engine.manifest import read_manifest
 
     manifest = read_manifest(engine_dir)
-    one_gpu = int(manifest["mapping"]["tp_size"]) * int(manifest["mapping"]["pp_size"]) == 1
-    if manifest["engine"] != "torch" or not torch.cuda.is_available() or os.environ.get("TRTGLM_DEVICE") == "cpu":
+    one_gpu = manifest.mapping.world_size == 1
+    if manifest.engine != "torch" or not torch.cuda.is_available() or os.environ.get("TRTGLM_DEVICE") == "cpu":
         return False
     if not one_gpu:
         print(f"{engine_dir}: tp > 1: its kernels are compiled and kept at its first launch", flush=True)
+    quantization = manifest.quantization
+    if one_gpu and FP8 in (quantization.get("quant_algo"), quantization.get("kv_cache_quant_algo")):
+        from trtglm.runtime.fast.linear import fp8_problem
+
+        problem = fp8_problem(torch.device("cuda", torch.cuda.current_device()))
+        if problem:  # the engine is whole; it runs (and compiles its kernels) on an Ada or Hopper GPU
+            print(f"{engine_dir}: not warmed up: an FP8 engine, and {problem}", flush=True)
+            return False
     return one_gpu
 
 

@@ -4,7 +4,8 @@ what the flag takes, its default makes it optional.
 Hints: `str`, `int`, `float`, `bool`, `Path`, `X | None`, `Literal[...]` (choices; `fp16`, `bf16`
 and `fp32` also name float16, bfloat16 and float32), `list[str]` (a flag that may repeat), and
 `Annotated[T, ...]` with `POSITIVE` or `NOT_NEGATIVE` (number bounds), `Env("NAME")` (the value
-when the flag is left out) or `PASSTHROUGH` (the words after `--`). `check_argv` turns a command
+when the flag is left out) or `PASSTHROUGH` (the words after `--`). A flag's older name (HIDDEN_FLAGS) is taken
+too, and not shown. `check_argv` turns a command
 line into one `--name=value` word per flag, refusing what does not fit in one line (exit 2);
 fire then calls the function, parsing each value with `Flag.convert` (`fire_parse_fns`).
 """
@@ -25,6 +26,7 @@ POSITIVE = "positive"
 NOT_NEGATIVE = "not negative"
 PASSTHROUGH = "passthrough"
 ALIASES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+HIDDEN_FLAGS = {"max_new_tokens": "max_tokens"}  # older flag names still taken where the newer is a flag; not in help
 BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 PosInt = Annotated[int, POSITIVE]
 CountInt = Annotated[int, NOT_NEGATIVE]
@@ -196,6 +198,8 @@ def _read_flag(command: str, flags: dict[str, Flag], word: str, words: list[str]
     """The flag `word` names, its text, and the index of the next word."""
     key, has_value, text = word[2:].partition("=")
     name = key.replace("-", "_")
+    if HIDDEN_FLAGS.get(name) in flags:
+        name = HIDDEN_FLAGS[name]
     if name not in flags and name.startswith("no_") and flags.get(name[3:], Flag("", str, None)).kind is bool:
         return flags[name[3:]], "false", i  # --no-check
     if name not in flags or flags[name].passthrough:

@@ -36,6 +36,7 @@ DTYPE_CODES: dict[torch.dtype, str] = {
     torch.int32: "I32",
     torch.int64: "I64",
     torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
 }
 DTYPES_BY_CODE = {code: dtype for dtype, code in DTYPE_CODES.items()}
 

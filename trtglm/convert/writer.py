@@ -8,6 +8,9 @@ are copied file to file inside the kernel; everything else (dtype changes, colum
 tensors every rank holds) is read in blocks of rows and written to each rank, so memory
 stays at a few blocks whatever the model size. The output is built in a temporary sibling folder
 and renamed into place when complete.
+
+With `fp8` the model is first calibrated on prompts (convert/fp8.py: one layer's weights read at a
+time), then the quantized linears' weights are written in FP8, block by block, beside their scales.
 """
 
 from __future__ import annotations
@@ -26,13 +29,16 @@ from tqdm import tqdm
 
 from trtglm.chatglm.config import TP_SIZES, ChatGLMConfig
 from trtglm.conventions import DTYPES as DTYPE_NAMES
-from trtglm.conventions import QUANT_ALGOS
+from trtglm.conventions import FP8, QUANT_ALGOS
+from trtglm.convert.fp8 import Scales, calibrated_scales, calibration_prompt_ids, quantize_weight, scale_tensor, \
+    weight_scale
 from trtglm.convert.names import DROPPED, mapped_tensors
 from trtglm.convert.safetensors_file import KernelCopyUnsupported, SafetensorsWriter
 from trtglm.convert.source import TensorSource
 from trtglm.convert.split import RULES, Selection
 from trtglm.convert.staging import check_output, staged_output
 from trtglm.errors import ModelFileError, UsageError
+from trtglm.runtime.checkpoint import CheckpointConfig
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +58,7 @@ class PlannedTensor:
     trt: str
     shape: tuple[int, ...]  # the HF tensor's shape
     ranks: tuple[Selection, ...]
+    quantized: bool = False  # an FP8 checkpoint holds it in FP8
 
     def rank_shape(self, rank: int) -> tuple[int, ...]:
         return self.ranks[rank].shape(self.shape)
@@ -67,35 +74,65 @@ class WriteStats:
 
 def plan_conversion(cfg: ChatGLMConfig, tp_size: int) -> list[PlannedTensor]:
     """Every output tensor with its per-rank selection; raises UsageError if tp does not divide something."""
-    return [PlannedTensor(m.hf, m.trt, m.shape, RULES[m.rule](m.shape, cfg, tp_size)) for m in mapped_tensors(cfg)]
+    return [PlannedTensor(m.hf, m.trt, m.shape, RULES[m.rule](m.shape, cfg, tp_size), m.quantized)
+            for m in mapped_tensors(cfg)]
 
 
 def convert_checkpoint(model_dir: str | Path, output_dir: str | Path, *, dtype: str, tp_size: int, pp_size: int,
-                       weight_only: str | None, chatglm_version: str, force: bool) -> Path:
-    """Convert the ChatGLM HF checkpoint in `model_dir` into a TensorRT-LLM checkpoint at `output_dir`."""
-    _check_options(dtype, tp_size, pp_size, weight_only)
+                       weight_only: str | None, fp8: bool, fp8_kv_cache: bool, calibration_prompts: str | None,
+                       chatglm_version: str, force: bool) -> Path:
+    """Convert the ChatGLM HF checkpoint in `model_dir` into a TensorRT-LLM checkpoint at `output_dir`; `fp8`: with
+    FP8 weights and activations (and `fp8_kv_cache`), calibrated on `calibration_prompts` (None: trtglm's own)."""
+    _check_options(dtype, tp_size, pp_size, weight_only, fp8, fp8_kv_cache, calibration_prompts)
     model_dir, out = Path(model_dir), Path(output_dir)
     if not model_dir.is_dir():
         raise ModelFileError(f"{model_dir}: model folder not found")
     check_output(out, force, is_trtllm_checkpoint, "TensorRT-LLM checkpoint")
     cfg = ChatGLMConfig.from_model_dir(model_dir, chatglm_version)
-    dtype_name = _resolve_dtype(dtype, cfg, weight_only)
+    dtype_name = _resolve_dtype(dtype, cfg, weight_only, fp8)
     planned = plan_conversion(cfg, tp_size)
-    config = trtllm_config(cfg, dtype_name, tp_size, pp_size, QUANT_ALGOS.get(weight_only))
+    config = trtllm_config(cfg, dtype_name, tp_size, pp_size, FP8 if fp8 else QUANT_ALGOS.get(weight_only),
+                           FP8 if fp8_kv_cache else None)
+    prompts = calibration_prompt_ids(calibration_prompts, model_dir, cfg.version) if fp8 else []
     with TensorSource(model_dir) as source:
         check_source(planned, source)
+        scales = _calibrate(cfg, source, DTYPES[dtype_name], prompts, fp8_kv_cache) if fp8 else {}
         log.info("converting %s (%s, %d layers) from %s shards → %s, tp %d%s", model_dir, cfg.variant, cfg.num_layers,
-                 source.format, dtype_name, tp_size, f", weight-only {weight_only}" if weight_only else "")
+                 source.format, dtype_name, tp_size, _quantization(weight_only, fp8, fp8_kv_cache))
         with staged_output(out) as tmp:
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-            stats = write_ranks(planned, source, tmp, DTYPES[dtype_name], tp_size)
+            stats = write_ranks(planned, source, tmp, DTYPES[dtype_name], tp_size, scales)
     gb = stats.bytes_written / 1e9
     log.info("wrote %s: %d tensors × %d rank(s), %.2f GB in %.1f s (%.2f GB/s written, %.2f GB read)", out,
              stats.tensors, tp_size, gb, stats.seconds, gb / max(stats.seconds, 1e-9), stats.bytes_read / 1e9)
     return out
 
 
-def _check_options(dtype: str, tp_size: int, pp_size: int, weight_only: str | None) -> None:
+def _quantization(weight_only: str | None, fp8: bool, fp8_kv_cache: bool) -> str:
+    if fp8:
+        return ", FP8 weights and activations" + (" and KV cache" if fp8_kv_cache else "")
+    return f", weight-only {weight_only}" if weight_only else ""
+
+
+def _calibrate(cfg: ChatGLMConfig, source: TensorSource, dtype: torch.dtype, prompts: list[list[int]],
+               kv_cache: bool) -> Scales:
+    """The FP8 scales from a calibration run over the source's tensors, each read whole when its layer comes."""
+    whole = {p.trt: p for p in plan_conversion(cfg, 1)}
+
+    def tensor(name: str) -> torch.Tensor:
+        planned = whole[name]
+        return planned.ranks[0].apply(source.rows(planned.hf, 0, planned.shape[0]).to(dtype))  # a copy: apply cuts
+
+    tp1 = CheckpointConfig.from_dict(trtllm_config(cfg, "float32", 1, 1, None))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    start = time.perf_counter()
+    found = calibrated_scales(tp1, tensor, prompts, kv_cache, device)
+    log.info("FP8 scales from calibration on %s in %.1f s", device, time.perf_counter() - start)
+    return found
+
+
+def _check_options(dtype: str, tp_size: int, pp_size: int, weight_only: str | None, fp8: bool, fp8_kv_cache: bool,
+                   calibration_prompts: str | None) -> None:
     if dtype != "auto" and dtype not in DTYPES:
         raise UsageError(f"--dtype must be auto, {', '.join(DTYPES)}; not {dtype!r}")
     if not _is_int(tp_size) or tp_size not in TP_SIZES:
@@ -105,19 +142,24 @@ def _check_options(dtype: str, tp_size: int, pp_size: int, weight_only: str | No
                          f"not {pp_size!r}")
     if weight_only is not None and weight_only not in QUANT_ALGOS:
         raise UsageError(f"--weight-only must be {' or '.join(QUANT_ALGOS)}; not {weight_only!r}")
+    if fp8 and weight_only:
+        raise UsageError(f"--fp8 and --weight-only {weight_only} exclude one another (FP8 quantizes the weights itself)")
+    if not fp8 and (fp8_kv_cache or calibration_prompts is not None):
+        raise UsageError("--fp8-kv-cache and --calibration-prompts need --fp8")
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _resolve_dtype(dtype: str, cfg: ChatGLMConfig, weight_only: str | None) -> str:
-    """`auto` is the HF config's torch_dtype; weight-only kernels take float16/bfloat16 activations."""
+def _resolve_dtype(dtype: str, cfg: ChatGLMConfig, weight_only: str | None, fp8: bool) -> str:
+    """`auto` is the HF config's torch_dtype; weight-only kernels and FP8 matmuls give float16/bfloat16."""
     name = cfg.torch_dtype if dtype == "auto" else dtype
     if name not in DTYPES:
         raise ModelFileError(f"config.json torch_dtype {name!r} is not one of {', '.join(DTYPES)}; pass --dtype")
-    if weight_only and name == "float32":
-        raise UsageError(f"--weight-only {weight_only} needs --dtype float16 or bfloat16, not float32")
+    if (weight_only or fp8) and name == "float32":
+        raise UsageError(f"{f'--weight-only {weight_only}' if weight_only else '--fp8'} needs --dtype float16 or "
+                         "bfloat16, not float32")
     return name
 
 
@@ -128,7 +170,8 @@ def is_trtllm_checkpoint(folder: Path) -> bool:
                                           for n in names)
 
 
-def trtllm_config(cfg: ChatGLMConfig, dtype: str, tp_size: int, pp_size: int, quant_algo: str | None) -> dict:
+def trtllm_config(cfg: ChatGLMConfig, dtype: str, tp_size: int, pp_size: int, quant_algo: str | None,
+                  kv_cache_quant_algo: str | None = None) -> dict:
     """TensorRT-LLM's checkpoint config.json for a ChatGLM2/ChatGLM3 model."""
     linear_scaling = cfg.position_scale != 1.0  # ChatGLM2 applies rope_ratio to positions
     return {
@@ -149,7 +192,7 @@ def trtllm_config(cfg: ChatGLMConfig, dtype: str, tp_size: int, pp_size: int, qu
         "use_parallel_embedding": False,
         "embedding_sharding_dim": 0,
         "share_embedding_table": False,
-        "quantization": {"quant_algo": quant_algo, "kv_cache_quant_algo": None},
+        "quantization": {"quant_algo": quant_algo, "kv_cache_quant_algo": kv_cache_quant_algo},
         "mapping": {"world_size": tp_size * pp_size, "tp_size": tp_size, "pp_size": pp_size},
         "chatglm_version": cfg.version,
         "add_bias_linear": False,
@@ -188,33 +231,42 @@ def _first(items: list[str], shown: int = 3) -> str:
 
 
 def write_ranks(planned: list[PlannedTensor], source: TensorSource, folder: Path, dtype: torch.dtype,
-                tp_size: int) -> WriteStats:
-    """Write rank{r}.safetensors for every rank, reading each source tensor once."""
+                tp_size: int, scales: Scales | None = None) -> WriteStats:
+    """Write rank{r}.safetensors for every rank, reading each source tensor once; with FP8 `scales` (every rank's:
+    convert/fp8.py) the quantized weights in FP8 and the scales beside them."""
     start = time.perf_counter()
-    bytes_read = 0
+    bytes_read, scales = 0, scales or {}
+
+    def stored(p: PlannedTensor) -> torch.dtype:
+        return torch.float8_e4m3fn if scales and p.quantized else dtype
+
     with ExitStack() as stack:
-        writers = [stack.enter_context(SafetensorsWriter(folder / f"rank{r}.safetensors",
-                                                         [(p.trt, dtype, p.rank_shape(r)) for p in planned],
-                                                         metadata={"format": "pt"}))
-                   for r in range(tp_size)]
+        writers = [stack.enter_context(SafetensorsWriter(
+            folder / f"rank{r}.safetensors",
+            [(p.trt, stored(p), p.rank_shape(r)) for p in planned] + [(name, torch.float32, (1,)) for name in scales],
+            metadata={"format": "pt"})) for r in range(tp_size)]
         bars = [stack.enter_context(tqdm(total=w.size, desc=f"rank{r}", unit="B", unit_scale=True, position=r,
                                          leave=False, disable=None))
                 for r, w in enumerate(writers)]
         for tensor in planned:
-            bytes_read += copy_tensor(tensor, source, writers, dtype, bars)
+            scale = weight_scale(scales, tensor.trt) if scales and tensor.quantized else None
+            bytes_read += copy_tensor(tensor, source, writers, dtype, bars, scale)
+        for name, value in scales.items():
+            for writer in writers:
+                writer.write_rows(name, scale_tensor(value))
     written = sum(w.size for w in writers)
     return WriteStats(len(planned), bytes_read, written, time.perf_counter() - start)
 
 
 def copy_tensor(tensor: PlannedTensor, source: TensorSource, writers: list[SafetensorsWriter], dtype: torch.dtype,
-                bars: list[tqdm]) -> int:
-    """Copy one source tensor into each rank's file, reading it once; returns bytes read."""
-    if source.dtype(tensor.hf) == dtype and _rows_only_and_disjoint(tensor):
+                bars: list[tqdm], fp8_scale: float | None = None) -> int:
+    """Copy one source tensor into each rank's file, reading it once (in FP8 at `fp8_scale`); returns bytes read."""
+    if fp8_scale is None and source.dtype(tensor.hf) == dtype and _rows_only_and_disjoint(tensor):
         try:
             return _copy_in_kernel(tensor, source, writers, bars)
         except KernelCopyUnsupported:
             pass  # e.g. bin shards, or across file systems
-    return _copy_blocks(tensor, source, writers, dtype, bars)
+    return _copy_blocks(tensor, source, writers, dtype, bars, fp8_scale)
 
 
 def _rows_only_and_disjoint(tensor: PlannedTensor) -> bool:
@@ -244,8 +296,9 @@ def _copy_in_kernel(tensor: PlannedTensor, source: TensorSource, writers: list[S
 
 
 def _copy_blocks(tensor: PlannedTensor, source: TensorSource, writers: list[SafetensorsWriter], dtype: torch.dtype,
-                 bars: list[tqdm]) -> int:
-    """Read blocks of rows once, convert, and write each rank's part of each block."""
+                 bars: list[tqdm], fp8_scale: float | None = None) -> int:
+    """Read blocks of rows once, convert (to FP8 at `fp8_scale` from `dtype`), and write each rank's part of each
+    block."""
     n_rows = tensor.shape[0]
     row_bytes = source.dtype(tensor.hf).itemsize * math.prod(tensor.shape[1:])
     block = max(1, BLOCK_BYTES // row_bytes)
@@ -253,6 +306,8 @@ def _copy_blocks(tensor: PlannedTensor, source: TensorSource, writers: list[Safe
     for first in range(0, n_rows, block):
         last = min(n_rows, first + block)
         rows = source.rows(tensor.hf, first, last).to(dtype)
+        if fp8_scale is not None:
+            rows = quantize_weight(rows, fp8_scale)
         bytes_read += (last - first) * row_bytes
         for writer, selection, bar in zip(writers, tensor.ranks, bars, strict=True):
             bar.update(_write_overlap(writer, tensor.trt, selection, rows, first, last))

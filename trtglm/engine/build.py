@@ -28,6 +28,7 @@ trtllm-0.7` prints TensorRT-LLM v0.7.1's single-step `examples/chatglm/build.py`
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import logging
@@ -38,7 +39,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -46,13 +47,13 @@ from typing import Any
 import trtglm
 from trtglm.chatglm.config import ChatGLMConfig
 from trtglm.convert.staging import remove_stale
-from trtglm.engine.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, digest, file_listing, hf_fingerprint,
-                                    read_manifest, write_json_atomic, write_manifest)
-from trtglm.engine.trtllm_cmd import (TRTLLM_BUILD, convert_argv, engine_limits, trtllm07_build_argv,
+from trtglm.engine.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, Limits, RankMapping, digest, file_listing,
+                                    hf_fingerprint, read_manifest, write_json_atomic, write_manifest)
+from trtglm.engine.trtllm_cmd import (TRTLLM_BUILD, convert_argv, trtllm07_build_argv,
                                       trtllm_build_argv)
 from trtglm.errors import DependencyError, ModelFileError, OutputExistsError, TrtglmError, UsageError
 from trtglm.files import read_json_object
-from trtglm.profile import Profile, load_profile
+from trtglm.profile import ConvertSection, Profile, load_profile
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,10 @@ def load_build_profile(config: str | Path, model_dir: str | Path | None, overrid
         overrides["model.dir"] = str(Path(model_dir).resolve())
     profile = load_profile(config, overrides)
     engine = "tensorrt" if tensorrt and profile.build.engine == "auto" else resolved_engine(profile)
+    if engine == "tensorrt" and profile.convert.fp8 and not profile.variant.trtllm_fp8:
+        raise UsageError(f"{profile.path}: TensorRT-LLM's ChatGLM support matrix has no FP8 for "
+                         f"{profile.model.variant}; build it for trtglm's runtime (build.engine: torch) or without "
+                         "convert.fp8")
     return replace(profile, build=replace(profile.build, engine=engine))
 
 
@@ -140,9 +145,15 @@ def _build(profile: Profile, hf: Path, out: Path) -> Path:
     manifest = make_manifest(profile, model_cfg, tokenizer, sources, engine_files, trtllm_version)
     path = write_manifest(out, manifest)
     log.info("engine ready: %s (%s engine, tp %d, %s%s); manifest %s", out, profile.build.engine,
-             profile.convert.tp_size, profile.convert.dtype,
-             f", weight-only {profile.convert.weight_only}" if profile.convert.weight_only else "", path)
+             profile.convert.tp_size, profile.convert.dtype, _quantization(profile), path)
     return out
+
+
+def _quantization(profile: Profile) -> str:
+    c = profile.convert
+    if c.fp8:
+        return ", FP8" + (" with an FP8 KV cache" if c.fp8_kv_cache else "")
+    return f", weight-only {c.weight_only}" if c.weight_only else ""
 
 
 # --- output folder --------------------------------------------------------------------------------
@@ -179,8 +190,8 @@ def engine_up_to_date(profile: Profile, hf: Path, out: Path) -> bool:
         manifest = read_manifest(out)
     except TrtglmError:
         return False
-    same_profile = manifest.get("profile") == json.loads(json.dumps(profile.to_dict()))
-    return (same_profile and manifest.get("trtglm_version") == trtglm.__version__
+    same_profile = manifest.profile == json.loads(json.dumps(profile.to_dict()))
+    return (same_profile and manifest.trtglm_version == trtglm.__version__
             and checkpoint_status(profile, hf, out)[0])
 
 
@@ -197,7 +208,18 @@ def _remove_engine_files(out: Path) -> None:
 def convert_settings(profile: Profile) -> dict[str, Any]:
     c = profile.convert
     return {"dtype": c.dtype, "tp_size": c.tp_size, "pp_size": c.pp_size, "weight_only": c.weight_only,
-            "chatglm_version": profile.chatglm_version}
+            "chatglm_version": profile.chatglm_version, **_fp8_settings(c)}
+
+
+def _fp8_settings(c: ConvertSection) -> dict[str, Any]:
+    """An FP8 conversion's settings, with its calibration prompts' fingerprint (other prompts: other scales); none
+    for others, so that their checkpoints' records stay as they were."""
+    if not c.fp8:
+        return {}
+    prompts = Path(c.calibration_prompts) if c.calibration_prompts else None
+    fingerprint = hashlib.sha256(prompts.read_bytes()).hexdigest() if prompts and prompts.is_file() else None
+    return {"fp8": True, "fp8_kv_cache": c.fp8_kv_cache, "calibration_prompts": c.calibration_prompts,
+            "calibration_prompts_sha256": fingerprint}
 
 
 def checkpoint_source(profile: Profile, hf: Path) -> dict[str, Any]:
@@ -247,6 +269,7 @@ def ensure_checkpoint(profile: Profile, hf: Path, out: Path) -> dict[str, Any]:
     (out / CHECKPOINT_RECORD).unlink(missing_ok=True)
     c = profile.convert
     convert_checkpoint(hf, ckpt, dtype=c.dtype, tp_size=c.tp_size, pp_size=c.pp_size, weight_only=c.weight_only,
+                       fp8=c.fp8, fp8_kv_cache=c.fp8_kv_cache, calibration_prompts=c.calibration_prompts,
                        chatglm_version=profile.chatglm_version, force=True)
     record = {**checkpoint_source(profile, hf), "checkpoint_fingerprint": digest(file_listing(ckpt))}
     write_json_atomic(out / CHECKPOINT_RECORD, record)
@@ -316,7 +339,7 @@ def check_trtllm_engine(profile: Profile, out: Path) -> tuple[list[str], str | N
         raise ModelFileError(f"{out}: {TRTLLM_BUILD} did not write {', '.join(missing)}")
     build_config = config["build_config"]
     wrong = [f"{key} {build_config.get(key)} (profile: {value})"
-             for key, value in engine_limits(profile).items() if build_config.get(key) != value]
+             for key, value in asdict(Limits.of(profile.build)).items() if build_config.get(key) != value]
     if wrong:
         raise ModelFileError(f"{config_path}: engine limits differ from the profile: {', '.join(wrong)}")
     version = config.get("version")
@@ -368,10 +391,11 @@ def make_manifest(profile: Profile, cfg: ChatGLMConfig, tokenizer: dict, sources
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "trtglm_version": trtglm.__version__,
         "tensorrt_llm_version": trtllm_version,
-        "mapping": {"world_size": profile.world_size, "tp_size": c.tp_size, "pp_size": c.pp_size},
+        "mapping": RankMapping(c.tp_size, c.pp_size).to_json(),
         "dtype": c.dtype,
-        "quantization": {"weight_only": c.weight_only, "quant_algo": profile.quant_algo},
-        "limits": {**engine_limits(profile), "max_beam_width": profile.build.max_beam_width},
+        "quantization": {"weight_only": c.weight_only, "quant_algo": profile.quant_algo,
+                         "kv_cache_quant_algo": profile.kv_cache_quant_algo},
+        "limits": asdict(Limits.of(profile.build)),
         "checkpoint_dir": CHECKPOINT,
         "engine_files": engine_files,
         "tokenizer_dir": TOKENIZER,

@@ -5,6 +5,10 @@ It says what was built (engine kind, tp/pp, dtype, quantization, limits), from w
 tokenizer (its ids and folder) and by which versions. It is written last and atomically, so
 a folder with a `trtglm.json` holds a complete engine.
 
+`read_manifest` gives it back checked, as a `Manifest`: its limits (`Limits`), its split over ranks (`RankMapping`:
+tp, pp and their product, the world size) and its tokenizer's ids (`TokenizerFacts`) typed, each one's keys its
+fields.
+
 Fingerprints are cheap: every file's name, size and modification time, plus a hash of the
 HF `config.json`; enough to notice a changed model without reading gigabytes.
 """
@@ -14,6 +18,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -25,26 +32,89 @@ FORMAT = "trtglm-engine"
 FORMAT_VERSION = 1
 ENGINE_KINDS = ("tensorrt", "torch")
 
-# key -> expected type(s); what read_manifest guarantees to callers
-_REQUIRED: dict[str, type | tuple[type, ...]] = {
-    "format": str,
-    "format_version": int,
-    "name": str,
-    "engine": str,
-    "trtglm_version": str,
-    "tensorrt_llm_version": (str, type(None)),
-    "mapping": dict,
-    "dtype": str,
-    "quantization": dict,
-    "limits": dict,
-    "checkpoint_dir": str,
-    "engine_files": list,
-    "tokenizer_dir": str,
-    "tokenizer": dict,
-    "model": dict,
-    "sources": dict,
-    "profile": dict,
-}
+
+@dataclass(frozen=True)
+class Limits:
+    """What the engine was built to hold, under TensorRT-LLM's names (its config.json's `build_config` has them too)."""
+
+    max_batch_size: int
+    max_input_len: int
+    max_seq_len: int
+    max_num_tokens: int
+    max_beam_width: int
+
+    @classmethod
+    def of(cls, build: Any) -> Limits:
+        """The limits a profile's build section asks for."""
+        return cls(**{f.name: getattr(build, f.name) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class RankMapping:
+    """How the model is split over ranks: tensor- and pipeline-parallel sizes (TensorRT-LLM's `mapping`)."""
+
+    tp_size: int
+    pp_size: int
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def to_json(self) -> dict:
+        return {"world_size": self.world_size, **asdict(self)}  # world_size too, as TensorRT-LLM writes it
+
+
+@dataclass(frozen=True)
+class TokenizerFacts:
+    """The tokenizer's ids the engine was built with (`chatglm.chat.tokenizer_facts`)."""
+
+    vocab_size: int
+    pad_id: int
+    end_id: int
+    stop_ids: list
+    special_ids: dict
+    sp_vocab_size: int | None = None
+    bos_id: int | None = None
+
+    @classmethod
+    def compared(cls) -> list[str]:
+        """The facts a tokenizer must share with the engine's to serve it."""
+        return [f.name for f in fields(cls) if f.default is MISSING]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """An engine folder's trtglm.json, checked (`read_manifest`); the folders in it are absolute."""
+
+    engine_dir: Path
+    name: str
+    engine: str  # one of ENGINE_KINDS
+    dtype: str
+    mapping: RankMapping
+    limits: Limits
+    tokenizer: TokenizerFacts
+    quantization: dict  # weight_only (the profile's), quant_algo and kv_cache_quant_algo (TensorRT-LLM's)
+    checkpoint_dir: Path
+    tokenizer_dir: Path
+    engine_files: list  # beside trtglm.json
+    model: dict  # the model's shape
+    sources: dict  # what it was built from (fingerprints)
+    profile: dict  # the profile it was built from, resolved
+    trtglm_version: str
+    tensorrt_llm_version: str | None
+
+    @property
+    def serve(self) -> dict:
+        """The serve section the engine was built with, the keys profiles gained since then at their defaults (an
+        engine need not be rebuilt for a serving setting)."""
+        from trtglm.profile import ServeSection
+
+        serve = self.profile.get("serve")
+        defaults = {f.name: f.default for f in fields(ServeSection) if f.default is not MISSING}
+        return {**defaults, **serve} if isinstance(serve, dict) else {}
+
+
+SECTIONS = {"mapping": RankMapping, "limits": Limits, "tokenizer": TokenizerFacts}  # key -> the type it is read as
 _PATH_KEYS = ("checkpoint_dir", "tokenizer_dir")  # stored relative to the engine folder
 
 
@@ -66,60 +136,65 @@ def write_manifest(engine_dir: str | Path, manifest: dict) -> Path:
     return path
 
 
-def read_manifest(engine_dir: str | Path) -> dict:
-    """The validated manifest of an engine folder; `checkpoint_dir`/`tokenizer_dir` come back absolute.
-
-    Also adds `engine_dir` (absolute). Raises ModelFileError (one line) when the file is
-    missing, not JSON, lacks a key, has a wrong type, or names files that are not there.
-    """
+def read_manifest(engine_dir: str | Path) -> Manifest:
+    """The checked manifest of an engine folder. Raises ModelFileError (one line) when the file is missing, not
+    JSON, lacks a key, has a wrong type, or names files that are not there."""
     engine_dir = Path(engine_dir).resolve()
     path = engine_dir / MANIFEST
-    manifest = read_json_object(path, f"not found (is {engine_dir} an engine folder from `trtglm build-engine`?)")
-    _check_fields(manifest, path)
+    raw = read_json_object(path, f"not found (is {engine_dir} an engine folder from `trtglm build-engine`?)")
+    _check_format(raw, path)
+    values = {name: _checked(raw, name, hint, path) for name, hint in typing.get_type_hints(Manifest).items()
+              if name != "engine_dir"}
+    for key, cls in SECTIONS.items():
+        values[key] = cls(**{name: _checked(values[key], name, hint, path, key)
+                             for name, hint in typing.get_type_hints(cls).items() if name in values[key]
+                             or _required(cls, name)})
+    stored_world = raw["mapping"].get("world_size")
+    if stored_world is not None and stored_world != values["mapping"].world_size:
+        raise ModelFileError(f"{path}: mapping.world_size is {stored_world}, but tp × pp = "
+                             f"{values['mapping'].tp_size} × {values['mapping'].pp_size}")
     for key in _PATH_KEYS:
-        manifest[key] = str((engine_dir / manifest[key]).resolve())
-    manifest["engine_dir"] = str(engine_dir)
-    _check_files(manifest, engine_dir, path)
+        values[key] = (engine_dir / values[key]).resolve()
+    manifest = Manifest(engine_dir=engine_dir, **values)
+    _check_files(manifest, path)
     return manifest
 
 
-def recorded_serve(manifest: dict) -> dict:
-    """The serve section the engine was built with, the keys profiles gained since then at their defaults (an
-    engine need not be rebuilt for a serving setting)."""
-    from dataclasses import MISSING, fields
-
-    from trtglm.profile import ServeSection
-
-    serve = manifest["profile"].get("serve")
-    defaults = {f.name: f.default for f in fields(ServeSection) if f.default is not MISSING}
-    return {**defaults, **serve} if isinstance(serve, dict) else {}
-
-
-def _check_fields(manifest: Any, path: Path) -> None:
-    if not isinstance(manifest, dict):
-        raise ModelFileError(f"{path}: expected a JSON object")
-    for key, kind in _REQUIRED.items():
-        if key not in manifest:
-            raise ModelFileError(f"{path}: missing key {key}")
-        if not isinstance(manifest[key], kind) or isinstance(manifest[key], bool):
-            raise ModelFileError(f"{path}: {key} has the wrong type ({type(manifest[key]).__name__})")
-    if manifest["format"] != FORMAT or manifest["format_version"] != FORMAT_VERSION:
-        raise ModelFileError(f"{path}: format {manifest['format']!r} version {manifest['format_version']} "
+def _check_format(raw: dict, path: Path) -> None:
+    for key, kind in (("format", str), ("format_version", int)):
+        _checked(raw, key, kind, path)
+    if raw["format"] != FORMAT or raw["format_version"] != FORMAT_VERSION:
+        raise ModelFileError(f"{path}: format {raw['format']!r} version {raw['format_version']} "
                              f"is not {FORMAT!r} version {FORMAT_VERSION} (rebuild with this trtglm)")
-    if manifest["engine"] not in ENGINE_KINDS:
-        raise ModelFileError(f"{path}: engine must be one of {', '.join(ENGINE_KINDS)}, not {manifest['engine']!r}")
-    for section, keys in (("mapping", ("world_size", "tp_size", "pp_size")),
-                          ("limits", ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens",
-                                      "max_beam_width")),
-                          ("tokenizer", ("pad_id", "end_id", "stop_ids", "vocab_size", "special_ids"))):
-        missing = [k for k in keys if k not in manifest[section]]
-        if missing:
-            raise ModelFileError(f"{path}: {section} lacks {', '.join(missing)}")
 
 
-def _check_files(manifest: dict, engine_dir: Path, path: Path) -> None:
-    needed = [Path(manifest["checkpoint_dir"]) / "config.json", Path(manifest["tokenizer_dir"])]
-    needed += [engine_dir / name for name in manifest["engine_files"]]
+def _required(cls: type, name: str) -> bool:
+    return next(f for f in fields(cls) if f.name == name).default is MISSING
+
+
+def _checked(raw: dict, key: str, hint: Any, path: Path, section: str | None = None) -> Any:
+    """`raw[key]`, which must be of type `hint` (a Path is stored as a string, a section as an object)."""
+    if key not in raw:
+        raise ModelFileError(f"{path}: {section} lacks {key}" if section else f"{path}: missing key {key}")
+    value, kinds = raw[key], _kinds(hint)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise ModelFileError(f"{path}: {f'{section}.' if section else ''}{key} has the wrong type "
+                             f"({type(value).__name__})")
+    if key == "engine" and section is None and value not in ENGINE_KINDS:
+        raise ModelFileError(f"{path}: engine must be one of {', '.join(ENGINE_KINDS)}, not {value!r}")
+    return value
+
+
+def _kinds(hint: Any) -> tuple[type, ...]:
+    """The JSON types a field of type `hint` is stored as."""
+    if isinstance(hint, types.UnionType):
+        return tuple(k for arg in typing.get_args(hint) for k in _kinds(arg))
+    return {Path: (str,), type(None): (type(None),)}.get(hint, (dict,) if hint in SECTIONS.values() else (hint,))
+
+
+def _check_files(manifest: Manifest, path: Path) -> None:
+    needed = [manifest.checkpoint_dir / "config.json", manifest.tokenizer_dir]
+    needed += [manifest.engine_dir / name for name in manifest.engine_files]
     for file in needed:
         if not file.exists():
             raise ModelFileError(f"{path}: names {file}, which is missing")

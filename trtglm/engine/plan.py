@@ -6,9 +6,10 @@ and the norms. The estimate:
 - weights: embedding (whole on every rank) and lm_head (split by vocabulary rows) in the
   activation dtype; per layer the qkv, dense, fc and proj matrices split by tp, at 1 byte
   (int8) or 0.5 byte (int4) per parameter under weight-only quantization plus one scale per
-  output channel in the activation dtype; qkv bias and norms in the activation dtype. With
-  tp > KV heads each rank holds one (duplicated) KV head.
-- KV cache per token: 2 (K, V) × layers × KV heads per rank × head_dim × dtype bytes.
+  output channel in the activation dtype, or 1 byte (FP8) with one scale per matrix; qkv bias
+  and norms in the activation dtype. With tp > KV heads each rank holds one (duplicated) KV head.
+- KV cache per token: 2 (K, V) × layers × KV heads per rank × head_dim × dtype bytes (1 for an
+  FP8 KV cache).
 - activations: max_num_tokens × (2·ffn/tp + qkv rows per rank + 4·hidden) × dtype bytes
   (the fc output, the attention input and a few hidden-size buffers live at once), plus the
   float32 logits of max_batch_size sequences over the whole vocabulary.
@@ -39,7 +40,8 @@ log = logging.getLogger(__name__)
 GiB = 1 << 30
 OVERHEAD_BYTES = 1 * GiB
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
-WEIGHT_BITS = {None: None, "int8": 8, "int4": 4}
+WEIGHT_BITS = {None: None, "int8": 8, "int4": 4, "fp8": 8}  # a weight kind: weight-only's mode, or fp8
+PER_CHANNEL_SCALES = ("int8", "int4")  # weight-only's scales, one per output channel (FP8's: one per matrix)
 LOGITS_BYTES = 4  # float32 logits
 _UNITS = {"": None, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
@@ -65,15 +67,17 @@ def weight_bytes(shape: ChatGLMConfig, dtype: str, weight_only: str | None = Non
     linear_params = qkv * h + h * attn_r + 2 * ffn_r * h + h * ffn_r
     out_channels = qkv + h + 2 * ffn_r + h
     bits = WEIGHT_BITS[weight_only]
-    linear = linear_params * act if bits is None else linear_params * bits // 8 + out_channels * act
+    scales = out_channels * act if weight_only in PER_CHANNEL_SCALES else 0
+    linear = linear_params * act if bits is None else linear_params * bits // 8 + scales
     per_layer = linear + (qkv + 2 * h) * act  # qkv bias, two norms
     embedding = shape.vocab_size * h * act
     lm_head = math.ceil(shape.vocab_size / tp) * h * act
     return embedding + lm_head + h * act + shape.num_layers * per_layer
 
 
-def kv_bytes_per_token(shape: ChatGLMConfig, dtype: str, tp: int = 1) -> int:
-    return kv_bytes_per_position(shape.num_layers, shape.num_kv_heads, shape.head_dim, tp, DTYPE_BYTES[dtype])
+def kv_bytes_per_token(shape: ChatGLMConfig, dtype: str, tp: int = 1, fp8: bool = False) -> int:
+    return kv_bytes_per_position(shape.num_layers, shape.num_kv_heads, shape.head_dim, tp,
+                                 1 if fp8 else DTYPE_BYTES[dtype])
 
 
 def token_activation_bytes(shape: ChatGLMConfig, dtype: str, tp: int = 1) -> int:
@@ -127,10 +131,10 @@ class MemoryPlan:
 def memory_plan(profile: Profile, shape: ChatGLMConfig, gpu_bytes: int, shape_source: str = "") -> MemoryPlan:
     b, c, s = profile.build, profile.convert, profile.serve
     tp, fraction, seq = c.tp_size, s.kv_cache_free_gpu_mem_fraction, b.max_seq_len * b.max_beam_width
-    weights = weight_bytes(shape, c.dtype, c.weight_only, tp)
+    weights = weight_bytes(shape, c.dtype, c.weight_only or ("fp8" if c.fp8 else None), tp)
     per_token_act = token_activation_bytes(shape, c.dtype, tp)
     activations = b.max_num_tokens * per_token_act + logits_bytes(shape, b.max_batch_size)
-    kv = kv_bytes_per_token(shape, c.dtype, tp)
+    kv = kv_bytes_per_token(shape, c.dtype, tp, c.fp8_kv_cache)
     left = gpu_bytes - weights - activations - OVERHEAD_BYTES
     kv_budget = int(fraction * max(0, left))
     kv_tokens = kv_budget // kv
@@ -170,7 +174,7 @@ def plan(config: str | Path, *, gpu_memory: str | int | float, gpus: int | None,
     if gpus is not None:
         if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
             raise UsageError(f"--gpus must be a positive integer, not {gpus!r}")
-        overrides.update({"convert.tp_size": gpus, "serve.world_size": gpus})
+        overrides["convert.tp_size"] = gpus
     profile = load_profile(config, overrides)
     shape, source = model_shape(profile)
     result = memory_plan(profile, shape, gpu_bytes, source)
@@ -213,7 +217,8 @@ def _gib(n: float) -> str:
 
 def format_plan(profile: Profile, p: MemoryPlan) -> str:
     b, c, s, shape = profile.build, profile.convert, profile.serve, p.shape
-    precision = c.dtype + (f", weight-only {c.weight_only}" if c.weight_only else "")
+    precision = c.dtype + (f", weight-only {c.weight_only}" if c.weight_only else "") + \
+        (", FP8" if c.fp8 else "") + (" and FP8 KV cache" if c.fp8_kv_cache else "")
     rows = [
         ("profile", f"{profile.name} ({profile.path})"),
         ("model", f"{profile.model.variant}: {shape.num_layers} layers, hidden {shape.hidden_size}, "

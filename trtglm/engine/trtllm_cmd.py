@@ -3,8 +3,7 @@
 - `convert_argv`: the `trtglm convert` call that makes the TensorRT-LLM checkpoint;
 - `trtllm_build_argv`: current TensorRT-LLM's `trtllm-build` (checkpoint → engine);
 - `trtllm07_build_argv`: TensorRT-LLM v0.7.1's `examples/chatglm/build.py` (HF folder → engine
-  in one step, no checkpoint), for Triton containers of that generation;
-- `engine_limits`: the limits an engine's `build_config` must report for the profile.
+  in one step, no checkpoint), for Triton containers of that generation.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from trtglm.profile import Profile
 
 TRTLLM_BUILD = "trtllm-build"
 TRTLLM07_SCRIPT = "examples/chatglm/build.py"
-LIMIT_KEYS = ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens")
 V07_MIN_TOKENS_PER_BLOCK_WITH_FMHA = 128  # v0.7.1 build.py asserts it
 
 
@@ -29,12 +27,16 @@ def convert_argv(profile: Profile, model_dir: str, checkpoint_dir: str, force: b
             "--dtype", c.dtype, "--tp-size", str(c.tp_size), "--pp-size", str(c.pp_size)]
     if c.weight_only:
         argv += ["--weight-only", c.weight_only]
+    if c.fp8:
+        argv += ["--fp8", *(["--fp8-kv-cache"] if c.fp8_kv_cache else []),
+                 *(["--calibration-prompts", c.calibration_prompts] if c.calibration_prompts else [])]
     argv += ["--chatglm-version", profile.chatglm_version]
     return argv + (["--force"] if force else [])
 
 
 def trtllm_build_argv(profile: Profile, checkpoint_dir: str, output_dir: str) -> list[str]:
-    """`trtllm-build` for the profile's limits and features (weight-only comes from the checkpoint)."""
+    """`trtllm-build` for the profile's limits and features (weight-only and FP8 come from the checkpoint's
+    quantization, as in TensorRT-LLM's examples/chatglm README: `trtllm-build --checkpoint_dir <FP8 checkpoint> …`)."""
     b = profile.build
     return [
         TRTLLM_BUILD,
@@ -55,11 +57,6 @@ def trtllm_build_argv(profile: Profile, checkpoint_dir: str, output_dir: str) ->
     ]
 
 
-def engine_limits(profile: Profile) -> dict[str, int]:
-    """What `build_config` in the engine's config.json must say (LIMIT_KEYS)."""
-    return {key: getattr(profile.build, key) for key in LIMIT_KEYS}
-
-
 def trtllm07_build_argv(profile: Profile, model_dir: str, output_dir: str,
                         script: str = TRTLLM07_SCRIPT) -> list[str]:
     """TensorRT-LLM v0.7.1 `python3 examples/chatglm/build.py ...` (run from the TensorRT-LLM tree)."""
@@ -69,6 +66,9 @@ def trtllm07_build_argv(profile: Profile, model_dir: str, output_dir: str,
         raise UsageError(f"{where}: TensorRT-LLM v0.7.1 has no build for {profile.model.variant}")
     if c.weight_only and c.dtype != "float16":
         raise UsageError(f"{where}: v0.7.1's weight-only plugin is float16 only; convert.dtype is {c.dtype}")
+    if c.fp8:
+        raise UsageError(f"{where}: v0.7.1's build.py reads FP8 scales only from an AMMO-quantized .npz "
+                         "(--quantized_fp8_model_path), which trtglm does not write; build FP8 with --target current")
     if b.context_fmha and b.kv_cache_type == "paged" and b.tokens_per_block < V07_MIN_TOKENS_PER_BLOCK_WITH_FMHA:
         raise UsageError(f"{where}: v0.7.1 needs build.tokens_per_block ≥ {V07_MIN_TOKENS_PER_BLOCK_WITH_FMHA} "
                          f"with context FMHA, not {b.tokens_per_block}")

@@ -77,8 +77,8 @@ class Api:
             raise ApiError(400, f"min_tokens {request.min_tokens} is more than the answer may take ({limit} tokens: "
                                 "max_tokens, or what max_seq_len leaves after the prompt)", "min_tokens", "invalid_value")
         output = OutputConfig(return_log_probs=wants_log_probs(request) or not self.served.trtglm_engine)
-        return [Ask(messages, limit, request.sampling_config(i), output, tuple(request.stop_words()), request.stream)
-                for i in range(request.n)]
+        return [Ask(messages, limit, request.sampling_config(i), output, tuple(request.stop_words()), request.stream,
+                    reported=self.served.trtglm_engine) for i in range(request.n)]
 
 
 def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -1,7 +1,8 @@
 """One choice's reply as Triton's pieces arrive: stop strings cut it (streamed text that may begin one is held back
 until it is known); with tools offered, a reply whose first line is a tool's name is held back and, when its rest
 reads as the call's arguments (chat.tool_call), answered as `tool_calls` (finish_reason "tool_calls");
-finish_reason is "length" when the reply's generated tokens reached its limit. Log probabilities pair each
+finish_reason is the engine's (stop or length) when it reports one, else "length" when the reply's generated tokens
+reached its limit (counted from the engine's count, when it reports one). Log probabilities pair each
 generated token's value with that token's text as ChatGLM3 writes the reply (chat.reply_tokens).
 """
 
@@ -29,12 +30,14 @@ class ChoiceText:
     tokens: int = 0  # generated so far
     log_probs: list[float] = field(default_factory=list)
     stopped: bool = False
+    engine_reason: str = ""  # why the engine ended the reply, when it says
 
     def add(self, piece: Piece) -> str:
         """Text that can be sent now."""
         if self.stopped:
             return ""
-        self.tokens += piece.tokens
+        self.tokens = piece.tokens_so_far if piece.tokens_so_far is not None else self.tokens + piece.tokens
+        self.engine_reason = piece.finish_reason or self.engine_reason
         self.log_probs += piece.log_probs
         self.text += piece.text
         cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
@@ -57,7 +60,9 @@ class ChoiceText:
     def finish_reason(self, call: dict | None) -> str:
         if call is not None:
             return "tool_calls"
-        return "length" if not self.stopped and self.tokens >= self.limit else "stop"
+        if self.stopped or self.engine_reason:
+            return "stop" if self.stopped else self.engine_reason
+        return "length" if self.tokens >= self.limit else "stop"
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:

@@ -20,8 +20,8 @@ from trtglm.model_repository import (engine_backend, engine_slots, has_model, mo
 @dataclass(frozen=True)
 class Served:
     """The model behind the API: its id, the Triton model answering, the tokenizer, the engine's limits and prompt
-    format (preprocessing's), and whether its engine is trtglm's runtime (which counts every token without log
-    probabilities)."""
+    format (preprocessing's), and whether its engine is trtglm's runtime (which reports each reply's tokens and why it
+    ended)."""
 
     model_id: str
     triton_model: str

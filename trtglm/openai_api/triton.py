@@ -2,9 +2,10 @@
 inputs, sent over gRPC streaming (tritonclient's asyncio client), its responses read back as text pieces with
 their tokens' log probabilities (`Piece`), and Triton's errors as the API's.
 
-trtglm's runtime sends one `output_log_probs` value per generated token in every response (zeros unless asked),
-so their count is the reply's generated tokens (the stop token that ended it included); NVIDIA's engine sends
-them only when asked (answers.py then always asks).
+trtglm's runtime reports a reply's generated tokens so far (`num_output_tokens`, the stop token that ended it
+included) and, on its last response, why it ended (`finish_reason`: stop or length); asked for them (`Ask.reported`)
+it is taken at its word. NVIDIA's engine reports neither: its tokens are counted by their `output_log_probs`
+values (one per token; answers.py then always asks for them).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ END_S = 5.0  # for Triton to end the stream of a complete request
 TRITON_STATUS = {"StatusCode.INVALID_ARGUMENT": 400, "StatusCode.UNAVAILABLE": 503,
                  "StatusCode.RESOURCE_EXHAUSTED": 503}  # others: 500
 RETRY_AFTER_S = 1  # what a 503 tells a client to wait before it asks again (Retry-After)
+OUTPUTS, REPORTED = ("text_output", "output_log_probs"), ("num_output_tokens", "finish_reason")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class Ask:
     output: OutputConfig
     stop: tuple[str, ...]
     stream: bool
+    reported: bool = False  # the engine reports the tokens so far and why the reply ended (trtglm's runtime)
 
 
 @dataclass(frozen=True)
@@ -45,19 +48,22 @@ class Piece:
     text: str
     tokens: int  # generated tokens this response carries
     log_probs: tuple[float, ...]  # theirs, when asked for
+    tokens_so_far: int | None = None  # the reply's, as the engine reports them
+    finish_reason: str = ""  # why the reply ended, as the engine reports it on its last response
 
 
 def triton_inputs(ask: Ask) -> dict[str, np.ndarray]:
     """The ensemble's / BLS model's inputs ([1, …] each)."""
     arrays = {
         "text_input": np.array([[chat_text(ask.messages).encode()]], dtype=object),
-        "max_tokens": np.array([[ask.max_tokens]], dtype=np.int32),
         "stream": np.array([[ask.stream]]),
         **{name: np.array([[value]], dtype=dtype) for name, (value, dtype) in
-           client_inputs(ask.sampling, ask.output).items()},
+           client_inputs(ask.sampling, ask.output, ask.max_tokens).items()},
     }
     if ask.stop:
         arrays["stop_words"] = np.array([[word.encode() for word in ask.stop]], dtype=object)
+    if ask.reported:
+        arrays["return_num_output_tokens"] = np.array([[True]])
     return arrays
 
 
@@ -93,8 +99,9 @@ class Triton:
             tensor = self.grpc.InferInput(name, list(array.shape), _triton_type(array))
             tensor.set_data_from_numpy(array)
             tensors.append(tensor)
+        outputs = OUTPUTS + (REPORTED if ask.reported else ())
         request = {"model_name": self.model, "inputs": tensors, "enable_empty_final_response": True,
-                   "outputs": [self.grpc.InferRequestedOutput(name) for name in ("text_output", "output_log_probs")]}
+                   "outputs": [self.grpc.InferRequestedOutput(name) for name in outputs]}
 
         async def one_request():
             yield request
@@ -145,11 +152,13 @@ def _triton_type(array: np.ndarray) -> str:
 
 
 def _piece(result, asked_log_probs: bool) -> Piece:
-    text = result.as_numpy("text_output")
-    log_probs = result.as_numpy("output_log_probs")
+    text, log_probs = result.as_numpy("text_output"), result.as_numpy("output_log_probs")
+    so_far, reason = result.as_numpy("num_output_tokens"), result.as_numpy("finish_reason")
     joined = b"".join(text.reshape(-1)).decode("utf-8") if text is not None else ""
     values = tuple(float(v) for v in log_probs.reshape(-1)) if log_probs is not None else ()
-    return Piece(joined, len(values), values if asked_log_probs else ())
+    return Piece(joined, len(values), values if asked_log_probs else (),
+                 int(so_far.reshape(-1)[0]) if so_far is not None and so_far.size else None,
+                 reason.reshape(-1)[0].decode() if reason is not None and reason.size else "")
 
 
 def api_error_of(error) -> ApiError:

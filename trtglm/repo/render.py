@@ -4,9 +4,10 @@ The template is trtglm's own (triton_model_repo/) or a copy of NVIDIA's inflight
 (v0.7.1, v0.19.0 or v1.2.1; `patch.py`), recognised by its placeholders (`placeholders.py`). Every
 placeholder is filled from the engine's trtglm.json, its profile's serve section and `--set`
 (`values.py`); an unknown `--set` key or a placeholder left unfilled is an error naming the
-file and the placeholder. A line of trtglm's template whose comment says `only with backend X`
-is kept only when tensorrt_llm's backend is X (the python backend's extra streaming tensors);
-the filled configs must match the serving contract (`contract_check.py`).
+file and the placeholder. trtglm's template declares no tensor itself: each model's tensors (and the
+ensemble's steps) are rendered from the serving contract (`contract_text.py`). A line whose comment says
+`only with backend X` is kept only when tensorrt_llm's backend is X (the python backend's extra streaming
+tensors); the filled configs must match the serving contract (`contract_check.py`).
 The result is checked (`validate.check_repo`) in a temporary folder beside the output and
 renamed into place only when it has no problems. Rendering is deterministic: the same inputs
 give the same bytes.
@@ -24,10 +25,11 @@ from pathlib import Path
 
 from trtglm.backend.contract import HISTORY_CHAT, REPO_MODELS
 from trtglm.chatglm.chat import tokenizer_facts
-from trtglm.engine.manifest import read_manifest
+from trtglm.engine.manifest import Manifest, TokenizerFacts, read_manifest
 from trtglm.errors import ModelFileError, OutputExistsError, UsageError
 from trtglm.model_repository import CONFIG
 from trtglm.repo.contract_check import check_contract
+from trtglm.repo.contract_text import with_declarations
 from trtglm.repo.patch import patch_upstream
 from trtglm.repo.placeholders import (MODELS, PLACEHOLDER, TRTGLM, check_filled, detect_version, fill_text,
                                       split_comment)
@@ -37,7 +39,6 @@ from trtglm.repo.values import placeholder_values
 log = logging.getLogger(__name__)
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "triton_model_repo"
-TOKENIZER_FACTS = ("vocab_size", "pad_id", "end_id", "stop_ids", "special_ids")
 BACKEND_ONLY = re.compile(r"#\s*only with backend (\w+)\s*$")
 ADDED_MODELS = (HISTORY_CHAT,)  # trtglm's models beside the pipeline: every repository gets them
 
@@ -51,7 +52,7 @@ def patch_repo(engine_dir: str | Path, tokenizer_dir: str | Path | None, output_
     OutputExistsError when `output_repo` exists and `force` is false.
     """
     manifest = read_manifest(engine_dir)
-    tokenizer_dir = checked_tokenizer_dir(tokenizer_dir or manifest["tokenizer_dir"], manifest)
+    tokenizer_dir = checked_tokenizer_dir(tokenizer_dir or manifest.tokenizer_dir, manifest)
     template = Path(template).resolve() if template is not None else TEMPLATE_DIR
     out = Path(output_repo).resolve()
     if out.exists() and not force:
@@ -62,19 +63,19 @@ def patch_repo(engine_dir: str | Path, tokenizer_dir: str | Path | None, output_
     values = placeholder_values(manifest, tokenizer_dir, version, sets)
     files = render(template, version, values)
     write_checked(files, out, manifest)
-    log.info("%s: %s template (%s) rendered for %s engine %s", out, version, template, manifest["engine"],
-             manifest["engine_dir"])
+    log.info("%s: %s template (%s) rendered for %s engine %s", out, version, template, manifest.engine,
+             manifest.engine_dir)
     return out
 
 
-def checked_tokenizer_dir(path: str | Path, manifest: Mapping) -> str:
+def checked_tokenizer_dir(path: str | Path, manifest: Manifest) -> str:
     """Absolute tokenizer folder, refused when its ids differ from those the engine was built with."""
     facts = tokenizer_facts(path)
-    engine_facts = manifest["tokenizer"]
-    for key in TOKENIZER_FACTS:
-        if key in engine_facts and _same(facts[key]) != _same(engine_facts[key]):
+    for key in TokenizerFacts.compared():
+        built = getattr(manifest.tokenizer, key)
+        if _same(facts[key]) != _same(built):
             raise UsageError(f"tokenizer {path}: {key} is {facts[key]}, but the engine was built with "
-                             f"{engine_facts[key]} (use the engine's tokenizer: {manifest['tokenizer_dir']})")
+                             f"{built} (use the engine's tokenizer: {manifest.tokenizer_dir})")
     return str(Path(path).resolve())
 
 
@@ -103,7 +104,7 @@ def filled_configs(template: Path, models, values: Mapping[str, str | None]) -> 
     files = {}
     for model in models:
         path = template / model / CONFIG
-        kept = lines_for_backend(path.read_text(encoding="utf-8"), values["triton_backend"])
+        kept = lines_for_backend(with_declarations(path.read_text(encoding="utf-8"), model), values["triton_backend"])
         text = fill_text(kept, values, str(path))
         check_filled(text, str(path))
         files[f"{model}/{CONFIG}"] = text.encode("utf-8")
@@ -153,7 +154,7 @@ def scan_placeholders(template: Path) -> dict[str, frozenset[str]]:
 # --- writing -------------------------------------------------------------------------------------
 
 
-def write_checked(files: Mapping[str, bytes], out: Path, manifest: Mapping | None) -> None:
+def write_checked(files: Mapping[str, bytes], out: Path, manifest: Manifest | None) -> None:
     """Write `files` to a temporary folder beside `out`, check it, then rename it into place."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from trtglm.backend.contract import (ENGINE_DIR, HISTORY_CHAT, LLM_DECOUPLED, MODELS, PYTHON_MODEL_PARAMETERS,
                                      TENSORRT_LLM)
-from trtglm.engine.manifest import MANIFEST, read_manifest
+from trtglm.engine.manifest import MANIFEST, Limits, Manifest, read_manifest
 from trtglm.errors import ModelFileError
 from trtglm.model_repository import (CONFIG, config_path, described_mapping, engine_description, engine_folder,
                                      parse_config, protobuf)
@@ -36,6 +36,8 @@ from trtglm.repo.values import BACKENDS
 TRTGLM_MODELS = tuple(model for model in PYTHON_MODEL_PARAMETERS if model != TENSORRT_LLM)
 TRTGLM_IMPORT = re.compile(r"^\s*(from|import)\s+trtglm\b", re.M)
 LENGTH_PARAMETERS = ("max_input_len", "max_seq_len")  # parameters that must not exceed the engine's
+# the engine's limits a repository is checked against (max_num_tokens is the engine's alone)
+CHECKED_LIMITS = tuple(f.name for f in fields(Limits) if f.name != "max_num_tokens")
 WHOLE_STREAM = {"generated_ids": "GENERATED_IDS", "is_final": "IS_FINAL"}  # trtglm runtime's -> postprocessing
 
 
@@ -45,14 +47,14 @@ class Engine:
 
     where: str
     kind: str  # tensorrt | torch
-    limits: Mapping[str, int]  # max_batch_size, max_input_len, max_seq_len, max_beam_width
+    limits: Mapping[str, int]  # CHECKED_LIMITS
     tp_size: int
     pp_size: int
     world_sizes: Mapping[str, int]  # where a world size is stated -> its value
     decoupled: bool | None  # the profile's serve.decoupled, when known
 
 
-def check_repo(repo: str | Path, manifest: Mapping | None = None) -> list[str]:
+def check_repo(repo: str | Path, manifest: Manifest | None = None) -> list[str]:
     """The repository's problems (empty when none); `manifest` saves reading the engine's trtglm.json."""
     repo = Path(repo)
     if not repo.is_dir():
@@ -257,7 +259,7 @@ def _type(data_type: int) -> str:
 # --- the engine ----------------------------------------------------------------------------------
 
 
-def _engine(configs: dict, manifest: Mapping | None, problems: list[str]) -> Engine | None:
+def _engine(configs: dict, manifest: Manifest | None, problems: list[str]) -> Engine | None:
     """The engine the repository serves: from `manifest`, else from tensorrt_llm's engine folder."""
     if manifest is None:
         config = configs.get(TENSORRT_LLM)
@@ -283,7 +285,7 @@ def _engine_from_dir(engine_dir: Path) -> Engine:
         return _engine_from_manifest(read_manifest(engine_dir))
     try:
         build, mapping = description["build_config"], described_mapping(name, description)
-        limits = {k: int(build[k]) for k in ("max_batch_size", "max_input_len", "max_seq_len", "max_beam_width")}
+        limits = {k: int(build[k]) for k in CHECKED_LIMITS}
         tp, pp = int(mapping.get("tp_size", 1)), int(mapping.get("pp_size", 1))
         world = {f"{name} mapping.world_size": int(mapping.get("world_size", tp * pp))}
     except (AttributeError, ValueError, KeyError, TypeError) as e:
@@ -292,13 +294,14 @@ def _engine_from_dir(engine_dir: Path) -> Engine:
     return Engine(str(engine_dir), "tensorrt", limits, tp, pp, world, decoupled=None)
 
 
-def _engine_from_manifest(manifest: Mapping) -> Engine:
-    mapping, serve = manifest["mapping"], manifest["profile"].get("serve", {})
-    world = {f"{MANIFEST} mapping.world_size": mapping["world_size"]}
-    if "world_size" in serve:
+def _engine_from_manifest(manifest: Manifest) -> Engine:
+    world = {f"{MANIFEST} mapping.world_size": manifest.mapping.world_size}
+    serve = manifest.profile.get("serve", {})
+    if "world_size" in serve:  # an engine built when profiles gave it
         world["profile serve.world_size"] = serve["world_size"]
-    return Engine(manifest["engine_dir"], manifest["engine"], dict(manifest["limits"]), mapping["tp_size"],
-                  mapping["pp_size"], world, serve.get("decoupled"))
+    limits = {k: v for k, v in asdict(manifest.limits).items() if k in CHECKED_LIMITS}
+    return Engine(str(manifest.engine_dir), manifest.engine, limits, manifest.mapping.tp_size, manifest.mapping.pp_size,
+                  world, serve.get("decoupled"))
 
 
 def _against_engine(configs: dict, engine: Engine) -> list[str]:

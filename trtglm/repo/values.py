@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from trtglm.backend.contract import LLM_MODEL_NAME, TENSORRT_LLM
-from trtglm.engine.manifest import MANIFEST, recorded_serve
+from trtglm.engine.manifest import MANIFEST, Manifest
 from trtglm.errors import ModelFileError, UsageError
 from trtglm.repo.placeholders import known_placeholders
 
@@ -49,7 +49,7 @@ SERVE_KEYS = {  # placeholder -> key of the profile's serve section
     "postprocessing_instance_count": "postprocessing_instances",
     "bls_instance_count": "bls_instances",
 }
-LIMIT_KEYS = {  # placeholder -> key of trtglm.json's limits
+LIMIT_KEYS = {  # placeholder -> the engine's limit (manifest.Limits)
     "triton_max_batch_size": "max_batch_size",
     "max_beam_width": "max_beam_width",
     "max_input_len": "max_input_len",
@@ -70,19 +70,19 @@ FIXED = {
 }
 
 
-def placeholder_values(manifest: Mapping, tokenizer_dir: str, version: str,
+def placeholder_values(manifest: Manifest, tokenizer_dir: str, version: str,
                        sets: Mapping[str, object]) -> dict[str, str | None]:
     """Placeholder -> text (or UNSET) for a template of `version`; `sets` overrides (unknown key: UsageError)."""
     values: dict[str, object] = {name: UNSET for name in BACKEND_DEFAULTS}
     values.update(FIXED)
-    values.update({name: _limit(manifest, key) for name, key in LIMIT_KEYS.items()})
+    values.update({name: getattr(manifest.limits, key) for name, key in LIMIT_KEYS.items()})
     values.update({name: _serve(manifest, key) for name, key in SERVE_KEYS.items()})
     if not values["bls_instance_count"]:  # 0: one BLS instance per sequence the engine runs at once
-        values["bls_instance_count"] = _limit(manifest, "max_batch_size")
-    values.update(engine_dir=manifest["engine_dir"], tokenizer_dir=str(tokenizer_dir),
-                  triton_backend=BACKENDS[manifest["engine"]], vocab_size=_vocab_size(manifest),
+        values["bls_instance_count"] = manifest.limits.max_batch_size
+    values.update(engine_dir=str(manifest.engine_dir), tokenizer_dir=str(tokenizer_dir),
+                  triton_backend=BACKENDS[manifest.engine], vocab_size=_vocab_size(manifest),
                   encoder_input_features_data_type=_datatype(manifest),
-                  chatglm_version=manifest["model"].get("chatglm_version", "chatglm3"))
+                  chatglm_version=manifest.model.get("chatglm_version", "chatglm3"))
     known = known_placeholders(version)
     for name, value in sets.items():
         if name not in known:
@@ -114,9 +114,9 @@ def parse_sets(pairs: Iterable[str] | str | None) -> dict[str, str]:
     return sets
 
 
-def _vocab_size(manifest: Mapping) -> int:
+def _vocab_size(manifest: Manifest) -> int:
     """The engine's vocabulary (padded, e.g. 65024 for ChatGLM3-6B), from its checkpoint's config.json."""
-    path = Path(manifest["checkpoint_dir"]) / "config.json"
+    path = manifest.checkpoint_dir / "config.json"
     try:
         vocab_size = json.loads(path.read_text(encoding="utf-8"))["vocab_size"]
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -126,19 +126,15 @@ def _vocab_size(manifest: Mapping) -> int:
     return vocab_size
 
 
-def _datatype(manifest: Mapping) -> str:
-    if manifest["dtype"] not in DATATYPES:
-        raise ModelFileError(f"{manifest['engine_dir']}/{MANIFEST}: dtype {manifest['dtype']!r} is not one of "
+def _datatype(manifest: Manifest) -> str:
+    if manifest.dtype not in DATATYPES:
+        raise ModelFileError(f"{manifest.engine_dir}/{MANIFEST}: dtype {manifest.dtype!r} is not one of "
                              f"{', '.join(DATATYPES)}")
-    return DATATYPES[manifest["dtype"]]
+    return DATATYPES[manifest.dtype]
 
 
-def _limit(manifest: Mapping, key: str) -> object:
-    return manifest["limits"][key]  # read_manifest guarantees the limits
-
-
-def _serve(manifest: Mapping, key: str) -> object:
-    serve = recorded_serve(manifest)
+def _serve(manifest: Manifest, key: str) -> object:
+    serve = manifest.serve
     if key not in serve:
-        raise ModelFileError(f"{manifest['engine_dir']}/{MANIFEST}: profile.serve lacks {key}")
+        raise ModelFileError(f"{manifest.engine_dir}/{MANIFEST}: profile.serve lacks {key}")
     return serve[key]

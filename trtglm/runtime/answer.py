@@ -20,19 +20,19 @@ from trtglm.request_config import SamplingConfig
 class LocalChat:
     """A checkpoint loaded once, answering whole conversations (lists of chat messages)."""
 
-    def __init__(self, checkpoint: str | Path, tokenizer_dir: str | Path, *, max_new_tokens: int, temperature: float,
+    def __init__(self, checkpoint: str | Path, tokenizer_dir: str | Path, *, max_tokens: int, temperature: float,
                  top_k: int, top_p: float, seed: int | None, device: str):
         from trtglm.runtime.model import load_model
 
-        if max_new_tokens < 1:
-            raise UsageError(f"--max-new-tokens must be at least 1, not {max_new_tokens}")
+        if max_tokens < 1:
+            raise UsageError(f"--max-tokens must be at least 1, not {max_tokens}")
         self.tokenizer = ChatGLMTokenizer(tokenizer_dir)
         self.model = load_model(checkpoint, device=device)
         version = self.model.config.chatglm_version
         if version not in chat.PROMPT_IDS:
             raise ModelFileError(f"{checkpoint}: chatglm_version {version!r} is not one of {', '.join(chat.PROMPT_IDS)}")
         self.prompt_ids = chat.PROMPT_IDS[version]  # ChatGLM3's or ChatGLM2's format
-        self.options = dict(max_new_tokens=max_new_tokens, stop_ids=chat.stop_ids(self.tokenizer),
+        self.options = dict(max_tokens=max_tokens, stop_ids=chat.stop_ids(self.tokenizer),
                             sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
 
     def pieces(self, messages: Sequence[dict]) -> Iterator[str]:

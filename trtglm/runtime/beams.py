@@ -8,10 +8,13 @@ log probability over `generated ** length_penalty` (generated counts the ending 
 `width` unfinished ones run on. The first step starts from the prompt alone. Searching stops
 when every continuation ends, or `width` hypotheses are finished and either `early_stopping` is
 True or no running beam can still beat the worst of them: the best running score over the
-current length (early_stopping False), or over `max_new_tokens` when early_stopping is "never"
+current length (early_stopping False), or over `max_tokens` when early_stopping is "never"
 and the length penalty positive. TensorRT-LLM's integer early_stopping maps 1 -> True,
 0 -> False, anything else -> "never". The answer is the `width` finished hypotheses, best first
 (topped up with running beams should fewer have finished).
+
+In the executor, `RequestBeams` is a request's search: the slot each running beam's cache is in, and its beams'
+logits processed by the request's settings.
 
 Beams do not sample: temperature, top-k and top-p play no part (transformers' `do_sample=False`).
 """
@@ -19,33 +22,25 @@ Beams do not sample: temperature, top-k and top-p play no part (transformers' `d
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from trtglm.errors import UsageError
 from trtglm.request_config import early_stopping_mode
+from trtglm.runtime.request import Beam, Output, Request
+from trtglm.runtime.sampling import BadWords, held_until_min_tokens, processed
 
 UNREACHABLE = -1.0e9  # the score of a beam that may not be chosen (transformers' and TensorRT-LLM's constant)
-
-
-@dataclass
-class Beam:
-    tokens: list[int]  # generated, the ending token included
-    cum_log_prob: float
-    score: float  # cum_log_prob / len(tokens) ** length_penalty: what beams are ranked by
-    log_probs: list[float] = field(default_factory=list)  # each token's
-    logits: list = field(default_factory=list, compare=False)  # the raw logits row each token was chosen from
 
 
 class BeamSearch:
     """One request's beams. `step(log_probs)` advances them; `done` tells when to stop; `result()` the answer."""
 
-    def __init__(self, width: int, max_new_tokens: int, length_penalty: float = 1.0,
+    def __init__(self, width: int, max_tokens: int, length_penalty: float = 1.0,
                  early_stopping: bool | int | str = True, ends: Callable[[list[int]], bool] = lambda tokens: False):
-        if width < 1 or max_new_tokens < 1:
-            raise UsageError(f"need beam_width >= 1 and max_new_tokens >= 1, not {width} and {max_new_tokens}")
-        self.width, self.max_new_tokens, self.length_penalty = width, max_new_tokens, length_penalty
+        if width < 1 or max_tokens < 1:
+            raise UsageError(f"need beam_width >= 1 and max_tokens >= 1, not {width} and {max_tokens}")
+        self.width, self.max_tokens, self.length_penalty = width, max_tokens, length_penalty
         self.early_stopping = early_stopping_mode(early_stopping)
         self.ends = ends
         self.running: list[list[int]] = [[]]
@@ -76,7 +71,7 @@ class BeamSearch:
         candidates = [self.running[p] + [t] for p, t in zip(parents, tokens)]
         kept = [self.running_logits[p] + ([] if rows is None else [rows[p]]) for p in parents]
         token_log_probs = log_probs[index // vocab, index % vocab].tolist()
-        hits = torch.tensor([self.ends(c) or len(c) >= self.max_new_tokens for c in candidates])
+        hits = torch.tensor([self.ends(c) or len(c) >= self.max_tokens for c in candidates])
         self.generated += 1
         self._finish(candidates, parents, token_log_probs, top, hits, kept)
         running_scores = top + hits.float() * UNREACHABLE
@@ -106,7 +101,7 @@ class BeamSearch:
         if not self.improvable or not self.full:
             return
         never = self.early_stopping == "never" and self.length_penalty > 0
-        length = self.max_new_tokens if never else self.generated
+        length = self.max_tokens if never else self.generated
         best_running = self.scores[:1] / (length ** self.length_penalty)
         self.improvable = bool(best_running > min(beam.score for beam in self.finished))
 
@@ -149,3 +144,66 @@ def continued_slots(slots: Sequence[int], parents: Sequence[int]) -> tuple[list[
             sources.append(slots[parent])
             targets.append(new[i])
     return new, sources, targets
+
+
+class RequestBeams:
+    """A beam-search request's beams in the executor: its `BeamSearch`, the slot each running beam's cache is in
+    (`slots`, given at admission), and its beams' logits processed by its settings, each beam's own history counted
+    (bias, bans, penalties; beams do not sample: no temperature)."""
+
+    def __init__(self, request: Request):
+        sampling = request.sampling
+        self.request = request
+        self.search = BeamSearch(sampling.beam_width, request.max_tokens, sampling.length_penalty,
+                                 sampling.early_stopping, ends_with_any(request.end_id, request.stop_words))
+        self.bad_words = BadWords(request.bad_words)
+        self.slots: list[int] = []
+
+    @property
+    def done(self) -> bool:
+        return self.search.done
+
+    def decode_rows(self, prompt_length: int) -> list[tuple[int, int]]:
+        """(slot, position) of each running beam's next decode token."""
+        return [(slot, prompt_length + len(tokens) - 1)
+                for slot, tokens in zip(self.slots, self.search.running, strict=True)]
+
+    def last_tokens(self) -> list[int]:
+        return [tokens[-1] for tokens in self.search.running]
+
+    def step(self, logits: torch.Tensor, prompt: list[int], vocab_limit: int) -> list[int]:
+        """Advance the search by the logits of its beams (`[beams, vocab]`, processed here, ids from `vocab_limit`
+        on never chosen) after `prompt`; each new beam's parent."""
+        request = self.request
+        raw = logits.float().cpu().numpy() if request.output.return_generation_logits else None
+        histories = [prompt + tokens for tokens in self.search.running]
+        sampling = request.sampling
+        penalties = (sampling.repetition_penalty, sampling.presence_penalty, sampling.frequency_penalty) \
+            if sampling.penalised else None
+        banned = [self._banned(history, len(prompt)) for history in histories]
+        rows = processed(logits[:, :vocab_limit], request.embedding_bias, banned, penalties, histories)
+        return self.search.step(torch.log_softmax(rows, dim=-1), raw)
+
+    def follow(self, parents: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Each new beam's slot after `step` gave `parents`: the (sources, targets) of the slot copies that makes."""
+        self.slots, sources, targets = continued_slots(self.slots, parents)
+        return sources, targets
+
+    def output(self) -> Output:
+        """The finished search's answer: every beam, best first, without its end id (as a single sequence's);
+        log probabilities (each token's, and the sum with the end id's) only when asked for."""
+        end_id, asked, found, beams = self.request.end_id, self.request.output.return_log_probs, self.search.result(), []
+        for beam in found:
+            cut = len(beam.tokens) - (end_id is not None and beam.tokens[-1] == end_id)
+            beams.append(Beam(beam.tokens[:cut], beam.cum_log_prob if asked else 0.0, beam.score,
+                              beam.log_probs[:cut] if asked else [], beam.logits[:cut]))
+        best, ended = beams[0], found[0].tokens
+        reason = "end_id" if len(ended) > len(best.tokens) else "stop_word" if self.search.ends(ended) else "length"
+        return Output(best.tokens, best.log_probs, finished=True, reason=reason, beams=beams)
+
+    def _banned(self, history: list[int], prompt_length: int) -> list[int]:
+        """The ids banned after `history` (the prompt and a beam's tokens)."""
+        banned = self.bad_words.banned(history)
+        if len(history) - prompt_length < self.request.sampling.min_tokens:
+            banned += held_until_min_tokens(self.request.end_id, self.request.stop_words)
+        return banned

@@ -1,11 +1,11 @@
 """KV caches: where the runtimes keep each sequence's keys and values.
 
-`SlotCache` is what both runtimes' caches are: `max_batch` slots of `max_seq_len` positions,
+`SlotCache` is what both runtimes' caches are: `num_slots` slots of `max_seq_len` positions,
 each holding one sequence left-aligned from position 0, so that a slot's length is also the
 position of its next token; a released slot may take another sequence. Two caches implement it:
 
 - `ShardedCache`, the portable runtime's (slot_runtime.py): keys/values[rank][layer]
-  `[max_batch, kv_heads_per_rank, max_seq_len, head]` for the ranks held in this process, and
+  `[num_slots, kv_heads_per_rank, max_seq_len, head]` for the ranks held in this process, and
   a mask of the positions that hold real tokens. `ShardedModel.forward` writes through a
   `ForwardCache` view of it: `prefill_view` (one slot, from `start` on) or `decode_view`
   (several slots, one token each, each attending to its own positions only: the mask hides the
@@ -40,7 +40,7 @@ from trtglm.runtime.transfer import upload
 
 @runtime_checkable
 class SlotCache(Protocol):
-    max_batch: int  # slots
+    num_slots: int  # slots
     max_seq_len: int  # positions per slot
     lengths: list[int]  # positions each slot holds
 
@@ -136,17 +136,17 @@ class KVCache:
 
 
 class ShardedCache:
-    """keys/values[rank][layer] `[max_batch, kv_heads_per_rank, max_seq_len, head_size]` for the ranks held here."""
+    """keys/values[rank][layer] `[num_slots, kv_heads_per_rank, max_seq_len, head_size]` for the ranks held here."""
 
-    def __init__(self, model: ShardedModelShape, max_batch: int, max_seq_len: int):
+    def __init__(self, model: ShardedModelShape, num_slots: int, max_seq_len: int):
         def blocks() -> dict[int, list[torch.Tensor]]:
-            return {r.rank: [_zeros(model, max_batch, max_seq_len) for _ in range(model.config.num_layers)]
+            return {r.rank: [_zeros(model, num_slots, max_seq_len) for _ in range(model.config.num_layers)]
                     for r in model.ranks}
 
-        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.keys, self.values = blocks(), blocks()
-        self.valid = torch.zeros(max_batch, max_seq_len, dtype=torch.bool, device=model.device)
-        self.lengths = [0] * max_batch
+        self.valid = torch.zeros(num_slots, max_seq_len, dtype=torch.bool, device=model.device)
+        self.lengths = [0] * num_slots
 
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
@@ -288,39 +288,42 @@ class _Packed:
 
 
 class PagedCache:
-    """keys/values[layer] `[blocks, kv_heads_per_rank, block_size, head_size]` (this rank's KV heads): position p of a
+    """keys/values[layer] `[blocks, kv_heads_per_rank, block_size, head_size]` (this rank's KV heads; in `dtype`, the
+    compute dtype or float8_e4m3fn, whose values stand for themselves times their layer's `scales`): position p of a
     slot lies in block `table[slot, p // block_size]`. A slot takes blocks as its sequence grows (`hold`, before a pass
     writes them) and gives them back when released, so memory goes to the positions sequences hold, not to
-    max_batch × max_seq_len: `kv_tokens` positions in all (None: that product), which the executor shares out as
+    num_slots × max_seq_len: `kv_tokens` positions in all (None: that product), which the executor shares out as
     TensorRT-LLM's `guaranteed_no_evict` scheduler does (each request's whole length reserved at admission).
 
     Block 0 is a sink: every table entry no sequence holds names it, so padding rows written past a sequence's blocks
-    land there and never in another sequence's. Slot `scratch` (= max_batch, where padding rows and `score` write)
+    land there and never in another sequence's. Slot `scratch` (= num_slots, where padding rows and `score` write)
     holds max_seq_len positions of its own. `lengths` on the host, `device_lengths` (int32) where the CUDA graphs read
     and advance them; the table's changes are uploaded as they are made (stream-ordered, no host wait)."""
 
     SINK = 0
 
-    def __init__(self, cfg: CheckpointConfig, max_batch: int, max_seq_len: int, dtype: torch.dtype,
-                 device: torch.device, block_size: int = TOKENS_PER_BLOCK, kv_tokens: int | None = None):
+    def __init__(self, cfg: CheckpointConfig, num_slots: int, max_seq_len: int, dtype: torch.dtype,
+                 device: torch.device, block_size: int = TOKENS_PER_BLOCK, kv_tokens: int | None = None,
+                 scales: Sequence[float] | None = None):
         if block_size < 1 or (kv_tokens is not None and kv_tokens < max_seq_len):
             raise UsageError(f"a paged KV cache needs block_size >= 1 and room for one whole sequence "
                              f"({max_seq_len} positions), not {block_size} and {kv_tokens}")
-        self.max_batch, self.max_seq_len, self.scratch, self.block_size = max_batch, max_seq_len, max_batch, block_size
+        self.num_slots, self.max_seq_len, self.scratch, self.block_size = num_slots, max_seq_len, num_slots, block_size
         self.blocks_per_slot = -(-max_seq_len // block_size)
-        self.kv_tokens = kv_tokens or max_batch * max_seq_len
+        self.kv_tokens = kv_tokens or num_slots * max_seq_len
         sequence_blocks = -(-self.kv_tokens // block_size)
         first = 1 + self.blocks_per_slot  # after the sink and the scratch slot's blocks
         shape = (first + sequence_blocks, cfg.kv_heads_per_rank, block_size, cfg.head_size)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.table = torch.full((max_batch + 1, self.blocks_per_slot), self.SINK, dtype=torch.int32, device=device)
-        self.held: list[list[int]] = [[] for _ in range(max_batch + 1)]  # slot -> its blocks, first to last
+        self.scales = list(scales or [1.0] * cfg.num_layers)  # an FP8 cache's, per layer: stored value × scale
+        self.table = torch.full((num_slots + 1, self.blocks_per_slot), self.SINK, dtype=torch.int32, device=device)
+        self.held: list[list[int]] = [[] for _ in range(num_slots + 1)]  # slot -> its blocks, first to last
         self.held[self.scratch] = list(range(1, first))
         self.table[self.scratch] = torch.arange(1, first, dtype=torch.int32, device=device)
         self._free = list(range(first + sequence_blocks - 1, first - 1, -1))  # popped lowest first
-        self.lengths = [0] * (max_batch + 1)
-        self.device_lengths = torch.zeros(max_batch + 1, dtype=torch.int32, device=device)
+        self.lengths = [0] * (num_slots + 1)
+        self.device_lengths = torch.zeros(num_slots + 1, dtype=torch.int32, device=device)
 
     @property
     def free_blocks(self) -> int:
@@ -369,7 +372,8 @@ class PagedCache:
             device = self.table.device
             targets, sources = upload(self.held[slot][:count], device), upload(self.held[source][:count], device)
             for t in (*self.keys, *self.values):
-                t[targets] = t[sources]
+                raw = t.view(torch.uint8) if t.element_size() == 1 else t  # FP8 blocks copied as bytes
+                raw[targets] = raw[sources]
         self.set_lengths([slot], [length])
 
     def advance(self, slots: Sequence[int]) -> None:

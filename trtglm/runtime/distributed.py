@@ -254,7 +254,7 @@ class LeaderSlotModel:
 
     def __init__(self, inner: SlotModel, channel: StepChannel):
         self.inner, self.channel = inner, channel
-        self.vocab_size, self.max_batch, self.max_seq_len = inner.vocab_size, inner.max_batch, inner.max_seq_len
+        self.vocab_size, self.num_slots, self.max_seq_len = inner.vocab_size, inner.num_slots, inner.max_seq_len
         self.kv_tokens = inner.kv_tokens
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],

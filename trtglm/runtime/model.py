@@ -12,6 +12,11 @@ process (`load_model(..., rank=r, group=...)`) with a group that calls
 The computation (shared facts: chatglm3.md): embedding → layers × [RMSNorm → attention →
 residual → RMSNorm → SwiGLU MLP → residual] → RMSNorm → lm_head. RMSNorm and rotary are
 computed in float32; matmuls in the compute dtype; logits are returned in float32.
+
+An FP8 checkpoint runs dequantized (runtime/quant.py): each quantized linear's input goes through FP8 at
+its static scale and its weight is its FP8 values times their scale, and with an FP8 KV cache the keys
+and values go through FP8 at their layer's scale before they are kept: the same function as the fast
+runtime's FP8 matmuls and cache, so this is their reference (on the CPU, the way FP8 checkpoints run).
 """
 
 from __future__ import annotations
@@ -19,20 +24,20 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from trtglm.conventions import INPUT_SCALE, KV_SCALE, WEIGHT_SCALE
 from trtglm.errors import UsageError
-from trtglm.runtime.checkpoint import (DTYPES, Checkpoint, CheckpointConfig, load_rank, expected_shapes,
-                                      load_checkpoint, read_config)
+from trtglm.runtime.checkpoint import DTYPES, Checkpoint, CheckpointConfig, load_checkpoint, load_rank, read_config
 from trtglm.runtime.cache import ForwardCache
-from trtglm.runtime.quant import QuantizedWeight, is_quantized, quantize
+from trtglm.runtime.quant import Fp8Weight, QuantizedWeight, fake_quantize_fp8, is_quantized, quantize
 
 log = logging.getLogger(__name__)
 
-Weight = torch.Tensor | QuantizedWeight
+Weight = torch.Tensor | QuantizedWeight | Fp8Weight
 
 
 class Group(Protocol):
@@ -63,9 +68,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if isinstance(weight, QuantizedWeight):
-        weight = weight.dequantize(x.dtype)
-    return F.linear(x, weight, bias)
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    return weight.apply(x, bias)  # quantized weights compute their own product (quant.py)
 
 
 def rotary_tables(cfg: CheckpointConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,6 +100,63 @@ class LayerWeights:
     post_norm: torch.Tensor
     fc: Weight
     proj: Weight
+    kv_scale: float | None = None  # an FP8 KV cache's: keys and values are kept as FP8 values of this scale
+
+
+Tensors = Callable[[str], torch.Tensor]  # a rank's checkpoint tensor by name, as stored
+
+
+def load_weight(cfg: CheckpointConfig, tensor: Tensors, name: str, dtype: torch.dtype,
+                device: str | torch.device) -> Weight:
+    """One checkpoint tensor on `device`: weight-only quantized where the checkpoint says so, FP8 as stored (with
+    its scales), anything else in `dtype`."""
+    if cfg.fp8 and is_quantized(name):
+        prefix = name.removesuffix(".weight")
+        scale, input_scale = (tensor(f"{prefix}.{kind}").to(device).float().reshape(())
+                              for kind in (WEIGHT_SCALE, INPUT_SCALE))
+        return Fp8Weight(tensor(name).to(device), scale, input_scale)
+    if cfg.quant_algo and is_quantized(name):
+        return quantize(tensor(name), cfg.quant_algo).to(device)
+    return tensor(name).to(device=device, dtype=dtype)
+
+
+def layer_weights(cfg: CheckpointConfig, tensor: Tensors, layer: int, dtype: torch.dtype,
+                  device: str | torch.device) -> LayerWeights:
+    p = f"transformer.layers.{layer}."
+
+    def get(name: str) -> Weight:
+        return load_weight(cfg, tensor, p + name, dtype, device)
+
+    return LayerWeights(input_norm=get("input_layernorm.weight"), qkv=get("attention.qkv.weight"),
+                        qkv_bias=get("attention.qkv.bias") if cfg.add_qkv_bias else None,
+                        dense=get("attention.dense.weight"), post_norm=get("post_layernorm.weight"),
+                        fc=get("mlp.fc.weight"), proj=get("mlp.proj.weight"),
+                        kv_scale=float(tensor(f"{p}attention.{KV_SCALE}")) if cfg.fp8_kv_cache else None)
+
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def attention_block(cfg: CheckpointConfig, w: LayerWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                    attend: Attend) -> torch.Tensor:
+    """One rank's share of attention(RMSNorm(x)) · denseᵀ; `attend(q, k, v)` (`[B, heads, T, head]` each, q and k
+    rotated) keeps k and v where the cache holds them and attends."""
+    batch, length, _ = x.shape
+    q_size, kv_size = cfg.heads_per_rank * cfg.head_size, cfg.kv_heads_per_rank * cfg.head_size
+    qkv = linear(rms_norm(x, w.input_norm, cfg.norm_epsilon), w.qkv, w.qkv_bias)
+    q, k, v = (t.unflatten(-1, (-1, cfg.head_size)).transpose(1, 2)
+               for t in qkv.split((q_size, kv_size, kv_size), dim=-1))
+    q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+    if w.kv_scale is not None:  # what an FP8 KV cache gives back
+        k, v = fake_quantize_fp8(k, w.kv_scale), fake_quantize_fp8(v, w.kv_scale)
+    out = attend(q, k, v)
+    return linear(out.transpose(1, 2).reshape(batch, length, q_size), w.dense)
+
+
+def mlp_block(cfg: CheckpointConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    """One rank's share of SwiGLU(RMSNorm(x)) · projᵀ; fc rows are [up; gate]."""
+    up, gate = linear(rms_norm(x, w.post_norm, cfg.norm_epsilon), w.fc).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, w.proj)
 
 
 class RankModel:
@@ -103,28 +165,10 @@ class RankModel:
     def __init__(self, cfg: CheckpointConfig, rank: int, tensors: dict[str, torch.Tensor],
                  dtype: torch.dtype, device: str | torch.device):
         self.cfg, self.rank = cfg, rank
-
-        def get(name: str) -> Weight:
-            t = tensors[name]
-            if cfg.quant_algo and is_quantized(name):
-                return quantize(t, cfg.quant_algo).to(device)
-            return t.to(device=device, dtype=dtype)
-
-        self.embedding = get("transformer.vocab_embedding.weight")
-        self.final_norm = get("transformer.ln_f.weight")
-        self.lm_head = get("lm_head.weight")
-        self.layers = []
-        for layer in range(cfg.num_layers):
-            p = f"transformer.layers.{layer}."
-            self.layers.append(LayerWeights(
-                input_norm=get(p + "input_layernorm.weight"),
-                qkv=get(p + "attention.qkv.weight"),
-                qkv_bias=get(p + "attention.qkv.bias") if cfg.add_qkv_bias else None,
-                dense=get(p + "attention.dense.weight"),
-                post_norm=get(p + "post_layernorm.weight"),
-                fc=get(p + "mlp.fc.weight"),
-                proj=get(p + "mlp.proj.weight"),
-            ))
+        self.embedding, self.final_norm, self.lm_head = (
+            load_weight(cfg, tensors.__getitem__, name, dtype, device)
+            for name in ("transformer.vocab_embedding.weight", "transformer.ln_f.weight", "lm_head.weight"))
+        self.layers = [layer_weights(cfg, tensors.__getitem__, layer, dtype, device) for layer in range(cfg.num_layers)]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.embedding)
@@ -132,26 +176,17 @@ class RankModel:
     def attention(self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                   cache: ForwardCache, mask: torch.Tensor | None) -> torch.Tensor:
         """This rank's share of attention(RMSNorm(x)) · denseᵀ; it also fills the KV cache."""
-        cfg, w = self.cfg, self.layers[layer]
-        batch, length, _ = x.shape
-        q_size, kv_size = cfg.heads_per_rank * cfg.head_size, cfg.kv_heads_per_rank * cfg.head_size
-        qkv = linear(rms_norm(x, w.input_norm, cfg.norm_epsilon), w.qkv, w.qkv_bias)
-        q, k, v = (t.unflatten(-1, (-1, cfg.head_size)).transpose(1, 2)
-                   for t in qkv.split((q_size, kv_size, kv_size), dim=-1))
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        attend = getattr(cache, "attend", None)  # a packed view of several slots attends piece by piece
-        if attend is not None:
-            out = attend(self.rank, layer, q, k, v)
-        else:
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            own = getattr(cache, "attend", None)  # a packed view of several slots attends piece by piece
+            if own is not None:
+                return own(self.rank, layer, q, k, v)
             keys, values = cache.append(self.rank, layer, k, v)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        return linear(out.transpose(1, 2).reshape(batch, length, q_size), w.dense)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+        return attention_block(self.cfg, self.layers[layer], x, rope, attend)
 
     def mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """This rank's share of SwiGLU(RMSNorm(x)) · projᵀ; fc rows are [up; gate]."""
-        w = self.layers[layer]
-        up, gate = linear(rms_norm(x, w.post_norm, self.cfg.norm_epsilon), w.fc).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, w.proj)
+        return mlp_block(self.cfg, self.layers[layer], x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary chunk of the logits."""
@@ -228,11 +263,18 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None, device:
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("device cuda requested but CUDA is not available")
-    log.info("loading %s: %d layer(s), tp %d, %s%s on %s", ckpt.path, cfg.num_layers, cfg.tp_size,
-             str(dtype).removeprefix("torch."), f", weight-only {cfg.quant_algo}" if cfg.quant_algo else "", device)
+    log.info("loading %s: %d layer(s), tp %d, %s%s%s on %s", ckpt.path, cfg.num_layers, cfg.tp_size,
+             str(dtype).removeprefix("torch."), _quantization(cfg), ", FP8 KV cache" if cfg.fp8_kv_cache else "",
+             device)
     numbers = [rank] if rank is not None else range(cfg.world_size)
     ranks = [RankModel(cfg, r, tensors, dtype, device) for r, tensors in zip(numbers, ckpt.ranks, strict=True)]
     return ShardedModel(cfg, ranks, group)
+
+
+def _quantization(cfg: CheckpointConfig) -> str:
+    if cfg.fp8:
+        return ", FP8 weights and activations (dequantized)"
+    return f", weight-only {cfg.quant_algo}" if cfg.quant_algo else ""
 
 
 def one_rank_checkpoint(path: str | Path, rank: int) -> Checkpoint:
@@ -241,4 +283,4 @@ def one_rank_checkpoint(path: str | Path, rank: int) -> Checkpoint:
     cfg = read_config(path)
     if not 0 <= rank < cfg.world_size:
         raise UsageError(f"rank {rank} is outside the checkpoint's world size {cfg.world_size} ({path})")
-    return Checkpoint(path, cfg, [load_rank(path / f"rank{rank}.safetensors", expected_shapes(cfg))])
+    return Checkpoint(path, cfg, [load_rank(path / f"rank{rank}.safetensors", cfg)])

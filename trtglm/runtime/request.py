@@ -18,7 +18,6 @@ import torch
 
 from trtglm.errors import TrtglmError, UsageError
 from trtglm.request_config import OutputConfig, SamplingConfig, check_sampling
-from trtglm.runtime.beams import Beam
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +35,24 @@ class Request:
     """One sequence to generate (TensorRT-LLM's executor `Request`: the fields that trtglm's runtime honours)."""
 
     prompt: Sequence[int]
-    max_new_tokens: int
+    max_tokens: int
     end_id: int | None = None
     stop_words: Sequence[Sequence[int]] = ()
     bad_words: Sequence[Sequence[int]] = ()
     embedding_bias: torch.Tensor | None = None  # [vocab] added to the logits
     sampling: SamplingConfig = SamplingConfig()
     output: OutputConfig = OutputConfig()
+
+
+@dataclass
+class Beam:
+    """One beam of a beam search (beams.py)."""
+
+    tokens: list[int]  # generated, the ending token included
+    cum_log_prob: float
+    score: float  # cum_log_prob / len(tokens) ** length_penalty: what beams are ranked by
+    log_probs: list[float] = field(default_factory=list)  # each token's
+    logits: list = field(default_factory=list, compare=False)  # the raw logits row each token was chosen from
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,37 @@ class ExecutorStats:
     cancelled: int = 0
     rejected: int = 0
 
+    # The executor's counters are written here alone.
+
+    def count_pass(self, decoded: int, chunks: int, prompt_tokens: int) -> None:
+        """A forward pass of `decoded` requests' decode tokens and `chunks` prompt chunks of `prompt_tokens` in all."""
+        self.prefill_calls += bool(chunks)
+        self.prefill_chunks += chunks
+        self.prefill_tokens += prompt_tokens
+        self.decode_calls += bool(decoded)
+        self.max_decode_batch = max(self.max_decode_batch, decoded)
+
+    def count_step(self, took_us: int, completed: bool, decode_only: bool) -> None:
+        """A step of `took_us` (`completed`: the model did not fail) that ran decode tokens alone or not."""
+        self.steps += completed
+        self.step_us += took_us
+        if decode_only:
+            self.decode_only_steps += 1
+            self.decode_only_us += took_us
+
+    def count_admitted(self, reused_tokens: int) -> None:
+        self.reused_tokens += reused_tokens
+
+    def count_generated(self) -> None:
+        self.generated_tokens += 1
+
+    def count_end(self, reason: str | None) -> None:
+        self.finished += 1
+        self.cancelled += reason == "cancelled"
+
+    def count_rejected(self) -> None:
+        self.rejected += 1
+
 
 class Handle:
     """A submitted request; `cancel()` stops it at the next step."""
@@ -131,11 +172,11 @@ def fitted(request: Request, max_seq_len: int) -> Request:
     """`request` with its output length cut to what fits in `max_seq_len` after the prompt, as TensorRT-LLM's
     executor clamps it (with a warning) instead of refusing the request."""
     room = max_seq_len - len(request.prompt)
-    if request.max_new_tokens <= room:
+    if request.max_tokens <= room:
         return request
     log.warning("the prompt (%d tokens) plus request_output_len (%d) exceeds max_seq_len (%d): generating at most %d "
-                "tokens", len(request.prompt), request.max_new_tokens, max_seq_len, room)
-    return dataclasses.replace(request, max_new_tokens=room)
+                "tokens", len(request.prompt), request.max_tokens, max_seq_len, room)
+    return dataclasses.replace(request, max_tokens=room)
 
 
 def check_request(request: Request, vocab: int, max_seq_len: int, max_beam_width: int = 1) -> None:
@@ -144,8 +185,8 @@ def check_request(request: Request, vocab: int, max_seq_len: int, max_beam_width
     prompt = request.prompt
     if len(prompt) == 0:
         raise UsageError("the prompt is empty")
-    if request.max_new_tokens < 1:
-        raise UsageError(f"request_output_len must be at least 1, not {request.max_new_tokens}")
+    if request.max_tokens < 1:
+        raise UsageError(f"request_output_len must be at least 1, not {request.max_tokens}")
     if len(prompt) >= max_seq_len:
         raise UsageError(f"the prompt ({len(prompt)} tokens) leaves no room for a token within max_seq_len "
                          f"({max_seq_len})")
@@ -164,7 +205,7 @@ def check_request(request: Request, vocab: int, max_seq_len: int, max_beam_width
 def check_logits(request: Request, vocab: int, max_seq_len: int) -> None:
     """UsageError when the logits `request` asks for would take more than the cap (MAX_LOGITS_MIB; its output
     length cut to what fits in `max_seq_len`, as `fitted` cuts it)."""
-    output = min(request.max_new_tokens, max_seq_len - len(request.prompt))
+    output = min(request.max_tokens, max_seq_len - len(request.prompt))
     asked = request.output
     rows = {"return_context_logits": len(request.prompt) if asked.return_context_logits else 0,
             "return_generation_logits": request.sampling.beam_width * output if asked.return_generation_logits else 0}

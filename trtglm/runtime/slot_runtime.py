@@ -27,16 +27,16 @@ from trtglm.runtime.slots import check_copy, check_reuse, check_start, filled_pi
 class ShardedSlotModel:
     """`SlotModel` (trtglm.runtime.slots) over a `ShardedModel`."""
 
-    def __init__(self, model: ShardedModel, max_batch: int, max_seq_len: int):
-        if max_batch < 1 or max_seq_len < 2:
-            raise UsageError(f"need max_batch >= 1 and max_seq_len >= 2, not {max_batch} and {max_seq_len}")
+    def __init__(self, model: ShardedModel, num_slots: int, max_seq_len: int):
+        if num_slots < 1 or max_seq_len < 2:
+            raise UsageError(f"need num_slots >= 1 and max_seq_len >= 2, not {num_slots} and {max_seq_len}")
         if max_seq_len > model.config.max_position_embeddings:
             raise UsageError(f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
                              f"{model.config.max_position_embeddings}")
         self.model = model
         self.vocab_size = model.config.vocab_size
-        self.max_batch, self.max_seq_len = max_batch, max_seq_len
-        self.cache = ShardedCache(model, max_batch, max_seq_len)
+        self.num_slots, self.max_seq_len = num_slots, max_seq_len
+        self.cache = ShardedCache(model, num_slots, max_seq_len)
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
                 starts: Sequence[int] | None = None) -> torch.Tensor:
@@ -96,7 +96,7 @@ class ShardedSlotModel:
 
     @property
     def kv_tokens(self) -> int:
-        return self.max_batch * self.max_seq_len  # a static cache: every slot's every position
+        return self.num_slots * self.max_seq_len  # a static cache: every slot's every position
 
     def release(self, slot: int, keep: int = 0) -> None:
         """Forget the slot's sequence (its positions stay as they are, `keep` or not, until it is prefilled again)."""
@@ -104,7 +104,7 @@ class ShardedSlotModel:
         self.cache.reset(slot)
 
     def copy(self, sources: Sequence[int], targets: Sequence[int]) -> None:
-        check_copy(sources, targets, self.max_batch)
+        check_copy(sources, targets, self.num_slots)
         for source, target in zip(sources, targets):
             self.cache.copy(target, source, self.cache.lengths[source])
 
@@ -117,5 +117,5 @@ class ShardedSlotModel:
                              f"not {length}")
 
     def _check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.max_batch:
-            raise UsageError(f"slot {slot} does not exist (0..{self.max_batch - 1})")
+        if not 0 <= slot < self.num_slots:
+            raise UsageError(f"slot {slot} does not exist (0..{self.num_slots - 1})")

@@ -1,7 +1,7 @@
 """The interface between the in-flight batching executor and a model implementation.
 
-A `SlotModel` owns a KV cache of `max_batch` slots, each up to `max_seq_len` positions long,
-`kv_tokens` positions in all (a paged cache holds fewer than max_batch × max_seq_len: the
+A `SlotModel` owns a KV cache of `num_slots` slots, each up to `max_seq_len` positions long,
+`kv_tokens` positions in all (a paged cache holds fewer than num_slots × max_seq_len: the
 executor admits a request only while the cache has room for its whole length). The executor admits a request by prefilling a free slot with its prompt,
 then advances every active slot by one token per decode step; a finished or cancelled
 request releases its slot. Requests join and leave the running batch at any step.
@@ -31,9 +31,9 @@ from trtglm.errors import UsageError
 
 class SlotModel(Protocol):
     vocab_size: int  # width of the logits rows returned below
-    max_batch: int  # number of slots
+    num_slots: int  # number of slots
     max_seq_len: int  # positions per slot (prompt + generated tokens)
-    kv_tokens: int  # positions of all slots together (at most max_batch × max_seq_len)
+    kv_tokens: int  # positions of all slots together (at most num_slots × max_seq_len)
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
                 starts: Sequence[int] | None = None) -> torch.Tensor:
@@ -97,14 +97,14 @@ def prefill_starts(starts: Sequence[int] | None, count: int) -> list[int]:
     return starts
 
 
-def check_copy(sources: Sequence[int], targets: Sequence[int], max_batch: int) -> None:
+def check_copy(sources: Sequence[int], targets: Sequence[int], num_slots: int) -> None:
     """UsageError unless `targets` are distinct slots apart from `sources`, one for each."""
     if len(sources) != len(targets) or len(set(targets)) != len(targets) or set(sources) & set(targets):
         raise UsageError(f"a copy needs one distinct target slot, not also a source, per source: {list(sources)} -> "
                          f"{list(targets)}")
-    bad = [s for s in (*sources, *targets) if not 0 <= s < max_batch]
+    bad = [s for s in (*sources, *targets) if not 0 <= s < num_slots]
     if bad:
-        raise UsageError(f"slot {bad[0]} does not exist (0..{max_batch - 1})")
+        raise UsageError(f"slot {bad[0]} does not exist (0..{num_slots - 1})")
 
 
 def check_start(slot: int, start: int, cached: int) -> None:

@@ -5,7 +5,7 @@ checkpoint runs shard by shard in its own dtype. For every input sequence:
 
 - teacher-forced logits over the prompt and the reference's greedy continuation:
   max |Δlogit| and top-1 agreement (share of positions whose argmax agrees);
-- greedy continuations of `max_new_tokens` tokens from each side: the number of leading
+- greedy continuations of `max_tokens` tokens from each side: the number of leading
   tokens that match. A divergence is accepted only where the reference itself scores the
   two candidates within the logit tolerance (a near tie that rounding may flip).
 
@@ -35,7 +35,6 @@ Tolerances (the largest |Δlogit| accepted), per precision of the checkpoint:
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -46,8 +45,9 @@ from tqdm import tqdm
 
 from trtglm.chatglm.chat import chat_ids
 from trtglm.chatglm.config import ChatGLMConfig
+from trtglm.chatglm.prompt_file import load_tokenizer, read_prompt_ids
 from trtglm.chatglm.weights import HFWeights
-from trtglm.errors import ModelFileError, UsageError, VerificationError
+from trtglm.errors import UsageError, VerificationError
 from trtglm.runtime.checkpoint import CheckpointConfig, load_checkpoint
 from trtglm.runtime.generate import full_logits, generate
 from trtglm.runtime.model import load_model
@@ -105,12 +105,15 @@ def tolerance(cfg: CheckpointConfig, ref_scale: float) -> float:
     return _HALF_K * _UNIT_ROUNDOFF[cfg.dtype] * math.sqrt(cfg.num_layers + 1) * ref_scale
 
 
-def verify_checkpoint(checkpoint: str | Path, hf_model: str | Path, *, prompts: str | Path | None, max_new_tokens: int,
+def verify_checkpoint(checkpoint: str | Path, hf_model: str | Path, *, prompts: str | Path | None, max_tokens: int,
                       device: str) -> VerifyReport:
     """Compare the checkpoint with the HF model; print a table; raise VerificationError on failure."""
-    if max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be at least 1, not {max_new_tokens}")
+    if max_tokens < 1:
+        raise UsageError(f"--max-tokens must be at least 1, not {max_tokens}")
     ckpt = load_checkpoint(checkpoint)
+    if ckpt.config.fp8 or ckpt.config.fp8_kv_cache:
+        raise UsageError(f"{checkpoint} is an FP8 checkpoint: verify compares float and weight-only ones; compare it "
+                         "with the model unquantized by `trtglm bench fp8` (docs/benchmarks.md, FP8)")
     hf_cfg = ChatGLMConfig.from_model_dir(hf_model)
     check_consistency(ckpt.config, hf_cfg)
     inputs = _inputs(Path(hf_model), prompts, ckpt.config.vocab_size)
@@ -119,7 +122,7 @@ def verify_checkpoint(checkpoint: str | Path, hf_model: str | Path, *, prompts: 
     reference = _reference(hf_cfg, weights, ckpt.config)
     unquantized = _reference(hf_cfg, weights, None) if ckpt.config.quant_algo else None
 
-    report = _compare(model, reference, unquantized, inputs, max_new_tokens)
+    report = _compare(model, reference, unquantized, inputs, max_tokens)
     print(format_table(report, ckpt.config))
     if not report.passed:
         raise VerificationError(f"{checkpoint} does not match {hf_model}: {report.failures[0]}")
@@ -171,7 +174,7 @@ def _reference(hf_cfg: ChatGLMConfig, weights: HFWeights, ckpt: CheckpointConfig
 def _inputs(hf_dir: Path, prompts: str | Path | None, vocab_size: int) -> list[tuple[str, list[int]]]:
     """(name, token ids) of every sequence to compare."""
     if prompts is not None:
-        return [(f"prompt {i + 1}", ids) for i, ids in enumerate(_prompt_file(Path(prompts), hf_dir))]
+        return [(f"prompt {i + 1}", ids) for i, ids in enumerate(read_prompt_ids(prompts, hf_dir, "--prompts"))]
     inputs = []
     if (hf_dir / "tokenizer.model").is_file():
         tokenizer = _tokenizer(hf_dir)
@@ -183,35 +186,8 @@ def _inputs(hf_dir: Path, prompts: str | Path | None, vocab_size: int) -> list[t
     return inputs
 
 
-def _prompt_file(path: Path, hf_dir: Path) -> list[list[int]]:
-    """A text file (one user prompt per line) or JSONL of {"messages": [...]} → chat input ids."""
-    try:
-        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"--prompts {path}: cannot read ({e})") from None
-    if not lines:
-        raise UsageError(f"--prompts {path}: no prompts")
-    tokenizer = _tokenizer(hf_dir)
-    if path.suffix != ".jsonl":
-        return [chat_ids(tokenizer, [{"role": "user", "content": line}]) for line in lines]
-    chats = []
-    for number, line in enumerate(lines, 1):
-        try:
-            messages = json.loads(line)["messages"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise UsageError(f"--prompts {path}:{number}: expected a JSON object with \"messages\"") from None
-        if messages and messages[-1].get("role") == "assistant":
-            messages = messages[:-1]  # a conversation with its answer: prompt with what comes before
-        chats.append(chat_ids(tokenizer, messages))
-    return chats
-
-
 def _tokenizer(hf_dir: Path):
-    from trtglm.chatglm.tokenizer import ChatGLMTokenizer
-
-    if not (hf_dir / "tokenizer.model").is_file():
-        raise ModelFileError(f"{hf_dir}: no tokenizer.model to encode the prompts with")
-    return ChatGLMTokenizer(hf_dir)
+    return load_tokenizer(hf_dir, "to encode the prompts with")
 
 
 # --- comparison ------------------------------------------------------------------------------
@@ -229,9 +205,9 @@ class ReferenceRun:
 
 
 @torch.inference_mode()
-def _compare(model, reference, unquantized, inputs: list[tuple[str, list[int]]], max_new_tokens: int) -> VerifyReport:
+def _compare(model, reference, unquantized, inputs: list[tuple[str, list[int]]], max_tokens: int) -> VerifyReport:
     with tqdm(inputs, desc="reference", unit="input", leave=False, disable=None) as bar:
-        runs = [_reference_run(reference, name, prompt, max_new_tokens) for name, prompt in bar]
+        runs = [_reference_run(reference, name, prompt, max_tokens) for name, prompt in bar]
     scale = max(float(run.logits.abs().max()) for run in runs)
     report = VerifyReport(tolerance(model.config, scale), MIN_TOP1[model.config.dtype])
     with tqdm(runs, desc="trtglm runtime", unit="input", leave=False, disable=None) as bar:
@@ -240,8 +216,8 @@ def _compare(model, reference, unquantized, inputs: list[tuple[str, list[int]]],
     return report
 
 
-def _reference_run(reference, name: str, prompt: list[int], max_new_tokens: int) -> ReferenceRun:
-    new = _reference_greedy(reference, prompt, max_new_tokens)
+def _reference_run(reference, name: str, prompt: list[int], max_tokens: int) -> ReferenceRun:
+    new = _reference_greedy(reference, prompt, max_tokens)
     return ReferenceRun(name, prompt, new, reference(torch.tensor([prompt + new])).logits[0].float())
 
 
@@ -266,13 +242,13 @@ def _top1(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.argmax(-1) == b.argmax(-1)).float().mean())
 
 
-def _reference_greedy(reference, prompt: list[int], max_new_tokens: int) -> list[int]:
+def _reference_greedy(reference, prompt: list[int], max_tokens: int) -> list[int]:
     out = reference(torch.tensor([prompt]), use_cache=True)
     new = []
-    for step in range(max_new_tokens):
+    for step in range(max_tokens):
         token = int(out.logits[0, -1].argmax())
         new.append(token)
-        if step + 1 < max_new_tokens:
+        if step + 1 < max_tokens:
             out = reference(torch.tensor([[token]]), use_cache=True, **_kv_cache(reference, out))
     return new
 

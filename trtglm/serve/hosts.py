@@ -179,10 +179,10 @@ def needed_paths(repo: Path, ranks: Sequence[int]) -> list[str]:
     folder = engine_dir(repo)
     if folder is not None:
         name, _ = engine_description(folder)
-        manifest = read_manifest(folder) if name == MANIFEST else {}
+        manifest = read_manifest(folder) if name == MANIFEST else None
         paths += [folder, folder / name]
-        if manifest.get("engine") == "torch":
-            paths += [Path(manifest["checkpoint_dir"]) / f"rank{rank}.safetensors" for rank in ranks]
+        if manifest is not None and manifest.engine == "torch":
+            paths += [manifest.checkpoint_dir / f"rank{rank}.safetensors" for rank in ranks]
         else:
             paths += [folder / f"rank{rank}.engine" for rank in ranks]
     return [str(path) for path in paths]

@@ -1,7 +1,7 @@
 """`GraphCapture`: how `FastModel` (model.py) gets ready to serve — the warm-up that compiles the Triton kernels and
 tunes the matmuls, the one-row layouts tuned again inside a decode step, and the capture of its CUDA graphs.
 
-- Decode steps are captured as CUDA graphs, one per batch bucket (1, 2, 4, … max_batch); a
+- Decode steps are captured as CUDA graphs, one per batch bucket (1, 2, 4, … num_slots); a
   step of n sequences replays the smallest bucket ≥ n. Slot indices, tokens and each
   slot's length live in device buffers the graph reads; the graph itself advances the
   lengths, so a steady decode loop uploads nothing but changed slot lists.
@@ -94,7 +94,7 @@ class GraphCapture:
         scratch = self.scratch
         for tokens in eager_row_counts(min(self.max_seq_len - 1, DECODE_ATTENTION_POSITIONS)):
             self._packed_rows([[0] * tokens], [scratch], [0])
-        for pieces in eager_row_counts(self.max_batch):
+        for pieces in eager_row_counts(self.num_slots):
             self._packed_rows([[0]] * (pieces - 1) + [[0, 0]], [scratch] * pieces, [1] * (pieces - 1) + [0])
         reach = DECODE_CHUNK
         while reach <= min(DECODE_ATTENTION_POSITIONS, self.max_seq_len - 1):  # each count of its split-K partials

@@ -30,6 +30,11 @@ several rows, tensor-core kernels for float and for int8/int4 words. Block shape
 per (weight kind, row bucket, shape) by timing the candidates at start-up (`tune`, CUDA-graph
 replays on a cold L2 cache), cuBLAS included for float weights.
 
+FP8 (an FP8 checkpoint's, linear.py): `quantize_fp8` turns a matmul's input rows (or SwiGLU of them) into FP8 at the
+layer's static scale, for torch._scaled_mm; an FP8 KV cache (float8_e4m3fn, one scale per layer) is written by
+`rope_cache` and `rope_attention` at that scale, saturated, and read by both attention kernels as values of the
+compute dtype, the keys' scale folded into the softmax scale and the values' into each chunk's products.
+
 On Hopper and later every kernel here is launched with programmatic dependent launch (`pdl`): it
 may start while the kernel before it finishes, and the matmuls start reading their weights before
 they wait for that kernel's results (`_start`), which hides most of the gap between kernels.
@@ -158,9 +163,19 @@ def _rotary(src, d, cos, sin):
 
 
 @triton.jit
+def _to_cache(x, kv_scale, COMPUTE: tl.constexpr, CACHE: tl.constexpr, FP8_KV: tl.constexpr):
+    """A key or value as the cache keeps it: in the compute dtype, or (an FP8 cache) that value / kv_scale in FP8,
+    saturated at ±448 (conventions.FP8_MAX), as quant.to_fp8."""
+    x = x.to(COMPUTE)
+    if FP8_KV:
+        x = tl.clamp(tl.div_rn(x.to(tl.float32), kv_scale), -448.0, 448.0)
+    return x.to(CACHE)
+
+
+@triton.jit
 def _rope_cache_kernel(qkv_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, table_ptr, qkv_stride,
-                       block_stride, head_stride, table_stride, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
-                       ROT: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr):
+                       block_stride, head_stride, table_stride, kv_scale, H: tl.constexpr, KVH: tl.constexpr,
+                       D: tl.constexpr, ROT: tl.constexpr, BS: tl.constexpr, FP8_KV: tl.constexpr, PDL: tl.constexpr):
     _start(PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # 0..H-1 query, H..H+KVH-1 key, then value
@@ -177,31 +192,39 @@ def _rope_cache_kernel(qkv_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, k_pt
         if head < H:
             tl.store(q_ptr + (t * H + head) * D + d, y.to(q_ptr.dtype.element_ty))
         else:
-            tl.store(k_ptr + line + (head - H) * head_stride, y.to(k_ptr.dtype.element_ty))
+            tl.store(k_ptr + line + (head - H) * head_stride,
+                     _to_cache(y, kv_scale, q_ptr.dtype.element_ty, k_ptr.dtype.element_ty, FP8_KV))
     else:
-        tl.store(v_ptr + line + (head - H - KVH) * head_stride, tl.load(src + d))
+        tl.store(v_ptr + line + (head - H - KVH) * head_stride,
+                 _to_cache(tl.load(src + d), kv_scale, q_ptr.dtype.element_ty, v_ptr.dtype.element_ty, FP8_KV))
 
 
 def rope_cache(qkv: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, num_heads: int
-               ) -> torch.Tensor:
+               sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, num_heads: int,
+               kv_scale: float = 1.0) -> torch.Tensor:
     """Rotate q and k of `qkv` `[T, (H + 2·KVH)·D]`, store k/v at (slot, position) of the paged cache (`table`:
-    each slot's blocks); q `[T, H, D]`."""
+    each slot's blocks; an FP8 cache keeps them at `kv_scale`); q `[T, H, D]`."""
     tokens = qkv.shape[0]
     kv_heads, head = k_cache.shape[1], k_cache.shape[3]
     q = torch.empty(tokens, num_heads, head, dtype=qkv.dtype, device=qkv.device)
     _rope_cache_kernel[(tokens, num_heads + 2 * kv_heads)](
         qkv, slots, positions, cos, sin, q, k_cache, v_cache, table, qkv.stride(0), k_cache.stride(0),
-        k_cache.stride(1), table.stride(0), H=num_heads, KVH=kv_heads, D=head, ROT=2 * cos.shape[1],
-        BS=k_cache.shape[2], num_warps=1, **pdl(qkv.device))
+        k_cache.stride(1), table.stride(0), kv_scale, H=num_heads, KVH=kv_heads, D=head, ROT=2 * cos.shape[1],
+        BS=k_cache.shape[2], FP8_KV=_fp8(k_cache), num_warps=1, **pdl(qkv.device))
     return q
+
+
+def _fp8(cache: torch.Tensor) -> bool:
+    return cache.dtype == torch.float8_e4m3fn
 
 
 @triton.jit
 def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, pos_ptr, o_ptr, lse_ptr, out_ptr, arrived_ptr,
-                             scale, block_stride, head_stride, table_stride, H: tl.constexpr, GROUP: tl.constexpr,
-                             GROUP_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                             SPLITS: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr):
+                             scale, kv_scale, block_stride, head_stride, table_stride, H: tl.constexpr,
+                             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
+                             BLOCK: tl.constexpr, SPLITS: tl.constexpr, BS: tl.constexpr, FP8_KV: tl.constexpr,
+                             PDL: tl.constexpr):
+    """`scale` includes an FP8 cache's kv_scale (its keys' scale); its values' is applied to each product."""
     _start(PDL)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -224,14 +247,17 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, pos_ptr, 
             idx = start + tl.arange(0, BLOCK)
             valid = idx < end
             cached = _paged_rows(table, idx, valid, block_stride, kv_head * head_stride, BS, D)[:, None] + d[None, :]
-            k = tl.load(k_ptr + cached, mask=valid[:, None], other=0.0)
+            k = tl.load(k_ptr + cached, mask=valid[:, None], other=0.0).to(q.dtype)
             scores = tl.where(valid[None, :], tl.dot(q, tl.trans(k), input_precision="ieee") * scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             p = tl.exp(scores - m_new[:, None])
             alpha = tl.exp(m - m_new)
             total = total * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + cached, mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            v = tl.load(v_ptr + cached, mask=valid[:, None], other=0.0).to(q.dtype)
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            if FP8_KV:
+                pv = pv * kv_scale
+            acc = acc * alpha[:, None] + pv
             m = m_new
         out = out_ptr + heads[:, None] * D + d[None, :]
         if used == 1:
@@ -303,29 +329,33 @@ def _split_outputs(batch: int, num_heads: int, k_cache: torch.Tensor, table: tor
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                     slots: torch.Tensor, positions: torch.Tensor, length: int | None = None) -> torch.Tensor:
+                     slots: torch.Tensor, positions: torch.Tensor, length: int | None = None,
+                     kv_scale: float = 1.0) -> torch.Tensor:
     """One query per sequence `q` `[B, H, D]` over cache positions 0..position of its slot; `[B, H·D]`. `length`:
-    no position reaches it (None: a slot's most), so fewer partial outputs are kept."""
+    no position reaches it (None: a slot's most), so fewer partial outputs are kept; `kv_scale`: an FP8 cache's."""
     batch, num_heads, head = q.shape
     kv_heads = k_cache.shape[1]
     splits, parts, lse, out = _split_outputs(batch, num_heads, k_cache, table, DECODE_CHUNK, q.dtype, length)
     _decode_attention_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, table, slots, positions, parts, lse, out, _arrivals(q.device, batch * kv_heads),
-        head ** -0.5, k_cache.stride(0), k_cache.stride(1), table.stride(0), H=num_heads, GROUP=num_heads // kv_heads,
-        GROUP_PAD=max(16, triton.next_power_of_2(num_heads // kv_heads)), D=head, CHUNK=DECODE_CHUNK,
-        BLOCK=decode_block(batch), SPLITS=splits, BS=k_cache.shape[2], num_warps=4, num_stages=2, **pdl(q.device))
+        head ** -0.5 * kv_scale, kv_scale, k_cache.stride(0), k_cache.stride(1), table.stride(0), H=num_heads,
+        GROUP=num_heads // kv_heads, GROUP_PAD=max(16, triton.next_power_of_2(num_heads // kv_heads)), D=head,
+        CHUNK=DECODE_CHUNK, BLOCK=decode_block(batch), SPLITS=splits, BS=k_cache.shape[2], FP8_KV=_fp8(k_cache),
+        num_warps=4, num_stages=2, **pdl(q.device))
     return out
 
 
 @triton.jit
 def _rope_attention_kernel(qkv_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, table_ptr, o_ptr, lse_ptr,
-                           out_ptr, arrived_ptr, scale, qkv_stride, block_stride, head_stride, table_stride,
+                           out_ptr, arrived_ptr, scale, kv_scale, qkv_stride, block_stride, head_stride, table_stride,
                            H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, CHUNK: tl.constexpr,
-                           SPLITS: tl.constexpr, BS: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
+                           SPLITS: tl.constexpr, BS: tl.constexpr, LINE: tl.constexpr, FP8_KV: tl.constexpr,
+                           PDL: tl.constexpr):
     """rope_cache and decode attention of one query head over one chunk of positions. Before waiting for `qkv`, the
     keys of earlier steps are loaded and their values fetched into L2 (registers would not hold both; LINE > 0:
     values per 128-byte line). The new key and value come from `qkv` itself (the first query head of each KV head
-    stores them in the cache)."""
+    stores them in the cache, as the cache keeps them: an FP8 cache's, the products of which take kv_scale, which
+    `scale` includes for the keys)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -353,15 +383,18 @@ def _rope_attention_kernel(qkv_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, 
         v = tl.load(v_ptr + cached, mask=older, other=0.0)
         row = qkv_ptr + b * qkv_stride
         q = _rotary(row + h * D, d, cos, sin).to(qkv_ptr.dtype.element_ty)
-        k_new = _rotary(row + (H + kv_head) * D, d, cos, sin).to(k_ptr.dtype.element_ty)
-        v_new = tl.load(row + (H + KVH + kv_head) * D + d).to(v_ptr.dtype.element_ty)
+        k_new = _to_cache(_rotary(row + (H + kv_head) * D, d, cos, sin), kv_scale, qkv_ptr.dtype.element_ty,
+                          k_ptr.dtype.element_ty, FP8_KV)
+        v_new = _to_cache(tl.load(row + (H + KVH + kv_head) * D + d), kv_scale, qkv_ptr.dtype.element_ty,
+                          v_ptr.dtype.element_ty, FP8_KV)
         stores = (d < D) & (h % group == 0) & (split == used - 1)
         newest_row = tl.load(table + pos // BS).to(tl.int64) * block_stride + kv_head * head_stride + (pos % BS) * D
         tl.store(k_ptr + newest_row + d, k_new, mask=stores)
         tl.store(v_ptr + newest_row + d, v_new, mask=stores)
         newest = (idx == pos)[:, None]
-        k = tl.where(newest, k_new[None, :], k)
-        v = tl.where(newest, v_new[None, :], v)
+        # an FP8 cache's values are read as values of the compute dtype (qkv's)
+        k = tl.where(newest, k_new.to(qkv_ptr.dtype.element_ty)[None, :], k.to(qkv_ptr.dtype.element_ty))
+        v = tl.where(newest, v_new.to(qkv_ptr.dtype.element_ty)[None, :], v.to(qkv_ptr.dtype.element_ty))
         # The dot products on tensor cores, this head's query as row 0 of a 16-row tile (the others zero).
         first = tl.arange(0, 16) == 0
         query = tl.where(first[:, None], q.to(k.dtype)[None, :], 0.0)
@@ -370,6 +403,8 @@ def _rope_attention_kernel(qkv_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, 
         top = tl.max(scores, axis=1)
         p = tl.exp(scores - top[:, None])
         acc = tl.sum(tl.where(first[:, None], tl.dot(p.to(v.dtype), v, input_precision="ieee"), 0.0), axis=0)
+        if FP8_KV:
+            acc = acc * kv_scale
         total = tl.sum(tl.where(first, tl.sum(p, axis=1), 0.0), axis=0)
         top = tl.sum(tl.where(first, top, 0.0), axis=0)
         head = b * H + h
@@ -389,8 +424,8 @@ def _rope_attention_kernel(qkv_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, 
 
 
 def rope_attention(qkv: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, num_heads: int
-                   ) -> torch.Tensor:
+                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, num_heads: int,
+                   kv_scale: float = 1.0) -> torch.Tensor:
     """rope_cache then decode_attention in one launch, one program per (sequence, query head, chunk): every key and
     value is read once per query head, which pays where few sequences leave most SMs idle."""
     batch = qkv.shape[0]
@@ -398,10 +433,10 @@ def rope_attention(qkv: torch.Tensor, slots: torch.Tensor, positions: torch.Tens
     splits, parts, lse, out = _split_outputs(batch, num_heads, k_cache, table, ROPE_ATTENTION_CHUNK, qkv.dtype)
     _rope_attention_kernel[(batch, num_heads, splits)](
         qkv, slots, positions, cos, sin, k_cache, v_cache, table, parts, lse, out,
-        _arrivals(qkv.device, batch * num_heads), head ** -0.5, qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
-        table.stride(0), H=num_heads, KVH=kv_heads, D=head, ROT=2 * cos.shape[1], CHUNK=ROPE_ATTENTION_CHUNK,
-        SPLITS=splits, BS=k_cache.shape[2], LINE=_prefetch_line(v_cache), num_warps=8,
-        **pdl(qkv.device))
+        _arrivals(qkv.device, batch * num_heads), head ** -0.5 * kv_scale, kv_scale, qkv.stride(0), k_cache.stride(0),
+        k_cache.stride(1), table.stride(0), H=num_heads, KVH=kv_heads, D=head, ROT=2 * cos.shape[1],
+        CHUNK=ROPE_ATTENTION_CHUNK, SPLITS=splits, BS=k_cache.shape[2], LINE=_prefetch_line(v_cache),
+        FP8_KV=_fp8(k_cache), num_warps=8, **pdl(qkv.device))
     return out
 
 
@@ -413,13 +448,13 @@ def _prefetch_line(cache: torch.Tensor) -> int:
 
 def decode_qkv_attention(qkv: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                         num_heads: int) -> torch.Tensor:
+                         num_heads: int, kv_scale: float = 1.0) -> torch.Tensor:
     """Decode attention from the qkv rows: `rope_attention` for up to ROPE_ATTENTION_BATCH sequences, else
     `rope_cache` and `decode_attention`."""
     if qkv.shape[0] <= ROPE_ATTENTION_BATCH:
-        return rope_attention(qkv, slots, positions, cos, sin, k_cache, v_cache, table, num_heads)
-    q = rope_cache(qkv, slots, positions, cos, sin, k_cache, v_cache, table, num_heads)
-    return decode_attention(q, k_cache, v_cache, table, slots, positions)
+        return rope_attention(qkv, slots, positions, cos, sin, k_cache, v_cache, table, num_heads, kv_scale)
+    q = rope_cache(qkv, slots, positions, cos, sin, k_cache, v_cache, table, num_heads, kv_scale)
+    return decode_attention(q, k_cache, v_cache, table, slots, positions, kv_scale=kv_scale)
 
 
 @triton.jit
@@ -440,6 +475,34 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(tokens, inner, dtype=x.dtype, device=x.device)
     block = 1024
     _silu_mul_kernel[(tokens, triton.cdiv(inner, block))](x, out, inner, BLOCK=block, num_warps=4, **pdl(x.device))
+    return out
+
+
+@triton.jit
+def _quantize_fp8_kernel(x_ptr, scale_ptr, out_ptr, F, x_stride, SWIGLU: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    scale = tl.load(scale_ptr)
+    _start(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < F
+    x = tl.load(x_ptr + t * x_stride + i, mask=mask, other=0.0)
+    if SWIGLU:  # x holds [up; gate]: silu(gate) · up, rounded to the compute dtype as silu_mul's output is
+        gate = tl.load(x_ptr + t * x_stride + F + i, mask=mask, other=0.0).to(tl.float32)
+        x = (gate * tl.sigmoid(gate) * x.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    y = tl.clamp(tl.div_rn(x.to(tl.float32), scale), -448.0, 448.0)  # IEEE division, as torch's; FP8_MAX
+    tl.store(out_ptr + t * F + i, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+    """`[T, F]` rows as float8_e4m3fn at `scale` (a float32 scalar on the device): x / scale saturated at ±448, as
+    quant.to_fp8; `swiglu`: `[T, 2F]` rows holding [up; gate], quantized silu(gate) · up."""
+    tokens, width = x.shape
+    inner = width // 2 if swiglu else width
+    out = torch.empty(tokens, inner, dtype=torch.float8_e4m3fn, device=x.device)
+    block = 1024
+    _quantize_fp8_kernel[(tokens, triton.cdiv(inner, block))](x, scale, out, inner, x.stride(0), SWIGLU=swiglu,
+                                                              BLOCK=block, num_warps=4, **pdl(x.device))
     return out
 
 

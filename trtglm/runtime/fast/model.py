@@ -14,6 +14,11 @@ the warm-up and the CUDA graphs' capture graphs.py's.
   CUDA graphs (graphs.py); prompt batches, chunks and longer steps run eagerly (passes.py).
 - Weight-only int8 / int4 (linear.py) for the qkv, dense, fc and proj weights; Triton and Gluon
   matmuls (kernels.py, gluon_gemv.py).
+- An FP8 checkpoint's qkv, dense, fc and proj run as FP8 matmuls (linear.py: torch._scaled_mm, static
+  input scales from the checkpoint) and, where it asks for one, the KV cache holds FP8 keys and values at
+  each layer's scale (half the bytes of a position: twice the positions in the same memory). Both need
+  FP8 tensor cores (Ada, Hopper): elsewhere the model refuses to load, unless `emulate_fp8` (a stand-in
+  for tests and dry runs on the CPU: the same arithmetic in float32).
 
 The computation is `ShardedModel`'s (model.py): same RMSNorm, rotary, SwiGLU and checkpoint layout
 ([Q; K; V] rows, fc rows [up; gate]). At tp N each rank holds its own shard, the outputs of `dense` and
@@ -36,11 +41,11 @@ from tqdm import tqdm
 from trtglm.chatglm.config import kv_bytes_per_position
 from trtglm.errors import UsageError
 from trtglm.files import report_phase
-from trtglm.conventions import FREE_GPU_MEM_FRACTION, TOKENS_PER_BLOCK
+from trtglm.conventions import FP8, FREE_GPU_MEM_FRACTION, INPUT_SCALE, KV_SCALE, TOKENS_PER_BLOCK, WEIGHT_SCALE
 from trtglm.runtime.cache import PagedCache
 from trtglm.runtime.checkpoint import CheckpointConfig, load_checkpoint
 from trtglm.runtime.fast.graphs import GraphCapture
-from trtglm.runtime.fast.linear import Linear
+from trtglm.runtime.fast.linear import Linear, fp8_problem
 from trtglm.runtime.fast.ops import TritonOps, select_ops
 from trtglm.runtime.fast.parallel import RankGroup
 from trtglm.runtime.fast.passes import ForwardPasses
@@ -67,35 +72,39 @@ class FastModel(ForwardPasses, GraphCapture):
     """A ChatGLM3 `SlotModel` on one GPU over one rank's tensors of a TensorRT-LLM checkpoint: all of a tp-1 one, or
     this process's rank of a tp-N one with `process_group` (its N ranks, one per process)."""
 
-    def __init__(self, cfg: CheckpointConfig, tensors: dict[str, torch.Tensor], *, max_batch: int = 64,
+    def __init__(self, cfg: CheckpointConfig, tensors: dict[str, torch.Tensor], *, num_slots: int = 64,
                  max_seq_len: int = 2048, dtype: str | torch.dtype | None = None, device: str | torch.device = "cuda",
                  weight_only: str | None = None, kernels: str = "auto", graphs: bool | None = None,
                  tune: bool | None = None, process_group: torch.distributed.ProcessGroup | None = None,
                  block_size: int = TOKENS_PER_BLOCK, kv_tokens: int | None = None,
-                 kv_fraction: float = FREE_GPU_MEM_FRACTION):
+                 kv_fraction: float = FREE_GPU_MEM_FRACTION, emulate_fp8: bool = False):
         self.device = torch.device(device)
         self.config, self.dtype = cfg, resolve_dtype(dtype, cfg)
         self.quant_algo = resolve_weight_only(weight_only, cfg)
-        check_shape_options(cfg, max_batch, max_seq_len, self.device)
+        check_shape_options(cfg, num_slots, max_seq_len, self.device)
+        self.emulate_fp8 = emulate_fp8
+        check_fp8(cfg, self.device, emulate_fp8)
+        self.cache_dtype = torch.float8_e4m3fn if cfg.fp8_kv_cache else self.dtype
         self.ranks = _rank_group(cfg, process_group, self.device, self.dtype)
         self.heads = cfg.heads_per_rank
-        self.max_batch, self.max_seq_len, self.vocab_size = max_batch, max_seq_len, cfg.vocab_size
+        self.num_slots, self.max_seq_len, self.vocab_size = num_slots, max_seq_len, cfg.vocab_size
         self.ops = select_ops(self.device, kernels)
         # Timing the matmul kernels' block shapes costs seconds at start-up and pays on every step.
         self.tuned = isinstance(self.ops, TritonOps) and self.device.type == "cuda" if tune is None else tune
-        self.scratch = max_batch  # the extra cache slot
+        self.scratch = num_slots  # the extra cache slot
         started = time.monotonic()
         self._load_weights(tensors, self.tuned)
         log.info("weights on %s in %.1f s", self.device, time.monotonic() - started)
         cos, sin = rotary_tables(cfg, torch.arange(max_seq_len, device=self.device)[None])
         self.cos, self.sin = cos[0, 0].contiguous(), sin[0, 0].contiguous()
-        self.cache = PagedCache(cfg, max_batch, max_seq_len, self.dtype, self.device, block_size,
-                                kv_tokens or self._kv_tokens_that_fit(kv_fraction, block_size))
+        self.cache = PagedCache(cfg, num_slots, max_seq_len, self.cache_dtype, self.device, block_size,
+                                kv_tokens or self._kv_tokens_that_fit(kv_fraction, block_size),
+                                self._kv_scales(tensors))
         log.info("KV cache: %d positions in blocks of %d (%.1f GB)", self.cache.kv_tokens, block_size,
                  2 * sum(t.numel() * t.element_size() for t in self.cache.keys) / 1e9)
-        self.buckets = batch_buckets(max_batch)
-        self._tokens = torch.zeros(max_batch, dtype=torch.long, device=self.device)
-        self._slots = torch.full((max_batch,), self.scratch, dtype=torch.long, device=self.device)
+        self.buckets = batch_buckets(num_slots)
+        self._tokens = torch.zeros(num_slots, dtype=torch.long, device=self.device)
+        self._slots = torch.full((num_slots,), self.scratch, dtype=torch.long, device=self.device)
         self._uploaded_slots: list[int] = []
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -107,7 +116,7 @@ class FastModel(ForwardPasses, GraphCapture):
         self._mixed_tokens = torch.zeros(widest, dtype=torch.long, device=self.device)
         self._mixed_slots = torch.full((widest,), self.scratch, dtype=torch.long, device=self.device)
         self._mixed_positions = torch.zeros(widest, dtype=torch.int32, device=self.device)
-        self._mixed_last = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        self._mixed_last = torch.zeros(num_slots, dtype=torch.long, device=self.device)
         self._mixed_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_buffers: list[torch.Tensor] = []
         self._tuned_in_step = False
@@ -132,8 +141,11 @@ class FastModel(ForwardPasses, GraphCapture):
             return tensors[name].to(self.device)
 
         def linear(prefix: str, bias: bool = False, quant_algo: str | None = self.quant_algo) -> Linear:
-            layer = Linear.from_weight(get(prefix + ".weight"), get(prefix + ".bias") if bias else None, quant_algo,
-                                       dtype, use_triton)
+            bias_tensor = get(prefix + ".bias") if bias else None
+            if quant_algo == FP8:
+                return Linear.from_fp8(get(prefix + ".weight"), get(f"{prefix}.{WEIGHT_SCALE}"),
+                                       get(f"{prefix}.{INPUT_SCALE}"), bias_tensor, dtype, self.emulate_fp8)
+            layer = Linear.from_weight(get(prefix + ".weight"), bias_tensor, quant_algo, dtype, use_triton)
             layer.tune = tune
             return layer
 
@@ -152,23 +164,32 @@ class FastModel(ForwardPasses, GraphCapture):
                 proj=linear(p + "mlp.proj"),
             ))
         log.info("fast model: %d layers, %s%s, %.2f GB of weights read per decode step, %s kernels, on %s%s",
-                 cfg.num_layers, str(dtype).removeprefix("torch."),
-                 f", weight-only {self.quant_algo}" if self.quant_algo else "", self.weight_bytes / 1e9,
+                 cfg.num_layers, str(dtype).removeprefix("torch."), _quantization(self), self.weight_bytes / 1e9,
                  self.ops.name, self.device,
                  f", rank {self.ranks.rank} of tp {self.ranks.world_size}" if self.ranks else "")
 
     def _kv_tokens_that_fit(self, fraction: float, block_size: int) -> int | None:
-        """On a GPU, the positions `fraction` of its free memory holds (whole blocks; at most max_batch ×
+        """On a GPU, the positions `fraction` of its free memory holds (whole blocks; at most num_slots ×
         max_seq_len, at least one sequence); None elsewhere (that product)."""
         if self.device.type != "cuda":
             return None
-        cfg = self.config
-        per_position = kv_bytes_per_position(cfg.num_layers, cfg.num_kv_heads, cfg.head_size, cfg.tp_size,
-                                             self.dtype.itemsize)
         free, _ = torch.cuda.mem_get_info(self.device)
-        fits = int(free * fraction) // per_position // block_size * block_size
+        fits = kv_positions(free, fraction, self.kv_bytes_per_position, block_size)
         fits = self.ranks.least(fits, self.device) if self.ranks else fits  # every rank's cache takes the same blocks
-        return max(self.max_seq_len, min(fits, self.max_batch * self.max_seq_len))
+        return max(self.max_seq_len, min(fits, self.num_slots * self.max_seq_len))
+
+    @property
+    def kv_bytes_per_position(self) -> int:
+        """Bytes one position of this rank's KV cache takes (keys and values of every layer)."""
+        cfg = self.config
+        return kv_bytes_per_position(cfg.num_layers, cfg.num_kv_heads, cfg.head_size, cfg.tp_size,
+                                     self.cache_dtype.itemsize)
+
+    def _kv_scales(self, tensors: dict[str, torch.Tensor]) -> list[float] | None:
+        """An FP8 KV cache's scale per layer (from the checkpoint), else None."""
+        if not self.config.fp8_kv_cache:
+            return None
+        return [float(tensors[f"transformer.layers.{i}.attention.{KV_SCALE}"]) for i in range(self.config.num_layers)]
 
     @property
     def kv_tokens(self) -> int:
@@ -235,7 +256,7 @@ class FastModel(ForwardPasses, GraphCapture):
         n = len(slots)
         bucket = next(b for b in self.buckets if b >= n)
         if slots != self._uploaded_slots:
-            self._slots.copy_(upload(slots + [self.scratch] * (self.max_batch - n), self.device))
+            self._slots.copy_(upload(slots + [self.scratch] * (self.num_slots - n), self.device))
             self._uploaded_slots = slots
         token_ids = tokens if isinstance(tokens, torch.Tensor) else upload(list(tokens), self.device)
         self._tokens[:n].copy_(token_ids.reshape(-1), non_blocking=True)
@@ -299,7 +320,7 @@ class FastModel(ForwardPasses, GraphCapture):
     @torch.no_grad()
     def copy(self, sources: Sequence[int], targets: Sequence[int]) -> None:
         """Each target slot takes a copy of its source slot's sequence."""
-        check_copy(sources, targets, self.max_batch)
+        check_copy(sources, targets, self.num_slots)
         for source, target in zip(sources, targets):
             self.cache.copy(target, source, self.cache.lengths[source])
 
@@ -315,8 +336,8 @@ class FastModel(ForwardPasses, GraphCapture):
     # --- checks ------------------------------------------------------------------------------------------------
 
     def _check_slot(self, slot: int) -> None:
-        if not isinstance(slot, int) or not 0 <= slot < self.max_batch:
-            raise UsageError(f"slot {slot!r} is not one of 0..{self.max_batch - 1}")
+        if not isinstance(slot, int) or not 0 <= slot < self.num_slots:
+            raise UsageError(f"slot {slot!r} is not one of 0..{self.num_slots - 1}")
 
     def _check_slots(self, slots: list[int]) -> None:
         if not slots:
@@ -361,6 +382,31 @@ def load_fast_model(path: str | Path, rank: int | None = None, **options) -> Fas
     process_group joining the other ranks' processes); `options` as for `FastModel`."""
     ckpt = load_checkpoint(path) if rank is None else one_rank_checkpoint(path, rank)
     return FastModel(ckpt.config, ckpt.ranks[0], **options)
+
+
+def kv_positions(free_bytes: int, fraction: float, bytes_per_position: int, block_size: int) -> int:
+    """KV-cache positions (whole blocks) that `fraction` of `free_bytes` holds."""
+    return int(free_bytes * fraction) // bytes_per_position // block_size * block_size
+
+
+def check_fp8(cfg: CheckpointConfig, device: torch.device, emulate: bool) -> None:
+    """An FP8 checkpoint (or KV cache) loads only where FP8 tensor cores are, or `emulate`d."""
+    if not (cfg.fp8 or cfg.fp8_kv_cache) or emulate:
+        return
+    problem = fp8_problem(device)
+    if problem:
+        what = "FP8 weights and activations" if cfg.fp8 else "an FP8 KV cache"
+        raise UsageError(f"the checkpoint has {what}, which the fast runtime runs on GPUs of compute capability 8.9 "
+                         f"or later (Ada, Hopper), and {problem}: run it with TRTGLM_RUNTIME=portable (dequantized, "
+                         f"slow) or convert it without FP8")
+
+
+def _quantization(model: FastModel) -> str:
+    cfg, how = model.config, " (emulated)" if model.emulate_fp8 else ""
+    kv = f", FP8 KV cache{how}" if cfg.fp8_kv_cache else ""
+    if model.quant_algo == FP8:
+        return f", FP8 weights and activations{how}{kv}"
+    return (f", weight-only {model.quant_algo}" if model.quant_algo else "") + kv
 
 
 def _rank_group(cfg: CheckpointConfig, process_group: torch.distributed.ProcessGroup | None, device: torch.device,

@@ -12,6 +12,8 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from trtglm.runtime.quant import to_fp8
+
 
 class TorchOps:
     """Reference implementations: few, readable tensor operations, float32 where the kernels use it."""
@@ -36,23 +38,24 @@ class TorchOps:
     @staticmethod
     def rope_cache(qkv: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                   num_heads: int) -> torch.Tensor:
+                   num_heads: int, kv_scale: float = 1.0) -> torch.Tensor:
         _, kv_heads, block_size, head = k_cache.shape
         heads = qkv.unflatten(-1, (num_heads + 2 * kv_heads, head))
         pos = positions.long()
         rotated = _rotate(heads[:, : num_heads + kv_heads], cos[pos][:, None], sin[pos][:, None])
         q, k, v = rotated[:, :num_heads], rotated[:, num_heads:], heads[:, num_heads + kv_heads:]
         blocks = table[slots.long(), pos // block_size].long()
-        k_cache[blocks, :, pos % block_size] = k.to(k_cache.dtype)
-        v_cache[blocks, :, pos % block_size] = v.to(v_cache.dtype)
+        k_cache[blocks, :, pos % block_size] = to_cache(k.to(qkv.dtype), k_cache.dtype, kv_scale)
+        v_cache[blocks, :, pos % block_size] = to_cache(v, v_cache.dtype, kv_scale)
         return q.to(qkv.dtype).contiguous()
 
     @staticmethod
     def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                         slots: torch.Tensor, positions: torch.Tensor, length: int | None = None) -> torch.Tensor:
+                         slots: torch.Tensor, positions: torch.Tensor, length: int | None = None,
+                         kv_scale: float = 1.0) -> torch.Tensor:
         batch, num_heads, head = q.shape
-        keys = slot_positions(k_cache, table, slots, length).float()  # [B, KVH, L, D]
-        values = slot_positions(v_cache, table, slots, length).float()
+        keys = slot_values(k_cache, table, slots, length, kv_scale, torch.float32)  # [B, KVH, L, D]
+        values = slot_values(v_cache, table, slots, length, kv_scale, torch.float32)
         visible = torch.arange(keys.shape[2], device=q.device)[None, :] <= positions.long()[:, None]
         out = F.scaled_dot_product_attention(q.float()[:, :, None], keys, values, attn_mask=visible[:, None, None],
                                              enable_gqa=True)
@@ -61,10 +64,10 @@ class TorchOps:
     @classmethod
     def decode_qkv_attention(cls, qkv: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                              sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                             num_heads: int) -> torch.Tensor:
+                             num_heads: int, kv_scale: float = 1.0) -> torch.Tensor:
         """rope_cache, then decode_attention of the rotated queries."""
-        q = cls.rope_cache(qkv, slots, positions, cos, sin, k_cache, v_cache, table, num_heads)
-        return cls.decode_attention(q, k_cache, v_cache, table, slots, positions)
+        q = cls.rope_cache(qkv, slots, positions, cos, sin, k_cache, v_cache, table, num_heads, kv_scale)
+        return cls.decode_attention(q, k_cache, v_cache, table, slots, positions, kv_scale=kv_scale)
 
     @staticmethod
     def silu_mul(x: torch.Tensor) -> torch.Tensor:
@@ -81,6 +84,20 @@ def slot_positions(cache: torch.Tensor, table: torch.Tensor, slots: torch.Tensor
     count = table.shape[1] if length is None else -(-length // block_size)
     gathered = cache[table[slots.long(), :count].long()]  # [B, blocks, kv_heads, block_size, head]
     return gathered.transpose(1, 2).flatten(2, 3)[:, :, :length]
+
+
+def to_cache(t: torch.Tensor, dtype: torch.dtype, kv_scale: float) -> torch.Tensor:
+    """Keys or values as a cache of `dtype` keeps them: an FP8 cache at `kv_scale` (quant.to_fp8)."""
+    return to_fp8(t, kv_scale) if dtype == torch.float8_e4m3fn else t.to(dtype)
+
+
+def slot_values(cache: torch.Tensor, table: torch.Tensor, slots: torch.Tensor, length: int | None, kv_scale: float,
+                dtype: torch.dtype) -> torch.Tensor:
+    """`slot_positions` as keys or values in `dtype`: an FP8 cache's stored values times `kv_scale`."""
+    gathered = slot_positions(cache, table, slots, length)
+    if cache.dtype == torch.float8_e4m3fn:
+        return (gathered.float() * kv_scale).to(dtype)
+    return gathered.to(dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

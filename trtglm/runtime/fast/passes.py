@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from trtglm.runtime.fast.ops import slot_positions
+from trtglm.runtime.fast.ops import slot_values
 from trtglm.runtime.fast.shapes import DECODE_ATTENTION_POSITIONS
 from trtglm.runtime.transfer import upload
 
@@ -77,7 +77,8 @@ class ForwardPasses:
 
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
             return self.ops.decode_qkv_attention(qkv, slots, positions, self.cos, self.sin, self.cache.keys[i],
-                                                 self.cache.values[i], self.cache.table, self.heads)
+                                                 self.cache.values[i], self.cache.table, self.heads,
+                                                 self.cache.scales[i])
 
         return self._logits(*self._run_layers(x, attend))
 
@@ -103,11 +104,12 @@ class ForwardPasses:
         causal = {"is_causal": True} if start == 0 else {"attn_mask": causal_lower_right(width, start + width)}
 
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
+            scale = self.cache.scales[i]
             q = self.ops.rope_cache(qkv, token_slots, token_positions, self.cos, self.sin, self.cache.keys[i],
-                                    self.cache.values[i], self.cache.table, self.heads)
+                                    self.cache.values[i], self.cache.table, self.heads, scale)
             q = q.view(n, width, *q.shape[1:]).transpose(1, 2)
-            keys = slot_positions(self.cache.keys[i], self.cache.table, slot_ids, start + width)
-            values = slot_positions(self.cache.values[i], self.cache.table, slot_ids, start + width)
+            keys = slot_values(self.cache.keys[i], self.cache.table, slot_ids, start + width, scale, q.dtype)
+            values = slot_values(self.cache.values[i], self.cache.table, slot_ids, start + width, scale, q.dtype)
             with sdpa_kernel(PREFILL_ATTENTION):
                 out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True, **causal)
             return out.transpose(1, 2).reshape(n * width, -1)
@@ -136,22 +138,24 @@ class ForwardPasses:
         reach = max(start + n for start, n in zip(starts, lengths))
 
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
-            keys, values, table = self.cache.keys[i], self.cache.values[i], self.cache.table
+            keys, values, table, scale = self.cache.keys[i], self.cache.values[i], self.cache.table, self.cache.scales[i]
             q = self.ops.rope_cache(qkv, token_slots, token_positions, self.cos, self.sin, keys, values, table,
-                                    self.heads)
+                                    self.heads, scale)
             if reach <= DECODE_ATTENTION_POSITIONS:
-                return self.ops.decode_attention(q, keys, values, table, token_slots, token_positions, reach)
+                return self.ops.decode_attention(q, keys, values, table, token_slots, token_positions, reach, scale)
             out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=dev)
             if single:
                 out[single_rows] = self.ops.decode_attention(q[single_rows], keys, values, table,
-                                                             token_slots[single_rows], token_positions[single_rows])
+                                                             token_slots[single_rows], token_positions[single_rows],
+                                                             kv_scale=scale)
             for start, row, n in chunks:
                 causal = {"is_causal": True} if start == 0 else {"attn_mask": causal_lower_right(n, start + n)}
                 slot = token_slots[row:row + 1]
                 with sdpa_kernel(PREFILL_ATTENTION):
                     attended = F.scaled_dot_product_attention(q[row:row + n].transpose(0, 1)[None],
-                                                              slot_positions(keys, table, slot, start + n),
-                                                              slot_positions(values, table, slot, start + n),
+                                                              slot_values(keys, table, slot, start + n, scale, q.dtype),
+                                                              slot_values(values, table, slot, start + n, scale,
+                                                                          q.dtype),
                                                               enable_gqa=True, **causal)
                 out[row:row + n] = attended[0].transpose(0, 1).reshape(n, -1)
             return out
@@ -164,14 +168,14 @@ class ForwardPasses:
         """The first `width` tokens of the mixed input buffers (each at its slot's position; padding at the scratch
         slot's position 0) in one pass, every token attending through the decode kernel to its slot's positions up
         to its own: a prompt chunk's causal attention, its keys written before they are read. Logits of the rows
-        `_mixed_last` `[max_batch, vocab]` (static shapes: what a mixed-step graph replays)."""
+        `_mixed_last` `[num_slots, vocab]` (static shapes: what a mixed-step graph replays)."""
         tokens, slots = self._mixed_tokens[:width], self._mixed_slots[:width]
         positions = self._mixed_positions[:width]
 
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
-            keys, values, table = self.cache.keys[i], self.cache.values[i], self.cache.table
-            q = self.ops.rope_cache(qkv, slots, positions, self.cos, self.sin, keys, values, table, self.heads)
-            return self.ops.decode_attention(q, keys, values, table, slots, positions)
+            keys, values, table, scale = self.cache.keys[i], self.cache.values[i], self.cache.table, self.cache.scales[i]
+            q = self.ops.rope_cache(qkv, slots, positions, self.cos, self.sin, keys, values, table, self.heads, scale)
+            return self.ops.decode_attention(q, keys, values, table, slots, positions, kv_scale=scale)
 
         x, delta = self._run_layers(F.embedding(tokens, self.embedding), attend)
         return self._logits(x[self._mixed_last], delta[self._mixed_last])
@@ -193,7 +197,7 @@ class ForwardPasses:
         self._mixed_tokens[on_device:width].copy_(upload(ids + [0] * pad, dev))
         self._mixed_slots[:width].copy_(upload(slot_of + [self.scratch] * pad, dev))
         self._mixed_positions[:width].copy_(upload(position_of + [0] * pad, dev, torch.int32))
-        self._mixed_last.copy_(upload([end - 1 for end in ends] + [0] * (self.max_batch - len(pieces)), dev))
+        self._mixed_last.copy_(upload([end - 1 for end in ends] + [0] * (self.num_slots - len(pieces)), dev))
         if width not in self._mixed_graphs:
             return self._mixed_padded(width)[:len(pieces)]
         graph, logits = self._mixed_graphs[width]

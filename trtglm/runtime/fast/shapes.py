@@ -51,13 +51,13 @@ def eager_row_counts(limit: int) -> list[int]:
     return sorted(kinds.values())
 
 
-def batch_buckets(max_batch: int) -> list[int]:
-    """Decode batch sizes that get a graph: powers of two below max_batch, and max_batch."""
+def batch_buckets(num_slots: int) -> list[int]:
+    """Decode batch sizes that get a graph: powers of two below num_slots, and num_slots."""
     sizes, n = [], 1
-    while n < max_batch:
+    while n < num_slots:
         sizes.append(n)
         n *= 2
-    return sizes + [max_batch]
+    return sizes + [num_slots]
 
 
 def prefill_groups(order: list[int], lengths: list[int], starts: list[int] | None = None) -> list[list[int]]:
@@ -89,14 +89,17 @@ def resolve_dtype(dtype: str | torch.dtype | None, cfg: CheckpointConfig) -> tor
 def resolve_weight_only(weight_only: str | None, cfg: CheckpointConfig) -> str | None:
     if weight_only is None:
         return cfg.quant_algo
+    if cfg.fp8:
+        raise UsageError(f"the checkpoint's weights are FP8 (quant_algo FP8): weight_only must be left unset, not "
+                         f"{weight_only!r}")
     if weight_only not in WEIGHT_ONLY:
         raise UsageError(f"weight_only must be none, int8 or int4; not {weight_only!r}")
     return WEIGHT_ONLY[weight_only]
 
 
-def check_shape_options(cfg: CheckpointConfig, max_batch: int, max_seq_len: int, device: torch.device) -> None:
-    if max_batch < 1 or max_seq_len < 2:
-        raise UsageError(f"need max_batch >= 1 and max_seq_len >= 2, not {max_batch} and {max_seq_len}")
+def check_shape_options(cfg: CheckpointConfig, num_slots: int, max_seq_len: int, device: torch.device) -> None:
+    if num_slots < 1 or max_seq_len < 2:
+        raise UsageError(f"need num_slots >= 1 and max_seq_len >= 2, not {num_slots} and {max_seq_len}")
     if max_seq_len > cfg.max_position_embeddings:
         raise UsageError(f"max_seq_len {max_seq_len} exceeds max_position_embeddings {cfg.max_position_embeddings}")
     if cfg.heads_per_rank % cfg.kv_heads_per_rank:
