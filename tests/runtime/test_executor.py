@@ -617,7 +617,7 @@ def test_a_shared_prefix_is_reused_with_the_tokens_it_gives_computed(model, tok,
     assert served_one_at_a_time(on, prompts, tok) == expected
     reused = 96 * (len(prompts) - 1)  # the prefix's 6 whole blocks of 16, for every request after the first
     assert on.stats().reused_tokens == reused and off.stats().reused_tokens == 0
-    assert on._retained and on.stats().kv_blocks_used == 0  # a finished request's kept prompt counts as free
+    assert on.scheduler.retained and on.stats().kv_blocks_used == 0  # a finished request's kept prompt counts as free
     assert on.stats().prefill_tokens == off.stats().prefill_tokens - reused == sum(map(len, prompts)) - reused
     assert all(call[1] == call[2] for call in on.model.calls if call[0] == "reuse")  # kept in place: no copy
     beside = executor(True)  # the second arrives while the first runs: the first's blocks are copied
