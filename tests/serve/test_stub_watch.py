@@ -54,47 +54,83 @@ def test_a_stub_is_named_by_its_model_and_instance(spawn):
     assert proc.pid in descendants(os.getpid())
 
 
+@pytest.fixture
+def watching():
+    """A started DeathWatch of this process's children, stopped after the test."""
+    started: list[DeathWatch] = []
+
+    def start() -> DeathWatch:
+        started.append(DeathWatch({0: me()}).start())
+        return started[-1]
+
+    yield start
+    for watch in started:
+        watch.stop()
+
+
 def dead_after(watch: DeathWatch, limit_s: float = 5.0) -> tuple[int, str] | None:
-    """What `watch` calls dead, asked every 0.05 s for up to `limit_s`."""
+    """What `watch` calls dead, asked at each wake (an exit, or 0.05 s) for up to `limit_s`."""
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
-        found = watch.died({0: me()})
+        found = watch.died()
         if found:
             return found
-        time.sleep(0.05)
+        watch.wait(0.05)
     return None
 
 
-def test_a_killed_stub_that_nobody_reaps_is_a_death(spawn):
+def test_a_killed_stub_that_nobody_reaps_is_a_death(spawn, watching):
     """Triton 2.51 never waits for a stub that died: it stays a zombie."""
-    watch = DeathWatch()
     doomed = spawn("postprocessing", "postprocessing_0_1")
     spawn("preprocessing", "preprocessing_0_0")
-    assert watch.died({0: me()}) is None
+    watch = watching()
+    assert watch.died() is None
     doomed.kill()  # not waited for
     killed = time.monotonic()
     assert dead_after(watch) == (0, f"rank 0's postprocessing's python stub (postprocessing_0_1) (pid {doomed.pid})")
     assert time.monotonic() - killed >= ZOMBIE_S
 
 
-def test_a_stub_reaped_at_once_is_no_death(spawn):
+def test_a_known_stubs_death_is_seen_from_its_exit_without_listing_the_tree(spawn, watching):
+    """The wake-up after an exit looks only at the processes that exited: no listing of the (large) tree."""
+    doomed = spawn("tensorrt_llm", "tensorrt_llm_0_0")
+    watch = watching()
+    watch.stop()  # no more listings
+    watch.scan = None  # and none by the watching thread either
+    watch.wait(0.01)  # its pidfd is watched from here on
+    doomed.kill()
+    assert dead_after(watch) == (0, f"rank 0's tensorrt_llm's python stub (tensorrt_llm_0_0) (pid {doomed.pid})")
+
+
+def test_a_stub_started_after_the_watch_is_known_from_the_next_listing(spawn, watching):
+    watch = watching()
+    late = spawn("postprocessing", "postprocessing_0_0")
+    deadline = time.monotonic() + 10 * stubs.SCAN_S
+    while late.pid not in watch.roles and time.monotonic() < deadline:
+        time.sleep(0.05)
+    late.kill()
+    assert dead_after(watch) == (0, f"rank 0's postprocessing's python stub (postprocessing_0_0) (pid {late.pid})")
+
+
+def test_a_stub_reaped_at_once_is_no_death(spawn, watching):
     """A stub that Triton stops (an unload, a reload that replaces it) is reaped at once."""
-    watch = DeathWatch()
     spawn("tensorrt_llm", "tensorrt_llm_0_0")
     old = spawn("tensorrt_llm", "tensorrt_llm_0_0")
-    assert watch.died({0: me()}) is None
+    watch = watching()
+    assert watch.died() is None
     end(old)
     assert dead_after(watch, 3 * ZOMBIE_S) is None
 
 
-def test_a_zombie_seen_for_less_than_the_bound_is_no_death(spawn):
-    watch = DeathWatch()
+def test_a_zombie_seen_for_less_than_the_bound_is_no_death(spawn, watching):
     stub = spawn("preprocessing", "preprocessing_0_0")
-    assert watch.died({0: me()}) is None
+    watch = watching()
+    assert watch.died() is None
     stub.kill()
     while psutil.Process(stub.pid).status() != psutil.STATUS_ZOMBIE:
         time.sleep(0.01)
-    assert watch.died({0: me()}) is None  # first seen dead now
+    watch.scan()
+    assert watch.died() is None  # first seen dead now
     stub.wait()
     assert dead_after(watch, 3 * ZOMBIE_S) is None
 
@@ -108,7 +144,6 @@ def test_other_children_are_no_stubs(spawn, tmp_path):
         assert describe(other.pid) == repr(psutil.Process(other.pid).name())
     finally:
         end(other)
-
 
 
 def test_a_process_gone_while_its_children_are_read_has_none(monkeypatch):

@@ -55,3 +55,4 @@ class ExitWaiter:
         for fd in self.pidfds:
             os.close(fd)
         self.pidfds.clear()
+        self.watched.clear()

@@ -39,7 +39,8 @@ from trtglm.serve.replicas import place_replicas
 from trtglm.serve.state import LaunchDir, all_launch_dirs, clean_stale, only_launch
 from trtglm.serve.preload import preload_library
 from trtglm.serve.rank_logs import SUPERVISOR_ERROR, read_log, supervisor_error
-from trtglm.serve.supervise import Supervisor, announce, show_phase
+from trtglm.serve.status import announce
+from trtglm.serve.supervise import Supervisor, show_phase
 from trtglm.serve.tritonserver import (backend_directory, find_mpirun, find_tritonserver, mpirun_version,
                                        preload_cache_dir, server_env, stubs_python_folder)
 

@@ -93,13 +93,18 @@ class RankAgent:
 
     def watch(self) -> str | None:
         """None once a stop was asked for; else why the rank must end."""
-        deaths, tail = DeathWatch(), LogTail(self.folder, "stderr")
-        server = psutil.Process(self.server.pid)
+        deaths, tail = DeathWatch({self.rank: psutil.Process(self.server.pid)}).start(), LogTail(self.folder, "stderr")
+        try:
+            return self._watch(deaths, tail)
+        finally:
+            deaths.stop()
+
+    def _watch(self, deaths: DeathWatch, tail: LogTail) -> str | None:
         while self.stop_signal is None:
             code = self.server.poll()
             if code is not None:
                 return f"its tritonserver exited with status {code}"
-            dead = deaths.died({self.rank: server})
+            dead = deaths.died()
             if dead is not None:
                 return f"{dead[1]} died"
             fatal = next((FATAL_SIGNAL.fullmatch(line) for _, line in tail.new_lines()
@@ -107,7 +112,7 @@ class RankAgent:
             if fatal is not None:
                 return f"its tritonserver crashed ({signal.Signals(int(fatal.group(1))).name})"
             reap_orphans({self.server.pid})
-            time.sleep(POLL_S)
+            deaths.wait(POLL_S, [self.server.pid])
         return None
 
     def stop(self, grace_s: float) -> None:

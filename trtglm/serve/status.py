@@ -102,3 +102,14 @@ def log_tails(launch_dir: LaunchDir, rank: int, lines: int, replica: int | None 
 def _tail(path: Path, lines: int) -> list[str]:
     with open(path, encoding="utf-8", errors="replace") as text:
         return [line.rstrip("\n") for line in deque(text, maxlen=lines)]
+
+
+def announce(state: dict) -> None:
+    """Print where the server answers."""
+    urls = state.get("urls", {})
+    openai = f"  OpenAI   {urls['openai']}\n" if urls.get("openai") else ""
+    replicas = len(state.get("replicas", ()))
+    what = f"{replicas} replica(s) of " if replicas else ""
+    print(f"serving {state.get('repo')} with {what}{state.get('world_size')} rank(s)\n"
+          f"  HTTP     {urls.get('http')}\n  gRPC     {urls.get('grpc')}\n  metrics  {urls.get('metrics')}\n"
+          f"{openai}  logs     {state.get('log_dir')}", flush=True)

@@ -32,6 +32,7 @@ from trtglm.serve.exits import ExitWaiter
 
 CHILDREN_FILES = Path(f"/proc/self/task/{threading.get_native_id()}/children").exists()  # Linux, CONFIG_PROC_CHILDREN
 ZOMBIE_S = 0.05  # a stub or engine process unreaped this long died (Triton and the stubs reap theirs at once)
+SCAN_S = 1.0  # how often the process trees are listed for new processes (DeathWatch)
 ENGINE_MODULE = "trtglm.backend.engine_process"
 
 
@@ -93,41 +94,73 @@ def is_zombie(pid: int) -> bool:
 
 
 class DeathWatch:
-    """The stubs and engine processes of every rank, and the first of them that died."""
+    """The stubs and engine processes of every rank, and the first of them that died.
 
-    def __init__(self):
+    A thread of its own lists the ranks' process trees every SCAN_S (a tritonserver has hundreds of threads, each
+    with a children file: on a busy machine a listing takes up to half a second), so that new processes get known
+    and watched; the watching thread only looks at the known processes that exited, and so acts within moments."""
+
+    def __init__(self, ranks: dict[int, psutil.Process]):
+        self.ranks = ranks  # rank → its tritonserver (the caller's, which may grow)
         self.roles: dict[int, tuple[int, str]] = {}  # pid → (rank, role): a zombie's command line cannot be read
         self.zombie_since: dict[int, float] = {}
         self.exits = ExitWaiter()
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.lister = threading.Thread(target=self._list_every, name="process-trees", daemon=True)
+
+    def start(self) -> DeathWatch:
+        """List the trees once (every process known by its role before anyone can kill one), then every SCAN_S."""
+        self.scan()
+        self.lister.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.exits.close()
 
     def wait(self, timeout_s: float, more_pids=()) -> None:
         """Sleep up to timeout_s, less when one of the known stubs and engine processes or `more_pids` exits: then
         until that one has been a zombie for ZOMBIE_S, timed from its exit."""
-        self.exits.watch([*self.roles, *more_pids])
+        with self.lock:
+            known = list(self.roles)
+        self.exits.watch([*known, *more_pids])
         exited = self.exits.wait(timeout_s)
         if exited:
             now = time.monotonic()
-            self.zombie_since.update({pid: now for pid in exited if pid not in self.zombie_since})
+            with self.lock:
+                self.zombie_since.update({pid: now for pid in exited if pid not in self.zombie_since})
             time.sleep(ZOMBIE_S)
 
-    def died(self, ranks: dict[int, psutil.Process], after_s: float = ZOMBIE_S) -> tuple[int, str] | None:
-        """(rank, "rank R's ROLE (pid P)") of a process that has been a zombie for after_s, or None."""
-        now, seen, zombies = time.monotonic(), set(), set()
-        for rank, server in ranks.items():
+    def died(self, after_s: float = ZOMBIE_S) -> tuple[int, str] | None:
+        """(rank, "rank R's ROLE (pid P)") of a known process that has been a zombie for after_s, or None."""
+        now = time.monotonic()
+        with self.lock:
+            self.zombie_since = {pid: since for pid, since in self.zombie_since.items()
+                                 if pid in self.roles and is_zombie(pid)}  # not a stub that Triton reaped
+            dead = sorted(pid for pid, since in self.zombie_since.items() if now - since >= after_s)
+            if not dead:
+                return None
+            rank, what = self.roles[dead[0]]
+        return rank, f"rank {rank}'s {what} (pid {dead[0]})"
+
+    def scan(self) -> None:
+        """Learn the processes below each rank, and which of them are zombies already."""
+        now, roles, zombies = time.monotonic(), {}, set()
+        for rank, server in list(self.ranks.items()):
             for pid in descendants(server.pid):
-                seen.add(pid)
                 if is_zombie(pid):
                     zombies.add(pid)
-                    self.roles.setdefault(pid, (rank, f"process {pid}"))
-                elif pid not in self.roles:
-                    self.roles[pid] = (rank, describe(pid))
-        self.roles = {pid: what for pid, what in self.roles.items() if pid in seen}  # pids are reused
-        self.zombie_since = {pid: self.zombie_since.get(pid, now) for pid in zombies}
-        dead = sorted(pid for pid, since in self.zombie_since.items() if now - since >= after_s)
-        if not dead:
-            return None
-        rank, what = self.roles[dead[0]]
-        return rank, f"rank {rank}'s {what} (pid {dead[0]})"
+                    roles[pid] = self.roles.get(pid, (rank, f"process {pid}"))
+                else:
+                    roles[pid] = self.roles.get(pid) or (rank, describe(pid))
+        with self.lock:
+            self.roles = roles  # those no longer listed are gone: pids are reused
+            self.zombie_since.update({pid: now for pid in zombies if pid not in self.zombie_since})
+
+    def _list_every(self) -> None:
+        while not self.stopped.wait(SCAN_S):
+            self.scan()
 
 
 def describe(pid: int) -> str:

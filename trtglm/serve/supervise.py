@@ -5,18 +5,18 @@ One process supervises one launch for its whole life: `trtglm launch` itself in 
 that `launch` waits for until it reports ready. It holds the launch folder's lock (state.py) and owns the server
 command (mpirun, or tritonserver for one rank), in a session of its own so that Ctrl-C reaches only the supervisor.
 
-Watching: every 0.1 s, and at once when a watched process exits (exits.py), the supervisor lists the command's
-process tree (ranks are told apart by the shm prefix in their command line; python stubs are their children,
-engine processes the `tensorrt_llm` stubs'). If mpirun exits, any rank disappears, or a python stub or engine process of
-any rank dies (stubs.py: Triton 2.51 neither notices nor heals that), or a rank's tritonserver reports a
-fatal signal (it can hang in its crash handler: rank_logs.FATAL_SIGNAL), everything is stopped at once,
-the tail of that rank's log is printed and the launch fails: the ranks first, given DEATH_GRACE_S after
-their SIGTERM, so that every request in flight has its error (or its closed connection) within a
-few seconds and health stops answering 200, then the OpenAI API, which passes those errors on to its
-clients. A deployment's orchestrator starts the launch again. SIGINT, SIGTERM or SIGHUP stop
-everything and end the launch normally; a second signal skips the grace period. The supervisor is
-its launch's subreaper: a process orphaned below it (a killed stub's engine process, a killed rank's
-stubs) becomes its child, and it reaps every such child that ends, so that no zombie is left.
+Watching: every 0.1 s, and at once when a watched process exits (exits.py), the supervisor looks at the processes
+it knows; a thread lists each rank's process tree every second (stubs.py: python stubs are a rank's children,
+engine processes the `tensorrt_llm` stubs'; ranks are told apart by the shm prefix in their command line). If
+mpirun exits, any rank disappears, a python stub or engine process of any rank dies (stubs.py: Triton 2.51
+neither notices nor heals that), or a rank's tritonserver reports a fatal signal (it can hang in its crash
+handler: rank_logs.FATAL_SIGNAL), everything is stopped at once, the tail of that rank's log is printed and the
+launch fails: the ranks first, given DEATH_GRACE_S after their SIGTERM, so that every request in flight has its
+error (or its closed connection) within a few seconds and health stops answering 200, then the OpenAI API,
+which passes those errors on to its clients. A deployment's orchestrator starts the launch again. SIGINT,
+SIGTERM or SIGHUP stop everything and end the launch normally; a second signal skips the grace period. The
+supervisor is its launch's subreaper: a process orphaned below it (a killed stub's engine process, a killed
+rank's stubs) becomes its child, and it reaps every such child that ends, so that no zombie is left.
 
 Ready means: rank 0 answers /v2/health/ready, every rank's process runs, and `ensemble`,
 `tensorrt_llm_bls` and the history model `chatglm3-6b` (those the repository has) each answered one
@@ -71,13 +71,14 @@ from trtglm.serve.signals import SignalFlags
 from trtglm.serve.first_requests import first_requests
 from trtglm.serve.reaping import become_subreaper, reap_orphans
 from trtglm.serve.state import LaunchDir, kill, processes_with, remove_shm, shm_files
+from trtglm.serve.status import announce
 from trtglm.serve.stubs import DeathWatch, descendants
 from trtglm.serve.tritonserver import server_env
 
 log = logging.getLogger(__name__)
 
 DEATH_GRACE_S = 0.5  # the same once a process of the launch died: requests the death stranded end with the server
-POLL_S = 0.1  # health answers 200 at most about twice this after a process of the launch died
+POLL_S = 0.1  # the watch wakes this often, and at once when a watched process exits
 
 
 @dataclass
@@ -134,12 +135,14 @@ class Supervisor:
             failure = self.start_openai()
         if failure is not None or self.signals.stop is not None:
             return failure
-        deaths = DeathWatch()
-        deaths.died(self.ranks)  # every stub and engine process known by its role before anyone can kill one
+        deaths = DeathWatch(self.ranks).start()
         self.write_state("ready")
         if not self.spec.detached:
             announce(self.launch.read() or {})
-        return self.watch(deaths)
+        try:
+            return self.watch(deaths)
+        finally:
+            deaths.stop()
 
     # --- starting ---------------------------------------------------------------------------------
 
@@ -271,7 +274,7 @@ class Supervisor:
 
     def check_deaths(self, deaths: DeathWatch) -> Failure | None:
         """A Failure when a python stub or engine process of any rank died (stubs.py)."""
-        dead = deaths.died(self.ranks)
+        dead = deaths.died()
         if dead is None:
             return None
         rank, what = dead
@@ -286,14 +289,15 @@ class Supervisor:
         if crashed is None:
             return None
         rank, name = crashed[0], signal.Signals(crashed[1]).name
-        dead = deaths.died(self.ranks, after_s=0)
+        dead = deaths.died(after_s=0)
         after = f" after {dead[1]} died" if dead else ""
         log.error("rank %d's tritonserver received %s%s; stopping the launch", rank, name, after)
         return Failure(f"rank {rank}'s tritonserver crashed ({name}){after}; stopped all ranks "
                        f"(logs: {self.log_dir})", [rank])
 
     def check_ranks(self) -> Failure | None:
-        self.refresh()
+        if len(self.ranks) < self.spec.watched_ranks:  # then the stubs' watch lists the trees (stubs.py)
+            self.refresh()
         rank = self._dead()
         if rank is None:
             return None
@@ -420,17 +424,6 @@ def answers_ok(url: str) -> bool:
             return reply.status == 200
     except (urllib.error.URLError, OSError):
         return False
-
-
-def announce(state: dict) -> None:
-    """Print where the server answers."""
-    urls = state.get("urls", {})
-    openai = f"  OpenAI   {urls['openai']}\n" if urls.get("openai") else ""
-    replicas = len(state.get("replicas", ()))
-    what = f"{replicas} replica(s) of " if replicas else ""
-    print(f"serving {state.get('repo')} with {what}{state.get('world_size')} rank(s)\n"
-          f"  HTTP     {urls.get('http')}\n  gRPC     {urls.get('grpc')}\n  metrics  {urls.get('metrics')}\n"
-          f"{openai}  logs     {state.get('log_dir')}", flush=True)
 
 
 def run_detached(load, runner, argv: list[str] | None = None) -> None:
