@@ -15,6 +15,7 @@
 #   PARTS="wide inflight" [BASELINE_TREE=.baseline] scripts/bench_gpu.sh [DEST]
 #   PARTS=worldsizes scripts/bench_gpu.sh [DEST]
 #   PARTS=front scripts/bench_gpu.sh [DEST]
+#   PARTS=replicas scripts/bench_gpu.sh [DEST]
 #   PARTS=hosts scripts/bench_gpu.sh [DEST]
 #   PARTS=fp8 scripts/bench_gpu.sh [DEST]
 #
@@ -105,6 +106,14 @@
 # carried (the folder launch keeps in its cache, packed: smaller than numpy's wheel). A dry run on a CPU: OVERLAP_MODEL=$PWD/tests/fixtures/
 # tiny-chatglm3 OVERLAP_CONFIG=configs/tiny.yaml TOKENIZER_DIR=$PWD/tests/fixtures/tiny-chatglm3 WIDE_BATCH=8
 # FRONT_LEVELS=2,4 FRONT_FLAGS="--prompt-len 16 --new-tokens 8".
+# `replicas` (not in the default set; a machine of 2 or more GPUs): replica scaling behind the front, the wide part's
+# engine (max_batch_size WIDE_BATCH) → for N in REPLICA_COUNTS (default 1 2 4; those above the GPU count skipped, none
+# on a CPU) `launch --replicas N` (one GPU each, the front on 18000-18002) → `bench replicas`: REPLICA_LOAD (default
+# 256 in flight per replica, 4 requests per slot, 128 prompt ids → 128 tokens, 2 rounds) through the front, tokens
+# summed over the replicas' counters → stop; then `python -m trtglm.bench.replicas DEST`: each N against one
+# replica (targets: 2 ≥ 1.9×, 4 ≥ 3.7×, TTFT p99 no worse). Results DEST/replicas-N/replicas.json and
+# DEST/replicas.txt. A dry run on a CPU: the front part's OVERLAP_* and TOKENIZER_DIR, WIDE_BATCH=8,
+# REPLICA_COUNTS="1 2", REPLICA_LOAD="--per-replica 4 --prompt-len 16 --new-tokens 8 --rounds 1".
 # `fp8` (not in the default set; one H100 or H200, about five minutes): FP8 against bf16 in one process, `bench fp8` on
 # random ChatGLM3-6B-shaped weights (bf16, and FP8 with an FP8 KV cache calibrated as `convert --fp8` calibrates):
 # accuracy on real prompts (bench/fp8_prompts.txt, held out from the calibration prompts; logits' cosine similarity and
@@ -424,6 +433,31 @@ if [[ " $PARTS " == *" front "* ]]; then
     else
         phase "front: launch failed"; find "$work/logs-front" -type f -exec tail -n 40 {} + 2>/dev/null || true
     fi
+    phase done
+fi
+if [[ " $PARTS " == *" replicas "* ]]; then
+    start_part replicas "${OVERLAP_WORK:-/tmp/trtglm-overlap}"
+    config=${OVERLAP_CONFIG:-configs/chatglm3-6b-fp16-tp1.yaml}
+    gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    phase "model ${OVERLAP_MODEL:-synth-model 6b (fp16)}, build-engine $config at max_batch_size ${WIDE_BATCH:-256}"
+    engine_6b "$work" "$config" "${OVERLAP_MODEL:-}" "$work/engine-wide" --set "build.max_batch_size=${WIDE_BATCH:-256}"
+    python3 -m trtglm patch-repo --engine-dir "$work/engine-wide" --tokenizer-dir "$(realpath "$(tokenizer_65k)")" \
+        --output-repo "$work/repo-replicas" --force
+    for count in ${REPLICA_COUNTS:-1 2 4}; do
+        if ((gpus > 0 && count > gpus)); then phase "$count replicas: skipped ($gpus GPUs)"; continue; fi
+        phase "launch --replicas $count"
+        if python3 -m trtglm launch --repo "$work/repo-replicas" --replicas "$count" --front --detach --timeout 600 \
+                --http-port 18000 --grpc-port 18001 --metrics-port 18002 --no-openai --log-dir "$work/logs-replicas$count"; then
+            # shellcheck disable=SC2086  # a word list
+            python3 -m trtglm bench replicas --url http://127.0.0.1:18000 --replicas "$count" \
+                ${REPLICA_LOAD:---per-replica 256 --requests-per-slot 4 --prompt-len 128 --new-tokens 128 --rounds 2} \
+                --timeout 300 --out "$DEST/replicas-$count" 2>&1 | tee -a "$DEST/replicas.txt" || phase "$count replicas: failed"
+            python3 -m trtglm stop --repo "$work/repo-replicas" || true
+        else
+            phase "$count replicas: launch failed"; find "$work/logs-replicas$count" -type f -exec tail -n 40 {} + 2>/dev/null || true
+        fi
+    done
+    python3 -m trtglm.bench.replicas "$DEST" 2>&1 | tee -a "$DEST/replicas.txt" || true
     phase done
 fi
 if [[ " $PARTS " == *" worldsizes "* ]]; then

@@ -21,6 +21,7 @@ import statistics
 from datetime import datetime, timezone
 from pathlib import Path
 
+from trtglm.bench.replicas import one_run
 from trtglm.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -41,22 +42,12 @@ def parse_levels(value) -> list[int]:
     return parsed
 
 
-def one_run(url: str, metrics_url: str, model: str, workload, timeout: float) -> dict:
-    """The workload streamed once through `url`: load_stats' statistics, tokens from the server's counters."""
-    from trtglm.bench import load_stats, stream_load
-
-    before = load_stats.settled_counters(metrics_url)
-    traces, seconds = stream_load.run_http(url, model, workload, timeout)
-    tokens, steps, step_us = (now - then for now, then in zip(load_stats.settled_counters(metrics_url), before))
-    return load_stats.stats(workload, traces, seconds, tokens, steps, step_us)
-
-
 def level_runs(urls: dict[str, str], metrics_url: str, model: str, workload, rounds: int, timeout: float) -> dict:
     """Each route's runs at one concurrency, in alternating order."""
     runs: dict[str, list[dict]] = {route: [] for route in urls}
     for r in range(rounds):
         for route in (ROUTES if r % 2 == 0 else ROUTES[::-1]):
-            result = one_run(urls[route], metrics_url, model, workload, timeout)
+            result = one_run(urls[route], [metrics_url], model, workload, timeout)
             log.info("concurrency %d, round %d, %s: %.0f tokens/s, TTFT p50 %.1f ms", workload.concurrency, r + 1,
                      route, result["tokens_per_s"], result["ttft_ms"]["p50"])
             runs[route].append(result)
@@ -123,7 +114,7 @@ def bench_proxy(*, url: str, direct_url: str | None, metrics_url: str | None, mo
         workload = fixed_workload(tokenizer, requests_per_slot * level, level, prompt_len, new_tokens, seed)
         warm = Workload("warm-up", workload.texts[:level], workload.prompt_ids[:level], (WARM_UP_TOKENS,) * level, level)
         for route_url in urls.values():  # connections opened and kernels tuned stay out of the numbers
-            one_run(route_url, metrics_url, model, warm, timeout)
+            one_run(route_url, [metrics_url], model, warm, timeout)
         results["workload"] = f"{prompt_len} prompt ids → {new_tokens} tokens, {requests_per_slot} requests per slot"
         results["levels"][level] = summary(level_runs(urls, metrics_url, model, workload, rounds, timeout))
     if out is not None:

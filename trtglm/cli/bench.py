@@ -132,6 +132,19 @@ def sampling(url: str | None = None, metrics_url: str | None = None, model: str 
     bench_sampling(**{**flags, "fixture": str(fixture) if fixture else None})
 
 
+def replicas(url: str = LOCAL_URL, replicas: PosInt = 1, model: str = "ensemble", per_replica: PosInt = 256,
+             requests_per_slot: PosInt = 4, rounds: PosInt = 2, prompt_len: PosInt = 128, new_tokens: PosInt = 128,
+             seed: CountInt = 0, timeout: PosFloat = ANSWER_TIMEOUT_S, out: str | None = None):
+    """What a launch of --replicas N behind the front (--url) serves at --per-replica × N streams in flight: tokens/s
+    summed over every replica's counters, TTFT p50/p99. --out DIR writes replicas.json; `python -m
+    trtglm.bench.replicas DEST` compares DEST/replicas-N/ with one replica's (targets 2: ≥ 1.9×, 4: ≥ 3.7×).
+    """
+    flags = dict(locals())
+    from trtglm.bench.replicas import bench_replicas
+
+    bench_replicas(**flags)
+
+
 def proxy(url: str = LOCAL_URL, direct_url: str | None = None, metrics_url: str | None = None,
           model: str = "ensemble", concurrency: str = "64,256", requests_per_slot: PosInt = 4, rounds: PosInt = 2,
           prompt_len: PosInt = 128, new_tokens: PosInt = 128, seed: CountInt = 0, timeout: PosFloat = ANSWER_TIMEOUT_S,
@@ -227,5 +240,5 @@ def convert(work_dir: str = "/tmp/trtglm-bench", json: str | None = None, repeat
 
 
 KINDS = {"serving": serving, "serving-local": serving_local, "served": served, "runtime": runtime, "inflight": inflight,
-         "sampling": sampling, "proxy": proxy, "matmul": matmul, "pdl": pdl, "prefill": prefill,
+         "sampling": sampling, "proxy": proxy, "replicas": replicas, "matmul": matmul, "pdl": pdl, "prefill": prefill,
          "step-parts": step_parts, "tp": tp, "fp8": fp8, "convert": convert}
