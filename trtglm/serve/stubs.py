@@ -57,7 +57,7 @@ def role(args: list[str]) -> str | None:
 
 def child_pids(pid: int) -> list[int]:
     """`pid`'s children, read from /proc/PID/task/*/children: a few small files, where psutil's children() reads
-    every process's stat (slow on a busy machine, and the supervisor asks every POLL_S)."""
+    every process's stat (slow on a busy machine, and the watch lists the trees every SCAN_S)."""
     if not CHILDREN_FILES:
         try:
             return [child.pid for child in psutil.Process(pid).children()]
