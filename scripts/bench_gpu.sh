@@ -18,6 +18,7 @@
 #   PARTS=replicas scripts/bench_gpu.sh [DEST]
 #   PARTS=hosts scripts/bench_gpu.sh [DEST]
 #   PARTS=fp8 scripts/bench_gpu.sh [DEST]
+#   PARTS=latency scripts/bench_gpu.sh [DEST]
 #
 # PARTS picks the parts (each takes five to seven minutes on an H200): `runtime` (bench runtime),
 # `kernels` (bench matmul, pdl, prefill, step-parts, Nsight Compute), `inflight` (bench inflight: the
@@ -106,6 +107,12 @@
 # carried (the folder launch keeps in its cache, packed: smaller than numpy's wheel). A dry run on a CPU: OVERLAP_MODEL=$PWD/tests/fixtures/
 # tiny-chatglm3 OVERLAP_CONFIG=configs/tiny.yaml TOKENIZER_DIR=$PWD/tests/fixtures/tiny-chatglm3 WIDE_BATCH=8
 # FRONT_LEVELS=2,4 FRONT_FLAGS="--prompt-len 16 --new-tokens 8".
+# `latency` (not in the default set): a full server's latency, on one GPU: the wide part's engine → launch → `bench
+# latency` at LATENCY_LEVELS in flight (default 64,256), greedy and top-p, 4 requests per slot of 128 prompt ids → 128
+# tokens, each asking for NVIDIA's perf metrics: tokens/s, TTFT and event-gap p50/p99, tokens per event, genai-perf's
+# ITL, the first token's path in four parts, against a full server's targets → stop. Results DEST/latency/latency.json
+# and DEST/latency.txt. LATENCY_FLAGS: more `bench latency` flags. A dry run on a CPU: the front's knobs above with
+# LATENCY_LEVELS=2,4 LATENCY_FLAGS="--prompt-len 16 --new-tokens 8".
 # `replicas` (not in the default set; a machine of 2 or more GPUs): replica scaling behind the front, the wide part's
 # engine (max_batch_size WIDE_BATCH) → for N in REPLICA_COUNTS (default 1 2 4; those above the GPU count skipped, none
 # on a CPU) `launch --replicas N` (one GPU each, the front on 18000-18002) → `bench replicas`: REPLICA_LOAD (default
@@ -158,7 +165,7 @@ if ! python3 -c "import fire" 2>/dev/null; then
 fi
 served() { [[ " $PARTS " == *" serving "* || " $PARTS " == *" sampling "* || " $PARTS " == *" firstlaunch "* \
     || " $PARTS " == *" overlap "* || " $PARTS " == *" worldsizes "* || " $PARTS " == *" wide "* \
-    || " $PARTS " == *" front "* || " $PARTS " == *" hosts "* ]]; }
+    || " $PARTS " == *" front "* || " $PARTS " == *" hosts "* || " $PARTS " == *" latency "* ]]; }
 tokenizer_65k() {  # the 65k tokenizer that random 6B weights need (TOKENIZER_DIR, else carried or beside)
     if [ -n "${TOKENIZER_DIR:-}" ]; then echo "$TOKENIZER_DIR"; return; fi
     for candidate in .whl/tokenizer-65k shared/gpu/tokenizer-65k ../shared/gpu/tokenizer-65k; do
@@ -411,6 +418,23 @@ if [[ " $PARTS " == *" wide "* ]]; then
             | grep -v "^round" | tee -a "$DEST/wide.txt" || phase "$label: failed"
         in_tree "$tree" stop --repo "$work/repo-$label" || true
     done
+    phase done
+fi
+if [[ " $PARTS " == *" latency "* ]]; then
+    # A full server's latency: the wide part's engine at LATENCY_LEVELS in flight, greedy and top-p, every request
+    # asking for NVIDIA's perf metrics; TTFT, event gaps, genai-perf's ITL and the first token's path in parts.
+    start_part latency "${OVERLAP_WORK:-/tmp/trtglm-overlap}"
+    config=${OVERLAP_CONFIG:-configs/chatglm3-6b-fp16-tp1.yaml}
+    phase "model ${OVERLAP_MODEL:-synth-model 6b (fp16)}, build-engine $config at max_batch_size ${WIDE_BATCH:-256}"
+    engine_6b "$work" "$config" "${OVERLAP_MODEL:-}" "$work/engine-wide" --set "build.max_batch_size=${WIDE_BATCH:-256}"
+    if launch_tree "$root" latency "$work" "$work/engine-wide"; then
+        phase "bench latency at ${LATENCY_LEVELS:-64,256} in flight"
+        # shellcheck disable=SC2086  # a word list
+        python3 -m trtglm bench latency --url http://127.0.0.1:18000 --metrics-url http://127.0.0.1:18002/metrics \
+            --concurrency "${LATENCY_LEVELS:-64,256}" --timeout 300 ${LATENCY_FLAGS:-} --out "$DEST/latency" 2>&1 \
+            | tee -a "$DEST/latency.txt" || phase "latency: failed"
+        python3 -m trtglm stop --repo "$work/repo-latency" || true
+    fi
     phase done
 fi
 if [[ " $PARTS " == *" front "* ]]; then

@@ -161,3 +161,24 @@ def test_the_pipeline_builds_launches_twice_and_measures(tmp_path):
         assert row["failed"] == 0 and row["generated_tokens"] > 0, row
     assert "errors" not in results
     assert done.stdout.endswith((out / "served.md").read_text())
+
+
+@pytest.mark.slow
+def test_the_first_tokens_path_adds_up_to_its_ttft(served, tmp_path):
+    """`bench latency` through the ensemble: every answered request carries NVIDIA's perf metrics, its path runs
+    forward in time (send, tensorrt_llm's arrival, the slot, the first token out, the client's event) on the
+    clock the client and the server's processes share."""
+    from trtglm.bench.latency import SEGMENTS, bench_latency
+
+    results = bench_latency(url=served.url, metrics_url=served.metrics, model="ensemble", concurrency="3",
+                            cases="greedy,top-p", requests_per_slot=2, prompt_len=40, new_tokens=8, seed=0,
+                            timeout=120, out=str(tmp_path))
+    assert set(results["runs"]) == {"3 greedy", "3 top-p"}
+    for run in results["runs"].values():
+        assert run["failed"] == 0, run["errors"]
+        assert run["first_token"]["traced"] == 6
+        parts = run["first_token"]["parts"]
+        assert all(parts[name]["p50"] >= 0 and parts[name]["p99"] >= 0 for name, _, _ in SEGMENTS), parts
+        assert run["ttft_p50_ms"] > 0 and run["tokens_per_event"] >= 1 and run["itl_p50_ms"] > 0
+    saved = json.loads((tmp_path / "latency.json").read_text())
+    assert saved["runs"]["3 greedy"]["first_token"] == results["runs"]["3 greedy"]["first_token"]

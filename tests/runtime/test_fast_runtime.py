@@ -722,14 +722,14 @@ def test_compare_logits_on_hand_made_values():
 
 
 def test_floor_and_latency_statistics():
-    from trtglm.bench.measure import inflight_stats, _percentile, decode_floor_ms
+    from trtglm.bench.measure import inflight_stats, percentile, decode_floor_ms
 
     cfg = SimpleNamespace(num_layers=28, num_kv_heads=2, head_size=128)
     stub = SimpleNamespace(config=cfg, dtype=torch.bfloat16, weight_bytes=12_000_000_000)
     kv = 64 * 192 * 28 * 2 * 2 * 128 * 2  # batch × context × layers × (k, v) × heads × head × bytes
     assert math.isclose(decode_floor_ms(stub, 64, 192, 4e12), (12e9 + kv) / 4e12 * 1e3)
-    assert _percentile(list(range(1, 101)), 50) == 51 and _percentile(list(range(1, 101)), 99) == 99
-    assert _percentile([], 50) is None
+    assert percentile(list(range(1, 101)), 50) == 51 and percentile(list(range(1, 101)), 99) == 99
+    assert percentile([], 50) is None
     stats = inflight_stats(2, 2, [10, 20], [2, 3], {0: 0.0, 1: 0.5}, {0: [0.1, 0.3], 1: [1.0, 1.2, 1.5]}, 2.0)
     assert stats["generated_tokens"] == 5 and stats["tokens_per_s"] == 2.5 and stats["requests_per_s"] == 1.0
     # TTFTs 100 and 500 ms (rank 0.5 rounds up); gaps 200, 200 and 300 ms

@@ -247,11 +247,11 @@ def inflight_stats(requests: int, concurrency: int, lengths: list[int], outputs:
     return {"requests": requests, "concurrency": concurrency, "prompt_tokens": sum(lengths),
             "generated_tokens": generated, "expected_tokens": sum(outputs), "seconds": elapsed,
             "requests_per_s": requests / elapsed, "tokens_per_s": generated / elapsed,
-            "ttft_ms": {"p50": _percentile(ttft, 50), "p99": _percentile(ttft, 99)},
-            "itl_ms": {"p50": _percentile(itl, 50), "p99": _percentile(itl, 99)}}
+            "ttft_ms": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
+            "itl_ms": {"p50": percentile(itl, 50), "p99": percentile(itl, 99)}}
 
 
-def _percentile(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: float) -> float | None:
     """The value at rank q/100 · (n − 1) of the sorted values, rounded half up (no interpolation)."""
     if not values:
         return None

@@ -48,16 +48,36 @@ CLOSE_TIMEOUT_S = 30.0  # for the gRPC streams of a run to close
 # --- one request as the client saw it --------------------------------------------------------------------
 
 
+PERF_TIMES = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns")  # return_perf_metrics' times
+
+
 @dataclass
 class Trace:
     submitted: float = 0.0
     times: list[float] = field(default_factory=list)  # one per generated token (several per response share it)
     events: int = 0  # responses that carried tokens or text
     error: str | None = None
+    # time.time_ns(), the clock of the server's perf metrics: at the send and at the first event with tokens
+    sent_ns: int = 0
+    first_event_ns: int = 0
+    server_ns: dict[str, int] | None = None  # PERF_TIMES of the first event, when the request asked for them
 
     def add(self, now: float, tokens: int) -> None:
+        if not self.events:
+            self.first_event_ns = time.time_ns()
         self.events += 1
         self.times.extend([now] * tokens)
+
+    def add_perf(self, event: dict) -> None:
+        """The first token's perf metrics from a response that carries them (HTTP's JSON numbers or lists)."""
+        if self.server_ns is None and all(name in event for name in PERF_TIMES):
+            self.server_ns = {name: int(_first(event[name])) for name in PERF_TIMES}
+
+
+def _first(value):
+    while isinstance(value, (list, tuple)):
+        value = value[0]
+    return value
 
 
 def tokens_in(log_probs, text) -> int:
@@ -124,7 +144,7 @@ def run_http(url: str, model: str, workload: Workload, timeout: float = ANSWER_T
     def send(index: int, trace: Trace) -> None:
         body = json.dumps({"text_input": workload.texts[index], "max_tokens": workload.max_tokens[index],
                            "stream": True, **(fields or {})}, ensure_ascii=False).encode("utf-8")
-        trace.submitted = time.perf_counter()
+        trace.submitted, trace.sent_ns = time.perf_counter(), time.time_ns()
         try:
             _stream_http(server, path, body, timeout, model, trace)
         except TimeoutError:
@@ -147,6 +167,7 @@ def _stream_http(server, path: str, body: bytes, timeout: float, model: str, tra
             tokens = tokens_in(event.get("output_log_probs"), text)
             if tokens or text:
                 trace.add(now, tokens)
+                trace.add_perf(event)
 
 
 def run_grpc(address: str, model: str, workload: Workload,

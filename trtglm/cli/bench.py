@@ -145,6 +145,23 @@ def replicas(url: str = LOCAL_URL, replicas: PosInt = 1, model: str = "ensemble"
     bench_replicas(**flags)
 
 
+def latency(url: str = LOCAL_URL, metrics_url: str | None = None, model: str = "ensemble",
+            concurrency: str = "64,256", cases: str = "greedy,top-p", requests_per_slot: PosInt = 4,
+            prompt_len: PosInt = 128, new_tokens: PosInt = 128, seed: CountInt = 0,
+            timeout: PosFloat = ANSWER_TIMEOUT_S, out: str | None = None):
+    """Where a streamed request's time goes when the server is full: at each --concurrency and --cases case, tokens/s
+    (the server's counters at --metrics-url, default the HTTP port + 2), TTFT, the gap between stream events,
+    genai-perf's inter-token latency, and the first token's path in parts (NVIDIA's perf metrics), against a full
+    server's targets. --out DIR writes latency.json.
+    """
+    flags = dict(locals())
+    from trtglm.bench.latency import bench_latency
+    from trtglm.client.http import Server
+
+    server = Server.parse(url)
+    bench_latency(**{**flags, "metrics_url": metrics_url or f"http://{server.host}:{server.port + 2}/metrics"})
+
+
 def proxy(url: str = LOCAL_URL, direct_url: str | None = None, metrics_url: str | None = None,
           model: str = "ensemble", concurrency: str = "64,256", requests_per_slot: PosInt = 4, rounds: PosInt = 2,
           prompt_len: PosInt = 128, new_tokens: PosInt = 128, seed: CountInt = 0, timeout: PosFloat = ANSWER_TIMEOUT_S,
@@ -240,5 +257,5 @@ def convert(work_dir: str = "/tmp/trtglm-bench", json: str | None = None, repeat
 
 
 KINDS = {"serving": serving, "serving-local": serving_local, "served": served, "runtime": runtime, "inflight": inflight,
-         "sampling": sampling, "proxy": proxy, "replicas": replicas, "matmul": matmul, "pdl": pdl, "prefill": prefill,
-         "step-parts": step_parts, "tp": tp, "fp8": fp8, "convert": convert}
+         "sampling": sampling, "proxy": proxy, "latency": latency, "replicas": replicas, "matmul": matmul, "pdl": pdl,
+         "prefill": prefill, "step-parts": step_parts, "tp": tp, "fp8": fp8, "convert": convert}
