@@ -197,6 +197,7 @@ engine_6b() {  # WORK CONFIG [MODEL [ENGINE [FLAGS…]]]: random 6B fp16 weights
     [ -n "${3:-}" ] || synth_6b "$work"
     local built="$config $model ${*:5}"  # an engine this script built from the same inputs is kept (WS_STAGE)
     if [ "$(cat "$engine/.bench-built" 2>/dev/null)" == "$built" ]; then return; fi
+    rm -f "$engine/.bench-built"  # build-engine --force replaces only a folder of its own files
     python3 -m trtglm build-engine --config "$config" --model-dir "$model" --output-dir "$engine" \
         --set build.engine=torch --force "${@:5}"
     echo "$built" > "$engine/.bench-built"
