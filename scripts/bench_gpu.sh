@@ -111,7 +111,8 @@
 # latency` at LATENCY_LEVELS in flight (default 64,256), greedy and top-p, 4 requests per slot of 128 prompt ids → 128
 # tokens, each asking for NVIDIA's perf metrics: tokens/s, TTFT and event-gap p50/p99, tokens per event, genai-perf's
 # ITL, the first token's path in four parts, against a full server's targets → stop. Results DEST/latency/latency.json
-# and DEST/latency.txt. LATENCY_FLAGS: more `bench latency` flags. A dry run on a CPU: the front's knobs above with
+# and DEST/latency.txt. LATENCY_FLAGS: more `bench latency` flags; LATENCY_SETS: profile overrides for its own engine
+# (e.g. "build.max_num_tokens=2048": shorter steps, at the cost of longer prefill). A dry run on a CPU: the front's knobs above with
 # LATENCY_LEVELS=2,4 LATENCY_FLAGS="--prompt-len 16 --new-tokens 8".
 # `replicas` (not in the default set; a machine of 2 or more GPUs): replica scaling behind the front, the wide part's
 # engine (max_batch_size WIDE_BATCH) → for N in REPLICA_COUNTS (default 1 2 4; those above the GPU count skipped, none
@@ -426,9 +427,12 @@ if [[ " $PARTS " == *" latency "* ]]; then
     # asking for NVIDIA's perf metrics; TTFT, event gaps, genai-perf's ITL and the first token's path in parts.
     start_part latency "${OVERLAP_WORK:-/tmp/trtglm-overlap}"
     config=${OVERLAP_CONFIG:-configs/chatglm3-6b-fp16-tp1.yaml}
-    phase "model ${OVERLAP_MODEL:-synth-model 6b (fp16)}, build-engine $config at max_batch_size ${WIDE_BATCH:-256}"
-    engine_6b "$work" "$config" "${OVERLAP_MODEL:-}" "$work/engine-wide" --set "build.max_batch_size=${WIDE_BATCH:-256}"
-    if launch_tree "$root" latency "$work" "$work/engine-wide"; then
+    sets=(--set "build.max_batch_size=${WIDE_BATCH:-256}")
+    for value in ${LATENCY_SETS:-}; do sets+=(--set "$value"); done
+    engine=$work/engine-wide$([ -z "${LATENCY_SETS:-}" ] || echo -latency)  # the wide part's, unless set otherwise
+    phase "model ${OVERLAP_MODEL:-synth-model 6b (fp16)}, build-engine $config ${sets[*]}"
+    engine_6b "$work" "$config" "${OVERLAP_MODEL:-}" "$engine" "${sets[@]}"
+    if launch_tree "$root" latency "$work" "$engine"; then
         phase "bench latency at ${LATENCY_LEVELS:-64,256} in flight"
         # shellcheck disable=SC2086  # a word list
         python3 -m trtglm bench latency --url http://127.0.0.1:18000 --metrics-url http://127.0.0.1:18002/metrics \

@@ -15,8 +15,8 @@ from trtglm.cli import main
 from trtglm.errors import UsageError
 
 SMALL_LOAD = dict(parts="accuracy,speed", steps=4, requests=4, concurrency=2, prompt_len=8, new_tokens=4,
-                  prefill_prompts=2, prefill_len=16, max_num_tokens=64, device="cpu", emulate_fp8=True, tune=False,
-                  seed=0, preset="6b", layers=None, prompts=None, calibration_prompts=None)
+                  prefill_prompts=2, prefill_len=16, max_num_tokens=64, device="cpu", emulate_fp8=True, fp8_kv_cache=True,
+                  tune=False, seed=0, preset="6b", layers=None, prompts=None, calibration_prompts=None)
 
 
 @pytest.fixture(scope="module")

@@ -50,8 +50,8 @@ MIN_COSINE = 0.99
 def bench_fp8(*, preset: str, layers: int | None, baseline_checkpoint: str | None, fp8_checkpoint: str | None,
               tokenizer_dir: str | None, prompts: str | None, calibration_prompts: str | None, parts: str, steps: int,
               requests: int, concurrency: int, prompt_len: int, new_tokens: int, prefill_prompts: int,
-              prefill_len: int, max_num_tokens: int, device: str, emulate_fp8: bool, tune: bool, seed: int,
-              out: str) -> dict:
+              prefill_len: int, max_num_tokens: int, device: str, emulate_fp8: bool, fp8_kv_cache: bool, tune: bool,
+              seed: int, out: str) -> dict:
     chosen = _parts(parts)
     if tokenizer_dir is None:
         raise UsageError("--tokenizer-dir is needed: the prompts are real text, encoded by the model's tokenizer")
@@ -62,7 +62,7 @@ def bench_fp8(*, preset: str, layers: int | None, baseline_checkpoint: str | Non
     load = Load(steps, requests, concurrency, prompt_len, new_tokens, prefill_prompts, prefill_len, max_num_tokens)
     torch.manual_seed(seed)
     models, name = _checkpoints(preset, layers, baseline_checkpoint, fp8_checkpoint, tokenizer_dir,
-                                calibration_prompts, device, seed)
+                                calibration_prompts, fp8_kv_cache, device, seed)
     _check_vocabulary(eval_ids, models[0][0].vocab_size)
     limits = _limits(load, eval_ids, chosen, models[0][0].max_position_embeddings)
     results = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": name,
@@ -134,13 +134,13 @@ def _free(device: torch.device) -> None:
 # --- the two checkpoints --------------------------------------------------------------------------------------------
 
 def _checkpoints(preset: str, layers: int | None, baseline: str | None, fp8: str | None, tokenizer_dir: str,
-                 calibration_prompts: str | None, device: torch.device, seed: int) -> tuple[list, str]:
+                 calibration_prompts: str | None, kv_cache: bool, device: torch.device, seed: int) -> tuple[list, str]:
     """([(CheckpointConfig, rank-0 tensors) of the baseline, of the FP8 checkpoint], the models' name)."""
     if (baseline is None) != (fp8 is None):
         raise UsageError("--baseline-checkpoint and --fp8-checkpoint go together (or neither: random --preset weights)")
     if baseline is not None:
         return _converted(Path(baseline), Path(fp8)), f"{Path(baseline).name} and {Path(fp8).name}"
-    return _random(preset, layers, tokenizer_dir, calibration_prompts, device, seed), \
+    return _random(preset, layers, tokenizer_dir, calibration_prompts, kv_cache, device, seed), \
         f"random {preset}{f' ({layers} layers)' if layers else ''} bfloat16 weights"
 
 
@@ -160,9 +160,10 @@ def _converted(baseline: Path, fp8: Path) -> list:
     return [(ckpt.config, ckpt.ranks[0]) for ckpt in pair]
 
 
-def _random(preset: str, layers: int | None, tokenizer_dir: str, calibration_prompts: str | None,
+def _random(preset: str, layers: int | None, tokenizer_dir: str, calibration_prompts: str | None, kv_cache: bool,
             device: torch.device, seed: int) -> list:
-    """bfloat16 random weights and their FP8 checkpoint (FP8 KV cache), calibrated as `convert --fp8` calibrates."""
+    """bfloat16 random weights and their FP8 checkpoint (with an FP8 KV cache when `kv_cache`), calibrated as
+    `convert --fp8` calibrates."""
     from trtglm.bench.measure import checkpoint_tensors, synth_tensors
     from trtglm.convert.fp8 import calibrated_scales, calibration_prompt_ids, fp8_rank_tensors
     from trtglm.convert.writer import trtllm_config
@@ -174,9 +175,9 @@ def _random(preset: str, layers: int | None, tokenizer_dir: str, calibration_pro
     prompts = calibration_prompt_ids(calibration_prompts, tokenizer_dir, hf_cfg.version)
     _check_vocabulary(prompts, cfg.vocab_size)
     start = time.perf_counter()
-    scales = calibrated_scales(cfg, tensors.__getitem__, prompts, True, device)
+    scales = calibrated_scales(cfg, tensors.__getitem__, prompts, kv_cache, device)
     log.info("calibrated in %.1f s", time.perf_counter() - start)
-    fp8_cfg = CheckpointConfig.from_dict(trtllm_config(hf_cfg, "bfloat16", 1, 1, FP8, FP8))
+    fp8_cfg = CheckpointConfig.from_dict(trtllm_config(hf_cfg, "bfloat16", 1, 1, FP8, FP8 if kv_cache else None))
     return [(cfg, tensors), (fp8_cfg, fp8_rank_tensors(tensors, scales))]
 
 

@@ -231,11 +231,11 @@ def fp8(preset: Literal["tiny", "6b", "6b-32k"] = "6b", layers: PosInt | None = 
         steps: PosInt = 128, requests: PosInt = 256, concurrency: PosInt = 256, prompt_len: PosInt = 128,
         new_tokens: PosInt = 128, prefill_prompts: PosInt = 8, prefill_len: PosInt = 1024,
         max_num_tokens: PosInt = MAX_NUM_TOKENS, device: Literal["cuda", "cpu"] = "cuda", emulate_fp8: bool = False,
-        tune: bool = True, seed: CountInt = 0, out: str = "out/bench-fp8"):
+        fp8_kv_cache: bool = True, tune: bool = True, seed: CountInt = 0, out: str = "out/bench-fp8"):
     """FP8 against the same model unquantized, in one process: accuracy on real prompts, and speed on the GPU.
 
-    Random --preset weights (bfloat16, and FP8 with an FP8 KV cache calibrated as `convert --fp8` does, on
-    --calibration-prompts or trtglm's own), or --baseline-checkpoint DIR --fp8-checkpoint DIR written by `trtglm
+    Random --preset weights (bfloat16, and FP8 with an FP8 KV cache, or without with --no-fp8-kv-cache, calibrated as
+    `convert --fp8` does, on --calibration-prompts or trtglm's own), or --baseline-checkpoint DIR --fp8-checkpoint DIR written by `trtglm
     convert` (tp 1). --tokenizer-dir encodes the prompts (--prompts FILE, default trtglm's held-out set). --parts
     accuracy: the logits' cosine similarity and top-1 agreement with the baseline's, teacher-forced on its greedy
     continuations, and greedy agreement over --steps; speed: --requests of --prompt-len → --new-tokens ids at
