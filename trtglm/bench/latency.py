@@ -11,7 +11,7 @@ when the engine gave it a slot, when its first token left for the client). Each 
   the requests after it arrive as others end;
 - genai-perf's inter-token latency beside them: per request, (last token − first token) / (tokens − 1), p50/p99;
 - the first token's path in the parts of SEGMENTS, p50/p99/mean each, on the clock that the client and the server's
-  processes share on one machine (time.time_ns): the parts' means add up to the mean TTFT.
+  processes share on one machine (time.time_ns); the parts' means add up to the mean TTFT on that clock.
 
 Results: OUT/latency.json, and a table with each figure against TARGETS (those of a full server).
 """
@@ -39,10 +39,12 @@ SEGMENTS = (("HTTP, ensemble, preprocessing", "sent", "arrival_time_ns"),
 # in flight -> (figure, its most): a full server's targets
 TARGETS = {256: {"ttft_p50_ms": 100.0, "ttft_p99_ms": 300.0, "event_gap_p99_ms": 100.0},
            64: {"ttft_p99_ms": 120.0}}
-FIGURES = (("tokens_per_s", "tokens/s", "{:,.0f}"), ("ttft_p50_ms", "TTFT p50", "{:.1f}"),
-           ("ttft_p99_ms", "TTFT p99", "{:.1f}"), ("ttft_later_p50_ms", "TTFT p50 after the first wave", "{:.1f}"),
-           ("ttft_later_p99_ms", "TTFT p99 after the first wave", "{:.1f}"), ("event_gap_p50_ms", "event gap p50", "{:.1f}"),
-           ("event_gap_p99_ms", "event gap p99", "{:.1f}"), ("tokens_per_event", "tokens per event", "{:.2f}"),
+FIGURES = (("tokens_per_s", "tokens/s", "{:,.0f}"),  # (key of a run, column, format)
+           ("ttft_p50_ms", "TTFT p50", "{:.1f}"), ("ttft_p99_ms", "TTFT p99", "{:.1f}"),
+           ("ttft_later_p50_ms", "TTFT p50 after the first wave", "{:.1f}"),
+           ("ttft_later_p99_ms", "TTFT p99 after the first wave", "{:.1f}"),
+           ("event_gap_p50_ms", "event gap p50", "{:.1f}"), ("event_gap_p99_ms", "event gap p99", "{:.1f}"),
+           ("tokens_per_event", "tokens per event", "{:.2f}"),
            ("itl_p50_ms", "ITL p50 (genai-perf)", "{:.2f}"), ("itl_p99_ms", "ITL p99 (genai-perf)", "{:.2f}"))
 
 

@@ -235,8 +235,8 @@ def fp8(preset: Literal["tiny", "6b", "6b-32k"] = "6b", layers: PosInt | None = 
     """FP8 against the same model unquantized, in one process: accuracy on real prompts, and speed on the GPU.
 
     Random --preset weights (bfloat16, and FP8 with an FP8 KV cache, or without with --no-fp8-kv-cache, calibrated as
-    `convert --fp8` does, on --calibration-prompts or trtglm's own), or --baseline-checkpoint DIR --fp8-checkpoint DIR written by `trtglm
-    convert` (tp 1). --tokenizer-dir encodes the prompts (--prompts FILE, default trtglm's held-out set). --parts
+    `convert --fp8` does, on --calibration-prompts or trtglm's own), or --baseline-checkpoint DIR --fp8-checkpoint
+    DIR written by `trtglm convert` (tp 1). --tokenizer-dir encodes the prompts (--prompts FILE, default trtglm's held-out set). --parts
     accuracy: the logits' cosine similarity and top-1 agreement with the baseline's, teacher-forced on its greedy
     continuations, and greedy agreement over --steps; speed: --requests of --prompt-len → --new-tokens ids at
     --concurrency in flight through the executor (generated tokens/s), the batch-1 decode step, the prefill of
