@@ -76,12 +76,9 @@ def breakdown(traces: list[Trace]) -> dict:
 
 
 def one_run(url: str, metrics_url: str, model: str, workload, fields: dict, timeout: float) -> dict:
-    from trtglm.bench import load_stats, stream_load
+    from trtglm.bench.replicas import measured_run
 
-    before = load_stats.settled_counters(metrics_url)
-    traces, seconds = stream_load.run_http(url, model, workload, timeout, {**fields, "return_perf_metrics": True})
-    tokens, steps, step_us = (now - then for now, then in zip(load_stats.settled_counters(metrics_url), before))
-    result = load_stats.stats(workload, traces, seconds, tokens, steps, step_us)
+    result, traces = measured_run(url, [metrics_url], model, workload, timeout, {**fields, "return_perf_metrics": True})
     answered = [trace for trace in traces if trace.error is None]
     later = [(t.times[0] - t.submitted) * 1e3 for t in traces[workload.concurrency:] if t.error is None and t.times]
     return {"tokens_per_s": result["tokens_per_s"], "ttft_p50_ms": result["ttft_ms"]["p50"],

@@ -30,13 +30,20 @@ def summed_counters(metrics_urls: list[str]) -> list[int]:
     return [sum(values) for values in zip(*(load_stats.settled_counters(url) for url in metrics_urls))]
 
 
-def one_run(url: str, metrics_urls: list[str], model: str, workload, timeout: float) -> dict:
+def measured_run(url: str, metrics_urls: list[str], model: str, workload, timeout: float,
+                 fields: dict | None = None) -> tuple[dict, list]:
+    """The workload streamed once through `url` (`fields` added to every request): load_stats' statistics, tokens
+    summed over the servers' counters, and the client's traces."""
     from trtglm.bench import load_stats, stream_load
 
     before = summed_counters(metrics_urls)
-    traces, seconds = stream_load.run_http(url, model, workload, timeout)
+    traces, seconds = stream_load.run_http(url, model, workload, timeout, fields)
     tokens, steps, step_us = (now - then for now, then in zip(summed_counters(metrics_urls), before))
-    return load_stats.stats(workload, traces, seconds, tokens, steps, step_us)
+    return load_stats.stats(workload, traces, seconds, tokens, steps, step_us), traces
+
+
+def one_run(url: str, metrics_urls: list[str], model: str, workload, timeout: float) -> dict:
+    return measured_run(url, metrics_urls, model, workload, timeout)[0]
 
 
 def bench_replicas(*, url: str, replicas: int, model: str, per_replica: int, requests_per_slot: int, rounds: int,
@@ -75,8 +82,9 @@ def bench_replicas(*, url: str, replicas: int, model: str, per_replica: int, req
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "replicas.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     print(f"{replicas} replica(s), {in_flight} in flight: {results['tokens_per_s']:,.0f} tokens/s "
-          f"({', '.join(f'{t:,.0f}' for t in results['tokens_per_s_each'])}), TTFT p50 {results['ttft_p50_ms']:.1f} ms, "
-          f"p99 {results['ttft_p99_ms']:.1f} ms, {results['failed']} failed", flush=True)
+          f"({', '.join(f'{t:,.0f}' for t in results['tokens_per_s_each'])}), "
+          f"TTFT p50 {results['ttft_p50_ms']:.1f} ms, p99 {results['ttft_p99_ms']:.1f} ms, {results['failed']} failed",
+          flush=True)
     return results
 
 
@@ -87,8 +95,8 @@ def report(dest: Path) -> list[str]:
         result = json.loads(path.read_text(encoding="utf-8"))
         found[result["replicas"]] = result
     one = found.get(1)
-    lines = ["| replicas | in flight | tokens/s | vs 1 replica | target | TTFT p50 ms | TTFT p99 ms | p99 no worse | failed |",
-             "|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    lines = ["| replicas | in flight | tokens/s | vs 1 replica | target | TTFT p50 ms | TTFT p99 ms | p99 no worse "
+             "| failed |", "|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for count, r in sorted(found.items()):
         ratio = f"{r['tokens_per_s'] / one['tokens_per_s']:.2f}×" if one and one["tokens_per_s"] else "–"
         target = f"≥ {TARGETS[count]}×" if count in TARGETS else ""

@@ -10,7 +10,7 @@ from trtglm.bench.served_flags import SERVED_FLAGS as SERVED
 from trtglm.cli.flags import CountInt, Passthrough, PosFloat, PosInt
 from trtglm.client import ANSWER_TIMEOUT_S
 from trtglm.conventions import MAX_NUM_TOKENS, TOKENS_PER_BLOCK
-from trtglm.ports import LOCAL_URL
+from trtglm.ports import HTTP_PORT, LOCAL_URL, METRICS_PORT
 
 
 def serving(url: str = LOCAL_URL, concurrency: str = "1,8,32", requests: PosInt = 128, repeats: PosInt = 50,
@@ -159,7 +159,8 @@ def latency(url: str = LOCAL_URL, metrics_url: str | None = None, model: str = "
     from trtglm.client.http import Server
 
     server = Server.parse(url)
-    bench_latency(**{**flags, "metrics_url": metrics_url or f"http://{server.host}:{server.port + 2}/metrics"})
+    metrics_port = server.port + METRICS_PORT - HTTP_PORT  # beside the HTTP port, as Triton's defaults lie
+    bench_latency(**{**flags, "metrics_url": metrics_url or f"http://{server.host}:{metrics_port}/metrics"})
 
 
 def proxy(url: str = LOCAL_URL, direct_url: str | None = None, metrics_url: str | None = None,
@@ -236,8 +237,8 @@ def fp8(preset: Literal["tiny", "6b", "6b-32k"] = "6b", layers: PosInt | None = 
 
     Random --preset weights (bfloat16, and FP8 with an FP8 KV cache, or without with --no-fp8-kv-cache, calibrated as
     `convert --fp8` does, on --calibration-prompts or trtglm's own), or --baseline-checkpoint DIR --fp8-checkpoint
-    DIR written by `trtglm convert` (tp 1). --tokenizer-dir encodes the prompts (--prompts FILE, default trtglm's held-out set). --parts
-    accuracy: the logits' cosine similarity and top-1 agreement with the baseline's, teacher-forced on its greedy
+    DIR written by `trtglm convert` (tp 1). --tokenizer-dir encodes the prompts (--prompts FILE, default trtglm's
+    held-out set). --parts accuracy: the logits' cosine similarity and top-1 agreement with the baseline's, teacher-forced on its greedy
     continuations, and greedy agreement over --steps; speed: --requests of --prompt-len → --new-tokens ids at
     --concurrency in flight through the executor (generated tokens/s), the batch-1 decode step, the prefill of
     --prefill-prompts × --prefill-len tokens (tokens/s), the weights held and the KV-cache positions. --device cpu
